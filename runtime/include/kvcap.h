@@ -1,0 +1,198 @@
+/* kvcap.h — the one public header of libkvcap, the KV-cache compression runtime for
+ * vision-language models. Engines include this file and link libkvcap; nothing else is public.
+ *
+ * Conventions (they hold for every function declared here):
+ *  - Every fallible call returns an `enum kvcap_status`. KVCAP_OK is 0; the other values are
+ *    pinned and never renumbered, so they may be stored or sent across a process boundary.
+ *  - On failure, a sentence naming the file, field or argument at fault is available from
+ *    kvcap_last_error() on the calling thread, and is also passed to the log callback at
+ *    KVCAP_LOG_ERROR. The library never exits, aborts or prints: without a callback it is silent.
+ *  - Objects are opaque handles with paired create/free functions; every free accepts NULL.
+ *    Parameter structs come from kvcap_<thing>_default_params(); fields are only ever added at
+ *    the end, so code built against an older header keeps working.
+ *  - Pointers passed in are borrowed for the duration of the call unless the function's comment
+ *    says the library keeps them. Pointers returned are owned by the library unless stated.
+ *
+ * Thread safety: functions in this header may be called from any thread. The log callback is
+ * process-wide; set it before other threads use the library (setting it while another thread
+ * logs is safe but that thread may still reach the old callback once). kvcap_last_error() is
+ * per thread.
+ */
+#ifndef KVCAP_H
+#define KVCAP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- Visibility ----------------------------------------------------------------------- */
+/* libkvcap is built with -fvisibility=hidden; only symbols marked KVCAP_API are exported. */
+#if defined(_WIN32)
+#  if defined(KVCAP_BUILDING_LIBRARY)
+#    define KVCAP_API __declspec(dllexport)
+#  else
+#    define KVCAP_API __declspec(dllimport)
+#  endif
+#elif defined(__GNUC__) && __GNUC__ >= 4
+#  define KVCAP_API __attribute__((visibility("default")))
+#else
+#  define KVCAP_API
+#endif
+
+/* ---- Version -------------------------------------------------------------------------- */
+/* The header's version. kvcap_version_number() returns the library's; an engine may check at
+ * load time that the major numbers agree (the shared library's SOVERSION is the major). */
+#define KVCAP_VERSION_MAJOR 0
+#define KVCAP_VERSION_MINOR 1
+#define KVCAP_VERSION_PATCH 0
+#define KVCAP_VERSION_NUMBER \
+    (KVCAP_VERSION_MAJOR * 10000 + KVCAP_VERSION_MINOR * 100 + KVCAP_VERSION_PATCH)
+#define KVCAP_STRINGIFY_(x) #x
+#define KVCAP_STRINGIFY(x) KVCAP_STRINGIFY_(x)
+#define KVCAP_VERSION_STRING                                                          \
+    KVCAP_STRINGIFY(KVCAP_VERSION_MAJOR) "." KVCAP_STRINGIFY(KVCAP_VERSION_MINOR) "." \
+    KVCAP_STRINGIFY(KVCAP_VERSION_PATCH)
+
+/* "MAJOR.MINOR.PATCH" of the library actually loaded; a static string. */
+KVCAP_API const char *kvcap_version(void);
+/* MAJOR*10000 + MINOR*100 + PATCH of the library actually loaded. */
+KVCAP_API unsigned kvcap_version_number(void);
+
+/* ---- Status --------------------------------------------------------------------------- */
+/* Values are pinned: new codes are only appended. */
+enum kvcap_status {
+    KVCAP_OK = 0,
+    KVCAP_ERR_INVALID_ARGUMENT = 1, /* a NULL, out-of-range or inconsistent argument */
+    KVCAP_ERR_OUT_OF_MEMORY = 2,    /* host or device allocation failed */
+    KVCAP_ERR_IO = 3,               /* open/read/write/fsync/rename/mmap failed */
+    KVCAP_ERR_FORMAT = 4,           /* a file is malformed: container or kvcap schema */
+    KVCAP_ERR_VERSION = 5,          /* a file's format_version is newer than this library */
+    KVCAP_ERR_CONFIG = 6,           /* a YAML config is malformed or has an invalid value */
+    KVCAP_ERR_GEOMETRY = 7,         /* model/span geometry disagrees with an artifact/config */
+    KVCAP_ERR_UNSUPPORTED = 8,      /* valid request this build cannot serve (dtype, no CUDA) */
+    KVCAP_ERR_NUMERIC = 9,          /* NaN/Inf in data, or a factorisation failed */
+    KVCAP_ERR_DEVICE = 10,          /* a CUDA runtime/library call failed */
+    KVCAP_ERR_STATE = 11,           /* call not valid in the object's current state */
+    KVCAP_ERR_NOT_FOUND = 12,       /* a named tensor, key, bucket or layer does not exist */
+    KVCAP_ERR_INTERNAL = 13         /* a bug in kvcap: please report it */
+};
+
+/* A short static English description ("invalid argument", ...); never NULL, also for values
+ * this version does not know. */
+KVCAP_API const char *kvcap_status_str(enum kvcap_status status);
+
+/* The detailed message of the most recent failing call on this thread, e.g.
+ * "a.kvcap: tensor 'l0.h1.b0.U': shape [8, 1024] x F16 needs 16384 bytes, data range has 16000".
+ * Empty string when none. Valid until the next failing call on this thread. */
+KVCAP_API const char *kvcap_last_error(void);
+
+/* ---- Logging -------------------------------------------------------------------------- */
+enum kvcap_log_level {
+    KVCAP_LOG_DEBUG = 0,
+    KVCAP_LOG_INFO = 1,
+    KVCAP_LOG_WARN = 2,
+    KVCAP_LOG_ERROR = 3
+};
+
+/* `message` is a NUL-terminated line without a trailing newline, valid only during the call. */
+typedef void (*kvcap_log_fn)(enum kvcap_log_level level, const char *message, void *user);
+
+/* Install a process-wide log callback (NULL: silence, the default). Messages below
+ * `min_level` are not formatted at all. */
+KVCAP_API void kvcap_log_set(kvcap_log_fn fn, void *user, enum kvcap_log_level min_level);
+
+/* ---- Element types -------------------------------------------------------------------- */
+/* Pinned values; the same set the file formats use (formats/SPEC.md). */
+enum kvcap_dtype {
+    KVCAP_DTYPE_F32 = 0,
+    KVCAP_DTYPE_F16 = 1,
+    KVCAP_DTYPE_BF16 = 2,
+    KVCAP_DTYPE_F64 = 3,
+    KVCAP_DTYPE_I32 = 4,
+    KVCAP_DTYPE_U8 = 5
+};
+
+/* Size of one element in bytes, 0 for an unknown value. */
+KVCAP_API size_t kvcap_dtype_size(enum kvcap_dtype dtype);
+/* The safetensors name ("F32", "BF16", ...), or "?" for an unknown value. */
+KVCAP_API const char *kvcap_dtype_name(enum kvcap_dtype dtype);
+
+/* ---- Model geometry ------------------------------------------------------------------- */
+/* Rotary position embedding as the engine applies it to keys and queries. */
+enum kvcap_rope_type {
+    KVCAP_ROPE_NONE = 0,  /* no rotary embedding (keys carry no position) */
+    KVCAP_ROPE_ROPE = 1,  /* one scalar position per token */
+    KVCAP_ROPE_MROPE = 2  /* multimodal RoPE (Qwen2-VL): frequency pairs split in sections */
+};
+
+/* Which channels form a rotation pair. Must match the engine: HF transformers/NeoX rotate
+ * channel i with i + rope_dim/2 ("half"); llama.cpp's normal mode rotates 2i with 2i+1. */
+enum kvcap_rope_pairing {
+    KVCAP_ROPE_PAIRING_HALF = 0,
+    KVCAP_ROPE_PAIRING_ADJACENT = 1
+};
+
+#define KVCAP_MAX_ROPE_SECTIONS 4
+#define KVCAP_MAX_NAME 64
+
+struct kvcap_model_geometry {
+    char name[KVCAP_MAX_NAME]; /* informational, e.g. "Qwen2.5-VL-7B-Instruct" */
+    int n_layers;
+    int n_q_heads;             /* must be a multiple of n_kv_heads (GQA group G = q / kv) */
+    int n_kv_heads;
+    int head_dim;              /* 64, 80, 96, 128 or 256 */
+    enum kvcap_rope_type rope_type;
+    enum kvcap_rope_pairing rope_pairing;
+    int rope_dim;              /* rotated channels, even, <= head_dim; 0 means head_dim */
+    double rope_theta;         /* base frequency, > 0 when rope_type != NONE */
+    int n_rope_sections;       /* MROPE only: sections in frequency pairs, summing to rope_dim/2 */
+    int rope_sections[KVCAP_MAX_ROPE_SECTIONS];
+};
+
+/* Checks the invariants stated above. KVCAP_ERR_GEOMETRY with a message naming the field. */
+KVCAP_API enum kvcap_status kvcap_geometry_validate(const struct kvcap_model_geometry *g);
+
+/* ---- Policies and buckets ------------------------------------------------------------- */
+/* Compression policies (DESIGN §1), selectable per span kind. Pinned values. */
+enum kvcap_policy {
+    KVCAP_POLICY_FULL = 0,       /* no compression: the reference */
+    KVCAP_POLICY_KVCAPSULE = 1,  /* learned reconstructive compression (needs an artifact) */
+    KVCAP_POLICY_FLASHCACHE = 2, /* DCT low-pass deviation eviction */
+    KVCAP_POLICY_VLCACHE = 3,    /* post-vision-attention eviction */
+    KVCAP_POLICY_FREEKV = 4,     /* paged retrieval from a host-side store */
+    KVCAP_POLICY_STREAMING = 5   /* attention sinks + recent window */
+};
+
+/* Span kinds a policy is chosen for. */
+enum kvcap_span_kind {
+    KVCAP_SPAN_VISION = 0,
+    KVCAP_SPAN_TEXT = 1,
+    KVCAP_SPAN_GENERATED = 2
+};
+
+/* Map structure of a bucket (DESIGN §4 "structured maps"). */
+enum kvcap_structure {
+    KVCAP_STRUCTURE_DENSE = 0, /* one map over the whole grid */
+    KVCAP_STRUCTURE_TILED = 1  /* one small map shared by every tile_rows x tile_cols tile */
+};
+
+/* A grid shape compressors are fitted for. n = rows * cols tokens. */
+struct kvcap_bucket {
+    int rows, cols;
+    enum kvcap_structure structure;
+    int tile_rows, tile_cols; /* TILED only: must divide rows and cols; 0 for DENSE */
+};
+
+/* ---- Devices -------------------------------------------------------------------------- */
+/* Number of CUDA devices usable by this build: 0 when built without CUDA, when no driver is
+ * installed or when no device is present — none of which is an error. */
+KVCAP_API int kvcap_cuda_device_count(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVCAP_H */

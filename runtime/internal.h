@@ -1,0 +1,86 @@
+/* internal.h — helpers shared by every libkvcap source file (not installed): error reporting,
+ * logging and checked arithmetic. Public conventions live in include/kvcap.h. */
+#ifndef KVCAP_INTERNAL_H
+#define KVCAP_INTERNAL_H
+
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvcap.h"
+
+#if defined(__GNUC__)
+#  define KVCAP_PRINTF(a, b) __attribute__((format(printf, a, b)))
+#else
+#  define KVCAP_PRINTF(a, b)
+#endif
+
+/* Records `fmt` as this thread's last error (see kvcap_last_error), forwards it to the log
+ * callback at KVCAP_LOG_ERROR, and returns `status` so callers can `return kvcap_fail(...)`. */
+enum kvcap_status kvcap_fail(enum kvcap_status status, const char *fmt, ...) KVCAP_PRINTF(2, 3);
+
+/* Sends one message to the log callback if one is installed and `level` passes its filter. */
+void kvcap_log(enum kvcap_log_level level, const char *fmt, ...) KVCAP_PRINTF(2, 3);
+
+/* Between push and pop (nestable, per thread) kvcap_fail records the last error without
+ * logging it: for callers that re-raise a callee's error with more context (a file position),
+ * so the log shows one line per failure. */
+void kvcap_quiet_push(void);
+void kvcap_quiet_pop(void);
+
+/* Clears this thread's last error (done by API entry points that succeed partially). */
+void kvcap_clear_error(void);
+
+/* Propagate a non-OK status unchanged (the callee already set the message). */
+#define KVCAP_TRY(expr)                              \
+    do {                                             \
+        enum kvcap_status kvcap_try_s_ = (expr);     \
+        if (kvcap_try_s_ != KVCAP_OK)                \
+            return kvcap_try_s_;                     \
+    } while (0)
+
+/* Fail with `status` and a formatted message when `cond` holds. */
+#define KVCAP_RETURN_IF(cond, status, ...)           \
+    do {                                             \
+        if (cond)                                    \
+            return kvcap_fail((status), __VA_ARGS__); \
+    } while (0)
+
+/* Names used in YAML configs and in kvcap.config JSON, one table for both. Parsers return 1
+ * on success, 0 for an unknown name; *_name return "?" for an unknown value. */
+int kvcap_rope_type_parse(const char *s, enum kvcap_rope_type *out);
+const char *kvcap_rope_type_name(enum kvcap_rope_type t);
+int kvcap_rope_pairing_parse(const char *s, enum kvcap_rope_pairing *out);
+const char *kvcap_rope_pairing_name(enum kvcap_rope_pairing p);
+int kvcap_policy_parse(const char *s, enum kvcap_policy *out);
+const char *kvcap_policy_name(enum kvcap_policy p);
+int kvcap_structure_parse(const char *s, enum kvcap_structure *out);
+const char *kvcap_structure_name(enum kvcap_structure s);
+int kvcap_dtype_parse(const char *s, enum kvcap_dtype *out); /* "F32"/"f32", "BF16"/"bf16", ... */
+
+/* Checks a bucket (positive grid, tile divides grid); `field` prefixes the message,
+ * e.g. "buckets[1]". KVCAP_ERR_GEOMETRY on failure. Does not log: callers re-raise the
+ * message with their context. */
+enum kvcap_status kvcap_bucket_check(const struct kvcap_bucket *b, const char *field);
+
+/* kvcap_geometry_validate without logging, for callers that re-raise (see kvcap_quiet_push). */
+enum kvcap_status kvcap_geometry_check(const struct kvcap_model_geometry *g);
+
+/* Overflow-checked size arithmetic: returns 0 (and leaves *out untouched) on overflow. */
+static inline int kvcap_mul_size(size_t a, size_t b, size_t *out)
+{
+    if (a != 0 && b > SIZE_MAX / a)
+        return 0;
+    *out = a * b;
+    return 1;
+}
+
+static inline int kvcap_add_size(size_t a, size_t b, size_t *out)
+{
+    if (b > SIZE_MAX - a)
+        return 0;
+    *out = a + b;
+    return 1;
+}
+
+#endif /* KVCAP_INTERNAL_H */

@@ -1,0 +1,197 @@
+/* test_common.c — the public conventions: version agreement between header and library, status
+ * strings, per-thread last error, the log callback, geometry and bucket validation, names. */
+#include <pthread.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "internal.h"
+
+static void test_version_agrees(void **state)
+{
+    (void)state;
+    assert_int_equal(kvcap_version_number(), KVCAP_VERSION_NUMBER);
+    assert_string_equal(kvcap_version(), KVCAP_VERSION_STRING);
+    char expect[32];
+    snprintf(expect, sizeof expect, "%d.%d.%d", KVCAP_VERSION_MAJOR, KVCAP_VERSION_MINOR,
+             KVCAP_VERSION_PATCH);
+    assert_string_equal(kvcap_version(), expect);
+}
+
+static void test_status_strings(void **state)
+{
+    (void)state;
+    /* Values are pinned (part of the ABI). */
+    assert_int_equal(KVCAP_OK, 0);
+    assert_int_equal(KVCAP_ERR_FORMAT, 4);
+    assert_int_equal(KVCAP_ERR_INTERNAL, 13);
+    for (int s = KVCAP_OK; s <= KVCAP_ERR_INTERNAL; s++) {
+        const char *text = kvcap_status_str((enum kvcap_status)s);
+        assert_non_null(text);
+        assert_string_not_equal(text, "unknown status");
+        for (int t = KVCAP_OK; t < s; t++)
+            assert_string_not_equal(text, kvcap_status_str((enum kvcap_status)t));
+    }
+    assert_string_equal(kvcap_status_str((enum kvcap_status)999), "unknown status");
+}
+
+struct captured {
+    int calls;
+    enum kvcap_log_level level;
+    char message[256];
+};
+
+static void capture(enum kvcap_log_level level, const char *message, void *user)
+{
+    struct captured *c = user;
+    c->calls++;
+    c->level = level;
+    snprintf(c->message, sizeof c->message, "%s", message);
+}
+
+static void test_log_and_last_error(void **state)
+{
+    (void)state;
+    struct captured c = {0};
+    kvcap_log_set(capture, &c, KVCAP_LOG_WARN);
+    kvcap_log(KVCAP_LOG_INFO, "filtered %d", 1);
+    assert_int_equal(c.calls, 0);
+    kvcap_log(KVCAP_LOG_WARN, "kept %d", 2);
+    assert_int_equal(c.calls, 1);
+    assert_string_equal(c.message, "kept 2");
+
+    assert_int_equal(kvcap_fail(KVCAP_ERR_IO, "x.bin: %s", "gone"), KVCAP_ERR_IO);
+    assert_string_equal(kvcap_last_error(), "x.bin: gone");
+    assert_int_equal(c.calls, 2);
+    /* re-raising the last error with more context is safe (no aliasing) */
+    kvcap_fail(KVCAP_ERR_IO, "outer: %s", kvcap_last_error());
+    assert_string_equal(kvcap_last_error(), "outer: x.bin: gone");
+    assert_int_equal(c.calls, 3);
+    /* quiet sections record without logging */
+    kvcap_quiet_push();
+    kvcap_fail(KVCAP_ERR_IO, "quiet");
+    kvcap_quiet_pop();
+    assert_string_equal(kvcap_last_error(), "quiet");
+    assert_int_equal(c.calls, 3);
+    assert_int_equal(c.level, KVCAP_LOG_ERROR);
+    assert_string_equal(c.message, "outer: x.bin: gone");
+
+    kvcap_log_set(NULL, NULL, KVCAP_LOG_DEBUG);
+    kvcap_log(KVCAP_LOG_ERROR, "silent");
+    assert_int_equal(c.calls, 3);
+    kvcap_clear_error();
+    assert_string_equal(kvcap_last_error(), "");
+}
+
+static void *fail_in_thread(void *arg)
+{
+    (void)arg;
+    kvcap_fail(KVCAP_ERR_STATE, "from the other thread");
+    return NULL;
+}
+
+static void test_last_error_is_per_thread(void **state)
+{
+    (void)state;
+    kvcap_fail(KVCAP_ERR_IO, "from this thread");
+    pthread_t t;
+    assert_int_equal(pthread_create(&t, NULL, fail_in_thread, NULL), 0);
+    pthread_join(t, NULL);
+    assert_string_equal(kvcap_last_error(), "from this thread");
+}
+
+static struct kvcap_model_geometry qwen(void)
+{
+    struct kvcap_model_geometry g = {
+        .name = "qwen", .n_layers = 28, .n_q_heads = 28, .n_kv_heads = 4, .head_dim = 128,
+        .rope_type = KVCAP_ROPE_MROPE, .rope_pairing = KVCAP_ROPE_PAIRING_HALF,
+        .rope_theta = 1e6, .n_rope_sections = 3, .rope_sections = {16, 24, 24}};
+    return g;
+}
+
+static void expect_geometry_error(struct kvcap_model_geometry g, const char *field)
+{
+    assert_int_equal(kvcap_geometry_validate(&g), KVCAP_ERR_GEOMETRY);
+    if (!strstr(kvcap_last_error(), field))
+        fail_msg("message \"%s\" does not name %s", kvcap_last_error(), field);
+}
+
+static void test_geometry_validate(void **state)
+{
+    (void)state;
+    struct kvcap_model_geometry g = qwen();
+    assert_int_equal(kvcap_geometry_validate(&g), KVCAP_OK);
+    g = qwen(); g.head_dim = 100; expect_geometry_error(g, "model.head_dim");
+    g = qwen(); g.n_q_heads = 30; expect_geometry_error(g, "model.q_heads");
+    g = qwen(); g.n_layers = 0; expect_geometry_error(g, "model.layers");
+    g = qwen(); g.rope_sections[2] = 23; expect_geometry_error(g, "model.rope.sections");
+    g = qwen(); g.rope_theta = 0; expect_geometry_error(g, "model.rope.theta");
+    g = qwen(); g.rope_dim = 127; expect_geometry_error(g, "model.rope.dim");
+    g = qwen(); g.rope_type = KVCAP_ROPE_ROPE; expect_geometry_error(g, "model.rope.sections");
+    g = qwen(); g.rope_type = KVCAP_ROPE_NONE;
+    assert_int_equal(kvcap_geometry_validate(&g), KVCAP_OK);
+    for (int d = 64; d <= 256; d += 16) {
+        g = qwen(); g.head_dim = d; g.rope_dim = 64; g.rope_sections[0] = 8; g.rope_sections[1] = 12;
+        g.rope_sections[2] = 12;
+        int ok = d == 64 || d == 80 || d == 96 || d == 128 || d == 256;
+        assert_int_equal(kvcap_geometry_validate(&g), ok ? KVCAP_OK : KVCAP_ERR_GEOMETRY);
+    }
+    assert_int_equal(kvcap_geometry_validate(NULL), KVCAP_ERR_INVALID_ARGUMENT);
+}
+
+static void test_bucket_validate(void **state)
+{
+    (void)state;
+    struct kvcap_bucket dense = {16, 16, KVCAP_STRUCTURE_DENSE, 0, 0};
+    struct kvcap_bucket tiled = {32, 24, KVCAP_STRUCTURE_TILED, 4, 8};
+    struct kvcap_bucket bad_tile = {32, 24, KVCAP_STRUCTURE_TILED, 5, 8};
+    struct kvcap_bucket bad_grid = {0, 24, KVCAP_STRUCTURE_DENSE, 0, 0};
+    assert_int_equal(kvcap_bucket_check(&dense, "buckets[0]"), KVCAP_OK);
+    assert_int_equal(kvcap_bucket_check(&tiled, "buckets[1]"), KVCAP_OK);
+    assert_int_equal(kvcap_bucket_check(&bad_tile, "buckets[2]"), KVCAP_ERR_GEOMETRY);
+    assert_non_null(strstr(kvcap_last_error(), "buckets[2].tile: [5, 8]"));
+    assert_int_equal(kvcap_bucket_check(&bad_grid, "buckets[3]"), KVCAP_ERR_GEOMETRY);
+    assert_non_null(strstr(kvcap_last_error(), "buckets[3]"));
+}
+
+static void test_names_round_trip(void **state)
+{
+    (void)state;
+    for (int p = KVCAP_POLICY_FULL; p <= KVCAP_POLICY_STREAMING; p++) {
+        enum kvcap_policy back;
+        assert_true(kvcap_policy_parse(kvcap_policy_name((enum kvcap_policy)p), &back));
+        assert_int_equal(back, p);
+    }
+    for (int d = KVCAP_DTYPE_F32; d <= KVCAP_DTYPE_U8; d++) {
+        enum kvcap_dtype back;
+        assert_true(kvcap_dtype_parse(kvcap_dtype_name((enum kvcap_dtype)d), &back));
+        assert_int_equal(back, d);
+        assert_true(kvcap_dtype_size((enum kvcap_dtype)d) > 0);
+    }
+    enum kvcap_rope_pairing pairing;
+    assert_true(kvcap_rope_pairing_parse("neox", &pairing));
+    assert_int_equal(pairing, KVCAP_ROPE_PAIRING_HALF);
+    enum kvcap_policy p;
+    assert_false(kvcap_policy_parse("h2o", &p));
+    assert_false(kvcap_policy_parse(NULL, &p));
+    assert_string_equal(kvcap_policy_name((enum kvcap_policy)77), "?");
+    assert_int_equal(kvcap_dtype_size((enum kvcap_dtype)77), 0);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_version_agrees),
+        cmocka_unit_test(test_status_strings),
+        cmocka_unit_test(test_log_and_last_error),
+        cmocka_unit_test(test_last_error_is_per_thread),
+        cmocka_unit_test(test_geometry_validate),
+        cmocka_unit_test(test_bucket_validate),
+        cmocka_unit_test(test_names_round_trip),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
