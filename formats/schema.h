@@ -1,0 +1,70 @@
+/* schema.h — the kvcap schema on top of safetensors (formats/SPEC.md §2–6): what a dataset, a
+ * calibration state and an artifact must contain, checked on open; and the helpers writers use
+ * to emit the same metadata. Internal to kvcap. */
+#ifndef KVCAP_SCHEMA_H
+#define KVCAP_SCHEMA_H
+
+#include <cjson/cJSON.h>
+
+#include "kvcap.h"
+#include "safetensors.h"
+
+/* Newest layout of each kind this build reads and writes (SPEC §6). */
+#define KVCAP_FORMAT_VERSION_DATASET 1
+#define KVCAP_FORMAT_VERSION_CALIB 1
+#define KVCAP_FORMAT_VERSION_ARTIFACT 1
+
+#define KVCAP_MAX_BUCKETS 16
+
+enum kvcap_file_kind {
+    KVCAP_KIND_DATASET = 0,
+    KVCAP_KIND_CALIB = 1,
+    KVCAP_KIND_ARTIFACT = 2,
+    KVCAP_KIND_ANY = 3 /* as an expectation: accept whichever kind the file declares */
+};
+
+const char *kvcap_file_kind_name(enum kvcap_file_kind kind); /* "dataset", ... */
+
+/* What the schema check learnt about a file. Owns `config` and the schedule arrays; release
+ * with kvcap_file_info_free. */
+struct kvcap_file_info {
+    enum kvcap_file_kind kind;
+    int format_version;
+    struct kvcap_model_geometry model;
+    cJSON *config;            /* the parsed kvcap.config document */
+    int n_buckets;            /* calib, artifact */
+    struct kvcap_bucket buckets[KVCAP_MAX_BUCKETS];
+    int n_spans;              /* dataset: spans in this shard */
+    enum kvcap_dtype storage; /* artifact: dtype of the float maps */
+    int activation_gelu;      /* artifact: 1 = GELU, 0 = linear */
+    enum kvcap_policy fallback;
+    double *schedule_keys;    /* artifact: n_layers ratios */
+    double *schedule_values;  /* artifact: n_layers ratios */
+};
+
+/* Validates `f` against the schema of `expected` (or of the kind it declares, for
+ * KVCAP_KIND_ANY) and fills `info` (zeroed first; freed by the caller also on failure).
+ * Errors: KVCAP_ERR_FORMAT / KVCAP_ERR_VERSION / KVCAP_ERR_GEOMETRY naming file and field. */
+enum kvcap_status kvcap_schema_check(const struct kvst_file *f, enum kvcap_file_kind expected,
+                                     struct kvcap_file_info *info);
+
+void kvcap_file_info_free(struct kvcap_file_info *info); /* NULL is a no-op */
+
+/* Points of a kvcap tensor: the m of SPEC §4.2/4.3 (n for dense, tile size for tiled). */
+int kvcap_bucket_points(const struct kvcap_bucket *b);
+
+/* ---- JSON <-> structs, shared by every writer and reader -------------------------------- */
+cJSON *kvcap_geometry_to_json(const struct kvcap_model_geometry *g);
+/* `where` prefixes error messages (usually the file name). */
+enum kvcap_status kvcap_geometry_from_json(const cJSON *model, const char *where,
+                                           struct kvcap_model_geometry *g);
+cJSON *kvcap_buckets_to_json(const struct kvcap_bucket *b, int n);
+enum kvcap_status kvcap_buckets_from_json(const cJSON *arr, const char *where,
+                                          struct kvcap_bucket *b, int *n);
+
+/* Sets kvcap.kind, kvcap.format_version (the newest) and kvcap.config (printed from
+ * `config`, which stays owned by the caller) on a writer. */
+enum kvcap_status kvcap_schema_set_meta(struct kvst_writer *w, enum kvcap_file_kind kind,
+                                        const cJSON *config);
+
+#endif /* KVCAP_SCHEMA_H */
