@@ -1,0 +1,40 @@
+/* cli.h — what every kvcap command-line tool shares: logging libkvcap messages to stderr,
+ * reporting a failed call with its detailed message, human-readable sizes. */
+#ifndef KVCAP_CLI_H
+#define KVCAP_CLI_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvcap.h"
+
+/* Routes library log messages to stderr as "TOOL: warning: ...". Errors are not logged
+ * here (they are printed once by cli_fail). `verbose` also shows info messages. */
+void cli_init(const char *tool, int verbose);
+
+/* Prints "TOOL: error: <kvcap_last_error() or status text>" to stderr; returns exit code 1. */
+int cli_fail(enum kvcap_status status);
+
+/* Prints "TOOL: error: <formatted>" to stderr; returns exit code 2 (usage errors). */
+int cli_usage_error(const char *fmt, ...);
+
+/* "1.5 MiB"-style size into buf. */
+const char *cli_bytes(uint64_t bytes, char *buf, size_t cap);
+
+/* Progress of long work on stderr: a redrawn bar on a terminal, a line every 10 % otherwise,
+ * nothing when quiet. Call with done == total to finish the line. */
+struct cli_progress {
+    const char *label;
+    int quiet, tty, last_decile;
+    double start;
+};
+void cli_progress_begin(struct cli_progress *p, const char *label, int quiet);
+void cli_progress_update(struct cli_progress *p, int64_t done, int64_t total);
+
+/* The same as a library progress callback (user = struct cli_progress *); never stops. */
+int cli_progress_callback(int64_t done, int64_t total, void *user);
+
+/* Seconds on a monotonic clock. */
+double cli_now(void);
+
+#endif /* KVCAP_CLI_H */

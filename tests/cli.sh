@@ -1,0 +1,51 @@
+#!/bin/sh
+# cli.sh BIN_DIR DATA_DIR WORK_DIR — the command-line tools as a user meets them: --help,
+# --version, --inspect of each kind, and named errors with the right exit status.
+set -u
+bin=$1 data=$2 work=$3
+rm -rf "$work" && mkdir -p "$work"
+failures=0
+fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
+
+# expect NAME STATUS PATTERN CMD... : CMD exits STATUS and its stdout+stderr match PATTERN.
+expect() {
+  name=$1 status=$2 pattern=$3
+  shift 3
+  "$@" >"$work/$name.out" 2>&1
+  rc=$?
+  [ "$rc" -eq "$status" ] || fail "$name: exit $rc, expected $status ($(head -c 300 "$work/$name.out"))"
+  grep -q -- "$pattern" "$work/$name.out" || fail "$name: output lacks '$pattern': $(head -c 600 "$work/$name.out")"
+}
+
+convert="$bin/kvcap-convert"
+expect help 0 "usage: kvcap-convert" "$convert" --help
+expect version 0 "kvcap-convert [0-9]*\.[0-9]*\.[0-9]*" "$convert" --version
+expect no_args 2 "nothing to do" "$convert"
+expect bad_option 2 "see kvcap-convert --help" "$convert" --frobnicate
+expect inspect_dataset 0 "kind       dataset, format version 1" "$convert" --inspect "$data/schema/good_dataset.safetensors"
+expect inspect_dataset_grid 0 "grids      2x2: 1 span" "$convert" -i "$data/schema/good_dataset.safetensors"
+expect inspect_artifact 0 "maps       storage F32, activation gelu, fallback flashcache" "$convert" -i "$data/schema/good_artifact.safetensors"
+expect inspect_artifact_sched 0 "mean r 0.500" "$convert" -i "$data/schema/good_artifact.safetensors"
+expect inspect_calib 0 "bucket 0: 9 training, 1 validation spans" "$convert" -i "$data/schema/good_calib.safetensors"
+expect inspect_tensors 0 "l1.h0.b0.k_gram  F64    \[4, 4\]" "$convert" -i "$data/schema/good_calib.safetensors"
+expect inspect_geometry 0 "2 query heads / 1 KV heads (G=2), head_dim 64" "$convert" -i "$data/schema/good_calib.safetensors"
+expect inspect_missing 1 "no_such_file.kvcap" "$convert" -i "$work/no_such_file.kvcap"
+expect inspect_bad_schema 1 "missing required tensor 's0.l1.v'" "$convert" -i "$data/schema/bad_missing_value.safetensors"
+expect inspect_bad_container 1 "bad_json" "$convert" -i "$data/bad/bad_json.safetensors"
+expect inspect_many 1 "error: .*bad_head_dim.*model.head_dim" "$convert" -i "$data/schema/good_calib.safetensors" "$data/schema/bad_head_dim.safetensors"
+
+synth="$bin/kvcap-synth"
+expect synth_help 0 "usage: kvcap-synth" "$synth" --help
+expect synth_no_out 2 "--out DIR is required" "$synth"
+expect synth_bad_grid 2 "--grid: '16by16'" "$synth" --out "$work/x" --grid 16by16
+expect synth_bad_spans 2 "--spans: '0'" "$synth" --out "$work/x" --spans 0
+expect synth_bad_config 1 "no_such.yaml" "$synth" --out "$work/x" --config "$work/no_such.yaml"
+expect synth_run 0 "wrote 2 spans for SmolLM2-135M" "$synth" --out "$work/synth" --spans 2 --grid 4x4 --dtype bf16
+expect synth_inspect 0 "spans      2 (K/V BF16" "$convert" -i "$work/synth/shard-00000.safetensors"
+[ -e "$work/x" ] && fail "failed runs left $work/x behind"
+
+if [ "$failures" -ne 0 ]; then
+  echo "$failures CLI check(s) failed"
+  exit 1
+fi
+echo "all CLI checks passed"
