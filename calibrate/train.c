@@ -1,0 +1,838 @@
+/* train.c — the trained key maps (DESIGN §4, the paper's Algorithm 2): a relaxed mask
+ * σ(α/τ) over all m points and the reconstructor, optimised together by Adam while τ anneals,
+ * then the hard top-rk mask and a fine-tune; the best validation checkpoint is returned. */
+#include <cblas.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h"
+#include "keys.h"
+#include "rng.h"
+#include "train_internal.h"
+
+#define ADAM_BETA1 0.9
+#define ADAM_BETA2 0.999
+#define ADAM_EPS 1e-8
+/* The relaxed mask starts at 0.95 on the retained points and 0.05 elsewhere: decided enough
+ * that the start is the closed form, soft enough that the gradient still reaches α. */
+#define INIT_MASK 0.95
+
+/* What the relaxed mask can and cannot do. The data term sees mask_j and W1 row j only through
+ * their product, so ∂L/∂mask_j = ⟨W1[j], ∂L/∂W1[j]⟩ / mask_j: zero for the dropped points at
+ * the start (their W1 rows are zero) and zero again wherever W1 has adapted. The mask moves
+ * only while W1 is catching up, and the two mask terms favour the current assignment, so in
+ * practice the hard mask stays near the initial one (on a deliberately bad start mask it does
+ * not escape: tests/test_train.c); the gains come from the reconstructor and the fine-tune,
+ * and the checkpoints make sure nothing is lost. */
+
+/* ---- The network ---------------------------------------------------------------------- */
+
+struct kvcap_train_view kvcap_train_split(const struct kvcap_train_net *net, float *base)
+{
+    struct kvcap_train_view v;
+    size_t o = 0, m = (size_t)net->m, p = (size_t)net->p, h = (size_t)net->h;
+    v.alpha = net->rows ? NULL : base;
+    o += net->rows ? 0 : m;
+    v.w1 = base + o;
+    o += p * h;
+    v.b1 = base + o;
+    o += h;
+    v.w2 = base + o;
+    o += h * m;
+    v.b2 = base + o;
+    return v;
+}
+
+enum kvcap_status kvcap_train_net_alloc(struct kvcap_train_net *net, int m, int p, int h,
+                                        int gelu, const int32_t *rows)
+{
+    KVCAP_RETURN_IF(!net || m < 1 || p < 1 || p > m || h < 1 || (!rows && p != m),
+                    KVCAP_ERR_INVALID_ARGUMENT,
+                    "train net: sizes m %d, p %d, h %d (need 1 <= p <= m, p == m when relaxed, "
+                    "h >= 1)",
+                    m, p, h);
+    memset(net, 0, sizeof *net);
+    size_t ph, hm, n;
+    if (!kvcap_mul_size((size_t)p, (size_t)h, &ph) || !kvcap_mul_size((size_t)h, (size_t)m, &hm) ||
+        !kvcap_add_size(ph, hm, &n) || !kvcap_add_size(n, (size_t)h + 2 * (size_t)m, &n))
+        return kvcap_fail(KVCAP_ERR_INVALID_ARGUMENT, "train net: m %d, h %d overflow", m, h);
+    if (rows)
+        n -= (size_t)m; /* no α once the mask is hard */
+    net->m = m;
+    net->p = p;
+    net->h = h;
+    net->gelu = gelu != 0;
+    net->n_params = n;
+    net->theta = calloc(n, sizeof *net->theta);
+    if (rows) {
+        net->rows = malloc(sizeof *net->rows * (size_t)p);
+        if (net->rows)
+            memcpy(net->rows, rows, sizeof *net->rows * (size_t)p);
+    }
+    if (!net->theta || (rows && !net->rows)) {
+        kvcap_train_net_free(net);
+        return kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "train net: out of memory (m %d, h %d)", m, h);
+    }
+    return KVCAP_OK;
+}
+
+void kvcap_train_net_free(struct kvcap_train_net *net)
+{
+    if (!net)
+        return;
+    free(net->rows);
+    free(net->theta);
+    memset(net, 0, sizeof *net);
+}
+
+/* The mask value of one point. Every user (forward, init, hardening) goes through here so the
+ * init's division by the mask and the hardening's multiplication use the same float. */
+static double sigmoid(double s)
+{
+    return 1.0 / (1.0 + exp(-s));
+}
+
+static float mask_of(float alpha, double tau)
+{
+    return (float)sigmoid(alpha / tau);
+}
+
+/* Per hidden unit, the range [zmin, zmax] over the columns of x of init's pre-activation
+ * W1ᵀ x[M] + b1. */
+static enum kvcap_status preact_range(const struct kvcap_key_maps *init, const float *x,
+                                      size_t ldx, size_t n_cols, float *zmin, float *zmax)
+{
+    const int rk = init->rk, h = init->h;
+    size_t b = n_cols < KVCAP_TRAIN_BATCH ? n_cols : KVCAP_TRAIN_BATCH;
+    float *u = malloc(sizeof *u * (size_t)(rk + h) * b);
+    KVCAP_RETURN_IF(!u, KVCAP_ERR_OUT_OF_MEMORY, "train init: out of memory (rk %d, h %d)", rk, h);
+    float *z = u + (size_t)rk * b;
+    for (int i = 0; i < h; i++) {
+        zmin[i] = INFINITY;
+        zmax[i] = -INFINITY;
+    }
+    for (size_t c0 = 0; c0 < n_cols; c0 += b) {
+        size_t nb = n_cols - c0 < b ? n_cols - c0 : b;
+        for (int r = 0; r < rk; r++)
+            memcpy(u + (size_t)r * nb, x + (size_t)init->mask[r] * ldx + c0, sizeof *u * nb);
+        for (int i = 0; i < h; i++)
+            for (size_t c = 0; c < nb; c++)
+                z[(size_t)i * nb + c] = init->b1[i];
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, h, (int)nb, rk, 1.0f, init->w1, h, u,
+                    (int)nb, 1.0f, z, (int)nb);
+        for (int i = 0; i < h; i++)
+            for (size_t c = 0; c < nb; c++) {
+                float v = z[(size_t)i * nb + c];
+                zmin[i] = v < zmin[i] ? v : zmin[i];
+                zmax[i] = v > zmax[i] ? v : zmax[i];
+            }
+    }
+    free(u);
+    return KVCAP_OK;
+}
+
+enum kvcap_status kvcap_train_net_init_relaxed(struct kvcap_train_net *net,
+                                               const struct kvcap_key_maps *init, int gelu,
+                                               const struct kvcap_train_config *cfg,
+                                               const float *x, size_t ldx, size_t n_cols)
+{
+    KVCAP_RETURN_IF(init->gelu && !gelu, KVCAP_ERR_INVALID_ARGUMENT,
+                    "train init: init is a GELU network but a linear one was asked for (gelu 0)");
+    const int m = init->m, rk = init->rk, h = init->h;
+    KVCAP_TRY(kvcap_train_net_alloc(net, m, m, h, gelu, NULL));
+    net->tau = cfg->tau_start;
+    net->lambda_bce = cfg->lambda_bce;
+    net->lambda_r = cfg->lambda_r;
+    net->ratio = (double)rk / m;
+    struct kvcap_train_view v = kvcap_train_split(net, net->theta);
+
+    float a = (float)(cfg->tau_start * log(INIT_MASK / (1.0 - INIT_MASK)));
+    for (int j = 0; j < m; j++)
+        v.alpha[j] = -a;
+    for (int r = 0; r < rk; r++) {
+        int j = init->mask[r];
+        v.alpha[j] = a;
+        float mk = mask_of(a, net->tau);
+        for (int i = 0; i < h; i++)
+            v.w1[(size_t)j * h + i] = init->w1[(size_t)r * h + i] / mk;
+    }
+    memcpy(v.b1, init->b1, sizeof *v.b1 * (size_t)h);
+    memcpy(v.w2, init->w2, sizeof *v.w2 * (size_t)h * m);
+    memcpy(v.b2, init->b2, sizeof *v.b2 * (size_t)m);
+    if (!net->gelu || init->gelu)
+        return KVCAP_OK;
+
+    /* Embed the linear map in the GELU network: lift every hidden unit into GELU's identity
+     * range on the training data, and take the lift back out through b2. */
+    float *c = malloc(sizeof *c * 2 * (size_t)h), *zmax = c ? c + h : NULL;
+    enum kvcap_status st = c ? preact_range(init, x, ldx, n_cols, c, zmax)
+                             : kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "train init: out of memory");
+    if (st != KVCAP_OK) {
+        free(c);
+        kvcap_train_net_free(net);
+        return st;
+    }
+    for (int i = 0; i < h; i++) {
+        c[i] = KVCAP_TRAIN_GELU_MARGIN - c[i] + KVCAP_TRAIN_GELU_SLACK * (zmax[i] - c[i]);
+        c[i] = c[i] > 0.0f ? c[i] : 0.0f;
+        v.b1[i] += c[i];
+    }
+    for (int j = 0; j < m; j++) {
+        double s = 0.0;
+        for (int i = 0; i < h; i++)
+            s += (double)v.w2[(size_t)i * m + j] * c[i];
+        v.b2[j] = (float)(v.b2[j] - s);
+    }
+    free(c);
+    return KVCAP_OK;
+}
+
+struct ranked {
+    float alpha;
+    int32_t index;
+};
+
+/* α descending, then index ascending; NaN last (only a diverged run has one). */
+static int compare_ranked(const void *pa, const void *pb)
+{
+    const struct ranked *a = pa, *b = pb;
+    int na = isnan(a->alpha), nb = isnan(b->alpha);
+    if (na != nb)
+        return na - nb;
+    if (!na && a->alpha != b->alpha)
+        return a->alpha > b->alpha ? -1 : 1;
+    return (a->index > b->index) - (a->index < b->index);
+}
+
+static int compare_i32(const void *pa, const void *pb)
+{
+    int32_t a = *(const int32_t *)pa, b = *(const int32_t *)pb;
+    return (a > b) - (a < b);
+}
+
+enum kvcap_status kvcap_train_net_harden(const struct kvcap_train_net *relaxed, int rk,
+                                         struct kvcap_train_net *hard)
+{
+    KVCAP_RETURN_IF(relaxed->rows || rk < 1 || rk > relaxed->m, KVCAP_ERR_INVALID_ARGUMENT,
+                    "train harden: rk %d for m %d (need a relaxed network, 1 <= rk <= m)", rk,
+                    relaxed->m);
+    const int m = relaxed->m, h = relaxed->h;
+    struct kvcap_train_view v = kvcap_train_split(relaxed, relaxed->theta);
+    struct ranked *order = malloc(sizeof *order * (size_t)m);
+    int32_t *rows = malloc(sizeof *rows * (size_t)rk);
+    if (!order || !rows) {
+        free(order);
+        free(rows);
+        return kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "train harden: out of memory (m %d)", m);
+    }
+    for (int j = 0; j < m; j++)
+        order[j] = (struct ranked){v.alpha[j], j};
+    qsort(order, (size_t)m, sizeof *order, compare_ranked);
+    for (int r = 0; r < rk; r++)
+        rows[r] = order[r].index;
+    qsort(rows, (size_t)rk, sizeof *rows, compare_i32);
+    free(order);
+    enum kvcap_status st = kvcap_train_net_alloc(hard, m, rk, h, relaxed->gelu, rows);
+    free(rows);
+    KVCAP_TRY(st);
+    hard->tau = relaxed->tau;
+    struct kvcap_train_view w = kvcap_train_split(hard, hard->theta);
+    for (int r = 0; r < rk; r++) {
+        int j = hard->rows[r];
+        float mk = mask_of(v.alpha[j], relaxed->tau);
+        for (int i = 0; i < h; i++)
+            w.w1[(size_t)r * h + i] = v.w1[(size_t)j * h + i] * mk;
+    }
+    memcpy(w.b1, v.b1, sizeof *w.b1 * (size_t)h);
+    memcpy(w.w2, v.w2, sizeof *w.w2 * (size_t)h * m);
+    memcpy(w.b2, v.b2, sizeof *w.b2 * (size_t)m);
+    return KVCAP_OK;
+}
+
+void kvcap_train_net_to_maps(const struct kvcap_train_net *hard, struct kvcap_key_maps *maps)
+{
+    struct kvcap_train_view v = kvcap_train_split(hard, hard->theta);
+    size_t p = (size_t)hard->p, h = (size_t)hard->h, m = (size_t)hard->m;
+    maps->gelu = hard->gelu;
+    memcpy(maps->mask, hard->rows, sizeof *maps->mask * p);
+    memcpy(maps->w1, v.w1, sizeof *maps->w1 * p * h);
+    memcpy(maps->b1, v.b1, sizeof *maps->b1 * h);
+    memcpy(maps->w2, v.w2, sizeof *maps->w2 * h * m);
+    memcpy(maps->b2, v.b2, sizeof *maps->b2 * m);
+}
+
+/* ---- Loss and gradient ---------------------------------------------------------------- */
+
+enum kvcap_status kvcap_train_work_alloc(struct kvcap_train_work *w, int m, int h, size_t cols)
+{
+    memset(w, 0, sizeof *w);
+    size_t mc, hc;
+    KVCAP_RETURN_IF(!kvcap_mul_size((size_t)m, cols, &mc) || !kvcap_mul_size((size_t)h, cols, &hc),
+                    KVCAP_ERR_INVALID_ARGUMENT, "train work: m %d, h %d, %zu columns overflow", m,
+                    h, cols);
+    w->cols = cols;
+    w->u = malloc(sizeof(float) * mc);
+    w->y = malloc(sizeof(float) * mc);
+    w->z = malloc(sizeof(float) * hc);
+    w->hid = malloc(sizeof(float) * hc);
+    w->dh = malloc(sizeof(float) * hc);
+    w->mask = malloc(sizeof(float) * (size_t)m);
+    if (!w->u || !w->y || !w->z || !w->hid || !w->dh || !w->mask) {
+        kvcap_train_work_free(w);
+        return kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "train work: out of memory (m %d, h %d, %zu "
+                          "columns)", m, h, cols);
+    }
+    return KVCAP_OK;
+}
+
+void kvcap_train_work_free(struct kvcap_train_work *w)
+{
+    if (!w)
+        return;
+    free(w->u);
+    free(w->y);
+    free(w->z);
+    free(w->hid);
+    free(w->dh);
+    free(w->mask);
+    memset(w, 0, sizeof *w);
+}
+
+/* Binary entropy of σ(s) from the logit, stable for any s: H = softplus(s) − s·σ(s). */
+static double entropy_of_logit(double s)
+{
+    double softplus = (s > 0 ? s : 0.0) + log1p(exp(-fabs(s)));
+    return softplus - s * sigmoid(s);
+}
+
+double kvcap_train_loss_grad(const struct kvcap_train_net *net, const float *x, size_t ldx,
+                             size_t n_cols, struct kvcap_train_work *w, float *grad)
+{
+    const int m = net->m, p = net->p, h = net->h, n = (int)n_cols;
+    const size_t nc = n_cols;
+    const struct kvcap_train_view P = kvcap_train_split(net, net->theta);
+    float *u = w->u, *z = w->z, *hid = net->gelu ? w->hid : w->z, *y = w->y, *dz = w->dh;
+
+    /* u = diag(mask) X (relaxed) or X[rows] (hard): the input of W1, p x n */
+    if (P.alpha) {
+        for (int j = 0; j < m; j++) {
+            float mk = w->mask[j] = mask_of(P.alpha[j], net->tau);
+            const float *xr = x + (size_t)j * ldx;
+            float *ur = u + (size_t)j * nc;
+            for (size_t c = 0; c < nc; c++)
+                ur[c] = mk * xr[c];
+        }
+    } else {
+        for (int r = 0; r < p; r++)
+            memcpy(u + (size_t)r * nc, x + (size_t)net->rows[r] * ldx, sizeof *u * nc);
+    }
+    /* z = W1ᵀ u + b1 1ᵀ, hid = φ(z) */
+    for (int i = 0; i < h; i++)
+        for (size_t c = 0; c < nc; c++)
+            z[(size_t)i * nc + c] = P.b1[i];
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, h, n, p, 1.0f, P.w1, h, u, n, 1.0f, z, n);
+    if (net->gelu)
+        for (size_t i = 0; i < (size_t)h * nc; i++)
+            hid[i] = kvcap_gelu(z[i]);
+    /* y = W2ᵀ hid + b2 1ᵀ, then y := dL/dY = 2 (Y − X) / (m n) */
+    for (int j = 0; j < m; j++)
+        for (size_t c = 0; c < nc; c++)
+            y[(size_t)j * nc + c] = P.b2[j];
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, m, n, h, 1.0f, P.w2, m, hid, n, 1.0f, y,
+                n);
+    const double count = (double)m * (double)nc;
+    const float scale = (float)(2.0 / count);
+    double sse = 0.0;
+    for (int j = 0; j < m; j++) {
+        const float *xr = x + (size_t)j * ldx;
+        float *yr = y + (size_t)j * nc;
+        for (size_t c = 0; c < nc; c++) {
+            float d = yr[c] - xr[c];
+            sse += (double)d * d;
+            yr[c] = scale * d;
+        }
+    }
+    double loss = sse / count, mean_mask = 0.0;
+    if (P.alpha) {
+        double ent = 0.0;
+        for (int j = 0; j < m; j++) {
+            double s = P.alpha[j] / net->tau;
+            mean_mask += sigmoid(s);
+            ent += entropy_of_logit(s);
+        }
+        mean_mask /= m;
+        loss += net->lambda_bce * ent / m +
+                net->lambda_r * (mean_mask - net->ratio) * (mean_mask - net->ratio);
+    }
+    if (!grad)
+        return loss;
+
+    const struct kvcap_train_view G = kvcap_train_split(net, grad);
+    /* dW2 = hid dYᵀ, db2 = dY 1, d(hid) = W2 dY, dz = d(hid) ⊙ φ'(z) */
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, h, m, n, 1.0f, hid, n, y, n, 0.0f, G.w2,
+                m);
+    for (int j = 0; j < m; j++) {
+        double s = 0.0;
+        for (size_t c = 0; c < nc; c++)
+            s += y[(size_t)j * nc + c];
+        G.b2[j] = (float)s;
+    }
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, h, n, m, 1.0f, P.w2, m, y, n, 0.0f, dz,
+                n);
+    if (net->gelu)
+        for (size_t i = 0; i < (size_t)h * nc; i++)
+            dz[i] *= kvcap_gelu_grad(z[i]);
+    /* dW1 = u dzᵀ, db1 = dz 1 */
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, p, h, n, 1.0f, u, n, dz, n, 0.0f, G.w1,
+                h);
+    for (int i = 0; i < h; i++) {
+        double s = 0.0;
+        for (size_t c = 0; c < nc; c++)
+            s += dz[(size_t)i * nc + c];
+        G.b1[i] = (float)s;
+    }
+    if (!P.alpha)
+        return loss;
+    /* du = W1 dz (into y, dY is spent); dmask_j = Σ_c du[j,c] x[j,c]; then through
+     * mask = σ(α/τ) together with the two mask terms (dH/ds = −s·σ'(s) for s = α/τ). */
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, n, h, 1.0f, P.w1, h, dz, n, 0.0f, y,
+                n);
+    const double d_ratio = 2.0 * net->lambda_r * (mean_mask - net->ratio) / m;
+    for (int j = 0; j < m; j++) {
+        const float *xr = x + (size_t)j * ldx, *dur = y + (size_t)j * nc;
+        double dmask = 0.0;
+        for (size_t c = 0; c < nc; c++)
+            dmask += (double)dur[c] * xr[c];
+        double s = P.alpha[j] / net->tau, mk = sigmoid(s), dsig = mk * (1.0 - mk);
+        G.alpha[j] = (float)(((dmask + d_ratio) * dsig - net->lambda_bce / m * s * dsig) /
+                             net->tau);
+    }
+    return loss;
+}
+
+/* GELU (tanh form, as kvcap_gelu) and its derivative in double, for the reference. */
+static double gelu_d(double x)
+{
+    const double c = 0.7978845608028654;
+    return 0.5 * x * (1.0 + tanh(c * (x + 0.044715 * x * x * x)));
+}
+
+static double gelu_grad_d(double x)
+{
+    const double c = 0.7978845608028654;
+    double t = tanh(c * (x + 0.044715 * x * x * x));
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * x * x);
+}
+
+double kvcap_train_loss_grad_ref(const struct kvcap_train_net *net, const float *x, size_t ldx,
+                                 size_t n_cols, float *grad)
+{
+    const int m = net->m, p = net->p, h = net->h, relaxed = net->rows == NULL;
+    const struct kvcap_train_view P = kvcap_train_split(net, net->theta);
+    size_t np = net->n_params;
+    /* per column: u[p] z[h] a[h] dz[h] dy[m]; over the batch: mask[m] dmask[m] g[np] */
+    double *buf = calloc((size_t)p + 3 * (size_t)h + 3 * (size_t)m + np, sizeof *buf);
+    if (!buf)
+        return NAN;
+    double *u = buf, *z = u + p, *a = z + h, *dz = a + h, *dy = dz + h, *mk = dy + m,
+           *dmk = mk + m, *g = dmk + m;
+    /* gradient blocks inside g, laid out like theta */
+    double *g_alpha = g, *g_w1 = g + (relaxed ? m : 0), *g_b1 = g_w1 + (size_t)p * h,
+           *g_w2 = g_b1 + h, *g_b2 = g_w2 + (size_t)h * m;
+    if (relaxed)
+        for (int j = 0; j < m; j++)
+            mk[j] = sigmoid(P.alpha[j] / net->tau);
+
+    const double count = (double)m * (double)n_cols;
+    double sse = 0.0;
+    for (size_t c = 0; c < n_cols; c++) {
+        for (int r = 0; r < p; r++)
+            u[r] = relaxed ? mk[r] * x[(size_t)r * ldx + c] : x[(size_t)net->rows[r] * ldx + c];
+        for (int i = 0; i < h; i++) {
+            z[i] = P.b1[i];
+            for (int r = 0; r < p; r++)
+                z[i] += (double)P.w1[(size_t)r * h + i] * u[r];
+            a[i] = net->gelu ? gelu_d(z[i]) : z[i];
+        }
+        for (int j = 0; j < m; j++) {
+            double yj = P.b2[j];
+            for (int i = 0; i < h; i++)
+                yj += (double)P.w2[(size_t)i * m + j] * a[i];
+            double d = yj - x[(size_t)j * ldx + c];
+            sse += d * d;
+            dy[j] = 2.0 * d / count;
+        }
+        if (!grad)
+            continue;
+        for (int i = 0; i < h; i++) {
+            double dh = 0.0;
+            for (int j = 0; j < m; j++) {
+                g_w2[(size_t)i * m + j] += a[i] * dy[j];
+                dh += (double)P.w2[(size_t)i * m + j] * dy[j];
+            }
+            dz[i] = net->gelu ? dh * gelu_grad_d(z[i]) : dh;
+            g_b1[i] += dz[i];
+        }
+        for (int j = 0; j < m; j++)
+            g_b2[j] += dy[j];
+        for (int r = 0; r < p; r++) {
+            double du = 0.0;
+            for (int i = 0; i < h; i++) {
+                g_w1[(size_t)r * h + i] += u[r] * dz[i];
+                du += (double)P.w1[(size_t)r * h + i] * dz[i];
+            }
+            if (relaxed)
+                dmk[r] += du * x[(size_t)r * ldx + c];
+        }
+    }
+    double loss = sse / count;
+    if (relaxed) {
+        /* mean binary entropy H(mk) = −[mk log mk + (1 − mk) log(1 − mk)], clamped for the
+         * logs, and (mean(mk) − ratio)², then everything through dmk/dα = mk(1 − mk)/τ */
+        double mean = 0.0, ent = 0.0;
+        for (int j = 0; j < m; j++) {
+            double q = fmin(fmax(mk[j], 1e-12), 1.0 - 1e-12);
+            ent += -(q * log(q) + (1.0 - q) * log(1.0 - q));
+            mean += mk[j];
+        }
+        mean /= m;
+        double gap = mean - net->ratio;
+        loss += net->lambda_bce * ent / m + net->lambda_r * gap * gap;
+        for (int j = 0; j < m; j++) {
+            double q = fmin(fmax(mk[j], 1e-12), 1.0 - 1e-12);
+            double d = dmk[j] + net->lambda_bce / m * log((1.0 - q) / q) +
+                       2.0 * net->lambda_r * (mean - net->ratio) / m;
+            g_alpha[j] = d * mk[j] * (1.0 - mk[j]) / net->tau;
+        }
+    }
+    if (grad)
+        for (size_t i = 0; i < np; i++)
+            grad[i] = (float)g[i];
+    free(buf);
+    return loss;
+}
+
+/* ---- Training ------------------------------------------------------------------------- */
+
+struct adam {
+    float *m1, *m2;
+    size_t n;
+    int t;
+};
+
+static void adam_reset(struct adam *a, size_t n)
+{
+    memset(a->m1, 0, sizeof *a->m1 * n);
+    memset(a->m2, 0, sizeof *a->m2 * n);
+    a->n = n;
+    a->t = 0;
+}
+
+static void adam_step(struct adam *a, float *theta, const float *g, double lr)
+{
+    a->t++;
+    const float b1 = (float)ADAM_BETA1, b2 = (float)ADAM_BETA2, eps = (float)ADAM_EPS;
+    const float c1 = (float)(1.0 - pow(ADAM_BETA1, a->t));
+    const float c2 = (float)(1.0 - pow(ADAM_BETA2, a->t));
+    const float rate = (float)lr;
+    for (size_t i = 0; i < a->n; i++) {
+        a->m1[i] = b1 * a->m1[i] + (1.0f - b1) * g[i];
+        a->m2[i] = b2 * a->m2[i] + (1.0f - b2) * g[i] * g[i];
+        theta[i] -= rate * (a->m1[i] / c1) / (sqrtf(a->m2[i] / c2) + eps);
+    }
+}
+
+/* Minibatches of columns: consecutive slices of a seeded permutation, reshuffled when the
+ * rest of it is shorter than a batch; the whole set when it fits in one batch. */
+struct batcher {
+    const float *x;
+    size_t ld, n, b;
+    size_t *perm, *pick, pos;
+    float *buf; /* m x b */
+    struct kvcap_rng rng;
+};
+
+static void shuffle(struct batcher *bt)
+{
+    for (size_t i = bt->n; i > 1; i--) {
+        size_t j = (size_t)kvcap_rng_below(&bt->rng, i), t = bt->perm[i - 1];
+        bt->perm[i - 1] = bt->perm[j];
+        bt->perm[j] = t;
+    }
+    bt->pos = 0;
+}
+
+static int compare_size(const void *pa, const void *pb)
+{
+    size_t a = *(const size_t *)pa, b = *(const size_t *)pb;
+    return (a > b) - (a < b);
+}
+
+static enum kvcap_status batcher_init(struct batcher *bt, const float *x, size_t ld, size_t n,
+                                      int m, uint64_t seed)
+{
+    bt->x = x;
+    bt->ld = ld;
+    bt->n = n;
+    bt->b = n < KVCAP_TRAIN_BATCH ? n : KVCAP_TRAIN_BATCH;
+    kvcap_rng_seed(&bt->rng, seed);
+    if (n <= bt->b)
+        return KVCAP_OK;
+    bt->perm = malloc(sizeof *bt->perm * n);
+    bt->pick = malloc(sizeof *bt->pick * bt->b);
+    bt->buf = malloc(sizeof *bt->buf * bt->b * (size_t)m);
+    KVCAP_RETURN_IF(!bt->perm || !bt->pick || !bt->buf, KVCAP_ERR_OUT_OF_MEMORY,
+                    "keys train: out of memory for batches of %zu columns (m %d)", bt->b, m);
+    for (size_t i = 0; i < n; i++)
+        bt->perm[i] = i;
+    shuffle(bt);
+    return KVCAP_OK;
+}
+
+static const float *next_batch(struct batcher *bt, int m, size_t *ld)
+{
+    if (!bt->perm) {
+        *ld = bt->ld;
+        return bt->x;
+    }
+    if (bt->n - bt->pos < bt->b)
+        shuffle(bt);
+    memcpy(bt->pick, bt->perm + bt->pos, sizeof *bt->pick * bt->b);
+    bt->pos += bt->b;
+    qsort(bt->pick, bt->b, sizeof *bt->pick, compare_size); /* gather in memory order */
+    for (int j = 0; j < m; j++) {
+        const float *row = bt->x + (size_t)j * bt->ld;
+        float *dst = bt->buf + (size_t)j * bt->b;
+        for (size_t c = 0; c < bt->b; c++)
+            dst[c] = row[bt->pick[c]];
+    }
+    *ld = bt->b;
+    return bt->buf;
+}
+
+/* Everything kvcap_keys_train owns, freed in one place whatever happened. */
+struct trainer {
+    struct kvcap_train_net relaxed, hard;
+    struct kvcap_train_work work;
+    struct batcher batches;
+    struct adam adam;
+    float *grad;
+    struct kvcap_key_maps best, cand;
+    double best_val;
+    /* where checkpoints are scored: x_val, or x_train when there is no validation set */
+    const float *xv;
+    size_t ldv, nv;
+};
+
+static void trainer_free(struct trainer *tr)
+{
+    kvcap_train_net_free(&tr->relaxed);
+    kvcap_train_net_free(&tr->hard);
+    kvcap_train_work_free(&tr->work);
+    free(tr->batches.perm);
+    free(tr->batches.pick);
+    free(tr->batches.buf);
+    free(tr->adam.m1);
+    free(tr->adam.m2);
+    free(tr->grad);
+    kvcap_key_maps_free(&tr->best);
+    kvcap_key_maps_free(&tr->cand);
+}
+
+/* Scores the hard network on the validation columns; keeps it if strictly better. A
+ * non-finite score is never kept. */
+static enum kvcap_status checkpoint(struct trainer *tr, int *kept_init)
+{
+    double mse, energy;
+    kvcap_train_net_to_maps(&tr->hard, &tr->cand);
+    KVCAP_TRY(kvcap_key_maps_mse(&tr->cand, tr->xv, tr->ldv, tr->nv, &mse, &energy));
+    if (mse < tr->best_val) {
+        struct kvcap_key_maps t = tr->best;
+        tr->best = tr->cand;
+        tr->cand = t; /* same shape: rk and h never change, only gelu may differ */
+        tr->best_val = mse;
+        *kept_init = 0;
+    }
+    return KVCAP_OK;
+}
+
+static int all_finite(const float *v, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (!isfinite(v[i]))
+            return 0;
+    return 1;
+}
+
+/* Runs one phase: `steps` Adam steps of `net`, fresh Adam moments. *taken is the number of
+ * steps done: fewer than asked when the loss or the parameters stop being finite (the caller
+ * then stops training; the last finite-loss update may have been applied). If
+ * `checkpoints`, scores the network every KVCAP_TRAIN_CHECK_EVERY steps and after the last. */
+static enum kvcap_status run_phase(struct trainer *tr, struct kvcap_train_net *net,
+                                   const struct kvcap_train_config *cfg, int steps,
+                                   int checkpoints, int *kept_init, int *taken)
+{
+    *taken = 0;
+    adam_reset(&tr->adam, net->n_params);
+    for (int t = 0; t < steps; t++) {
+        if (!net->rows && steps > 1) /* geometric annealing, tau_end at the last step */
+            net->tau = cfg->tau_start * pow(cfg->tau_end / cfg->tau_start, (double)t / (steps - 1));
+        size_t ld;
+        const float *xb = next_batch(&tr->batches, net->m, &ld);
+        double loss = kvcap_train_loss_grad(net, xb, ld, tr->batches.b, &tr->work, tr->grad);
+        if (!isfinite(loss))
+            return KVCAP_OK;
+        adam_step(&tr->adam, net->theta, tr->grad, cfg->lr);
+        if (!all_finite(net->theta, net->n_params))
+            return KVCAP_OK;
+        *taken = t + 1;
+        if (checkpoints && ((t + 1) % KVCAP_TRAIN_CHECK_EVERY == 0 || t + 1 == steps))
+            KVCAP_TRY(checkpoint(tr, kept_init));
+    }
+    return KVCAP_OK;
+}
+
+static enum kvcap_status train_run(struct trainer *tr, const float *x_train, size_t ld_train,
+                                   size_t n_train, const struct kvcap_train_config *cfg, int gelu,
+                                   const struct kvcap_key_maps *init,
+                                   struct kvcap_train_report *rep)
+{
+    const int m = init->m, rk = init->rk, h = init->h;
+    double energy;
+
+    /* The initialisation is the first checkpoint. */
+    KVCAP_TRY(kvcap_key_maps_copy(&tr->best, init));
+    KVCAP_TRY(kvcap_key_maps_mse(init, x_train, ld_train, n_train, &rep->init_train_mse, &energy));
+    KVCAP_TRY(kvcap_key_maps_mse(init, tr->xv, tr->ldv, tr->nv, &rep->init_val_mse, &energy));
+    tr->best_val = rep->init_val_mse;
+    rep->kept_init = 1;
+
+    KVCAP_TRY(batcher_init(&tr->batches, x_train, ld_train, n_train, m, cfg->seed));
+    KVCAP_TRY(kvcap_train_work_alloc(&tr->work, m, h, tr->batches.b));
+    KVCAP_TRY(kvcap_train_net_init_relaxed(&tr->relaxed, init, gelu, cfg, x_train, ld_train,
+                                           n_train));
+    size_t np = tr->relaxed.n_params; /* the relaxed network is the larger one */
+    tr->grad = malloc(sizeof *tr->grad * np);
+    tr->adam.m1 = malloc(sizeof *tr->adam.m1 * np);
+    tr->adam.m2 = malloc(sizeof *tr->adam.m2 * np);
+    KVCAP_RETURN_IF(!tr->grad || !tr->adam.m1 || !tr->adam.m2, KVCAP_ERR_OUT_OF_MEMORY,
+                    "keys train: out of memory for %zu parameters", np);
+
+    int taken;
+    KVCAP_TRY(run_phase(tr, &tr->relaxed, cfg, cfg->steps, 0, &rep->kept_init, &taken));
+    rep->steps_run = taken;
+    if (taken < cfg->steps) {
+        kvcap_log(KVCAP_LOG_WARN,
+                  "keys train: relaxed phase diverged at step %d of %d (lr %g too large?); "
+                  "keeping the initialisation",
+                  taken + 1, cfg->steps, cfg->lr);
+        return KVCAP_OK;
+    }
+    KVCAP_TRY(kvcap_train_net_harden(&tr->relaxed, rk, &tr->hard));
+    KVCAP_TRY(kvcap_key_maps_alloc(&tr->cand, m, rk, h, tr->hard.gelu));
+    KVCAP_TRY(checkpoint(tr, &rep->kept_init));
+    KVCAP_TRY(run_phase(tr, &tr->hard, cfg, cfg->finetune_steps, 1, &rep->kept_init, &taken));
+    rep->steps_run += taken;
+    if (taken < cfg->finetune_steps)
+        kvcap_log(KVCAP_LOG_WARN,
+                  "keys train: fine-tune diverged at step %d of %d (lr %g too large?); keeping "
+                  "the best checkpoint before it",
+                  taken + 1, cfg->finetune_steps, cfg->lr);
+    return KVCAP_OK;
+}
+
+static enum kvcap_status check_finite(const float *x, size_t ld, int m, size_t n,
+                                      const char *name)
+{
+    for (int j = 0; j < m; j++)
+        for (size_t c = 0; c < n; c++)
+            KVCAP_RETURN_IF(!isfinite(x[(size_t)j * ld + c]), KVCAP_ERR_NUMERIC,
+                            "keys train: %s[%d][%zu] is not finite", name, j, c);
+    return KVCAP_OK;
+}
+
+static enum kvcap_status check_args(const float *x_train, size_t ld_train, size_t n_train,
+                                    const float *x_val, size_t ld_val, size_t n_val,
+                                    const struct kvcap_train_config *cfg, int gelu,
+                                    const struct kvcap_key_maps *init)
+{
+    const enum kvcap_status bad = KVCAP_ERR_INVALID_ARGUMENT;
+    KVCAP_RETURN_IF(!x_train, bad, "keys train: x_train is NULL");
+    KVCAP_RETURN_IF(n_train == 0, bad, "keys train: n_train is 0 (no training columns)");
+    KVCAP_RETURN_IF(ld_train < n_train, bad, "keys train: ld_train %zu < n_train %zu", ld_train,
+                    n_train);
+    KVCAP_RETURN_IF(n_val > 0 && !x_val, bad, "keys train: x_val is NULL with n_val %zu", n_val);
+    KVCAP_RETURN_IF(n_val > 0 && ld_val < n_val, bad, "keys train: ld_val %zu < n_val %zu",
+                    ld_val, n_val);
+    KVCAP_RETURN_IF(!cfg, bad, "keys train: cfg is NULL");
+    KVCAP_RETURN_IF(cfg->steps < 0, bad, "keys train: cfg->steps %d < 0", cfg->steps);
+    KVCAP_RETURN_IF(cfg->finetune_steps < 0, bad, "keys train: cfg->finetune_steps %d < 0",
+                    cfg->finetune_steps);
+    KVCAP_RETURN_IF(!(cfg->lr > 0 && isfinite(cfg->lr)), bad,
+                    "keys train: cfg->lr %g is not a positive finite number", cfg->lr);
+    KVCAP_RETURN_IF(!(cfg->tau_start > 0 && isfinite(cfg->tau_start)), bad,
+                    "keys train: cfg->tau_start %g is not a positive finite number",
+                    cfg->tau_start);
+    KVCAP_RETURN_IF(!(cfg->tau_end > 0 && cfg->tau_end <= cfg->tau_start), bad,
+                    "keys train: cfg->tau_end %g is not in (0, tau_start %g]", cfg->tau_end,
+                    cfg->tau_start);
+    KVCAP_RETURN_IF(!(cfg->lambda_bce >= 0 && isfinite(cfg->lambda_bce)), bad,
+                    "keys train: cfg->lambda_bce %g is not a finite number >= 0", cfg->lambda_bce);
+    KVCAP_RETURN_IF(!(cfg->lambda_r >= 0 && isfinite(cfg->lambda_r)), bad,
+                    "keys train: cfg->lambda_r %g is not a finite number >= 0", cfg->lambda_r);
+    KVCAP_RETURN_IF(!init, bad, "keys train: init is NULL");
+    KVCAP_RETURN_IF(init->m < 1 || init->rk < 1 || init->rk > init->m || init->h < 1, bad,
+                    "keys train: init sizes m %d, rk %d, h %d (need 1 <= rk <= m, h >= 1)",
+                    init->m, init->rk, init->h);
+    KVCAP_RETURN_IF(!init->mask || !init->w1 || !init->b1 || !init->w2 || !init->b2, bad,
+                    "keys train: init has a NULL array (mask, w1, b1, w2 or b2)");
+    for (int r = 0; r < init->rk; r++)
+        KVCAP_RETURN_IF(init->mask[r] < 0 || init->mask[r] >= init->m ||
+                            (r > 0 && init->mask[r] <= init->mask[r - 1]),
+                        bad, "keys train: init->mask[%d] = %d is not strictly increasing in "
+                        "[0, m %d)", r, (int)init->mask[r], init->m);
+    KVCAP_RETURN_IF(init->gelu && !gelu, bad,
+                    "keys train: init is a GELU network but gelu is 0 (a linear fit was asked)");
+    return KVCAP_OK;
+}
+
+enum kvcap_status kvcap_keys_train(const float *x_train, size_t ld_train, size_t n_train,
+                                   const float *x_val, size_t ld_val, size_t n_val,
+                                   const struct kvcap_train_config *cfg, int gelu,
+                                   const struct kvcap_key_maps *init, struct kvcap_key_maps *out,
+                                   struct kvcap_train_report *report)
+{
+    KVCAP_RETURN_IF(!out, KVCAP_ERR_INVALID_ARGUMENT, "keys train: out is NULL");
+    KVCAP_RETURN_IF(out == init, KVCAP_ERR_INVALID_ARGUMENT, "keys train: out is init");
+    memset(out, 0, sizeof *out);
+    KVCAP_RETURN_IF(!report, KVCAP_ERR_INVALID_ARGUMENT, "keys train: report is NULL");
+    memset(report, 0, sizeof *report);
+    KVCAP_TRY(check_args(x_train, ld_train, n_train, x_val, ld_val, n_val, cfg, gelu, init));
+    KVCAP_TRY(check_finite(x_train, ld_train, init->m, n_train, "x_train"));
+    KVCAP_TRY(check_finite(x_val, ld_val, init->m, n_val, "x_val"));
+
+    struct trainer tr;
+    memset(&tr, 0, sizeof tr);
+    tr.xv = n_val > 0 ? x_val : x_train;
+    tr.ldv = n_val > 0 ? ld_val : ld_train;
+    tr.nv = n_val > 0 ? n_val : n_train;
+    struct kvcap_train_report rep;
+    memset(&rep, 0, sizeof rep);
+    enum kvcap_status st = train_run(&tr, x_train, ld_train, n_train, cfg, gelu != 0, init, &rep);
+    if (st == KVCAP_OK && !rep.kept_init) {
+        double energy;
+        st = kvcap_key_maps_mse(&tr.best, x_train, ld_train, n_train, &rep.final_train_mse,
+                                &energy);
+    } else if (st == KVCAP_OK) {
+        rep.final_train_mse = rep.init_train_mse;
+    }
+    if (st == KVCAP_OK) {
+        rep.final_val_mse = tr.best_val;
+        *out = tr.best;
+        memset(&tr.best, 0, sizeof tr.best);
+        *report = rep;
+    }
+    trainer_free(&tr);
+    return st;
+}
