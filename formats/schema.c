@@ -407,6 +407,12 @@ static enum kvcap_status check_maps(const struct kvst_file *f, const char *prefi
     KVCAP_TRY(expect(f, name, 1, dtype, 2, w2_shape, &t));
     snprintf(name, sizeof name, "%s.k_b2", prefix);
     KVCAP_TRY(expect(f, name, 1, dtype, 1, b2_shape, &t));
+    const int64_t act_shape[1] = {1};
+    snprintf(name, sizeof name, "%s.k_act", prefix);
+    KVCAP_TRY(expect(f, name, 0, KVCAP_DTYPE_U8, 1, act_shape, &t));
+    KVCAP_RETURN_IF(t && *(const uint8_t *)t->data > 1, KVCAP_ERR_FORMAT,
+                    "%s: tensor '%s': %u is not 0 (identity) or 1 (GELU)", kvst_path(f), name,
+                    (unsigned)*(const uint8_t *)t->data);
     return KVCAP_OK;
 }
 

@@ -1,4 +1,6 @@
 /* geometry.c — validation of the model geometry shared by configs, file headers and caches. */
+#include <string.h>
+
 #include "internal.h"
 
 enum kvcap_status kvcap_geometry_validate(const struct kvcap_model_geometry *g)
@@ -82,4 +84,24 @@ enum kvcap_status kvcap_geometry_check(const struct kvcap_model_geometry *g)
     enum kvcap_status st = kvcap_geometry_validate(g);
     kvcap_quiet_pop();
     return st;
+}
+
+const char *kvcap_geometry_difference(const struct kvcap_model_geometry *a,
+                                       const struct kvcap_model_geometry *b)
+{
+    if (a->n_layers != b->n_layers) return "model.layers";
+    if (a->n_q_heads != b->n_q_heads) return "model.q_heads";
+    if (a->n_kv_heads != b->n_kv_heads) return "model.kv_heads";
+    if (a->head_dim != b->head_dim) return "model.head_dim";
+    if (a->rope_type != b->rope_type) return "model.rope.type";
+    if (a->rope_type != KVCAP_ROPE_NONE) {
+        if (a->rope_pairing != b->rope_pairing) return "model.rope.pairing";
+        if (a->rope_theta != b->rope_theta) return "model.rope.theta";
+        if ((a->rope_dim ? a->rope_dim : a->head_dim) != (b->rope_dim ? b->rope_dim : b->head_dim))
+            return "model.rope.dim";
+        if (a->n_rope_sections != b->n_rope_sections ||
+            memcmp(a->rope_sections, b->rope_sections, sizeof a->rope_sections) != 0)
+            return "model.rope.sections";
+    }
+    return NULL;
 }

@@ -63,6 +63,11 @@ int kvcap_dtype_parse(const char *s, enum kvcap_dtype *out); /* "F32"/"f32", "BF
  * message with their context. */
 enum kvcap_status kvcap_bucket_check(const struct kvcap_bucket *b, const char *field);
 
+/* The first field ("model.kv_heads", ...) in which two geometries differ (the name is
+ * ignored), or NULL when they describe the same model. */
+const char *kvcap_geometry_difference(const struct kvcap_model_geometry *a,
+                                      const struct kvcap_model_geometry *b);
+
 /* kvcap_geometry_validate without logging, for callers that re-raise (see kvcap_quiet_push). */
 enum kvcap_status kvcap_geometry_check(const struct kvcap_model_geometry *g);
 

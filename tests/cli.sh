@@ -41,8 +41,27 @@ expect synth_bad_grid 2 "--grid: '16by16'" "$synth" --out "$work/x" --grid 16by1
 expect synth_bad_spans 2 "--spans: '0'" "$synth" --out "$work/x" --spans 0
 expect synth_bad_config 1 "no_such.yaml" "$synth" --out "$work/x" --config "$work/no_such.yaml"
 expect synth_run 0 "wrote 2 spans for SmolLM2-135M" "$synth" --out "$work/synth" --spans 2 --grid 4x4 --dtype bf16
+expect synth_run16 0 "wrote 6 spans" "$synth" --out "$work/synth16" --spans 6 --grid 16x16 --seed 5
 expect synth_inspect 0 "spans      2 (K/V BF16" "$convert" -i "$work/synth/shard-00000.safetensors"
 [ -e "$work/x" ] && fail "failed runs left $work/x behind"
+
+calibrate="$bin/kvcap-calibrate"
+expect cal_help 0 "usage: kvcap-calibrate" "$calibrate" --help
+expect cal_no_out 2 "--out STATE.kvcs is required" "$calibrate" --data "$work/synth"
+expect cal_no_data 2 "--data PATH is required" "$calibrate" --out "$work/s.kvcs"
+expect cal_run 0 "bucket  layer    r_k" "$calibrate" --data "$work/synth16" --out "$work/s.kvcs" --metrics-json "$work/m.json"
+grep -q '"attn_cos"' "$work/m.json" || fail "metrics JSON lacks attn_cos"
+expect cal_inspect 0 "kind       calib" "$convert" -i "$work/s.kvcs"
+expect cal_unmatched 1 "4x4 grid (n = 16), which matches no bucket" "$calibrate" --data "$work/synth" --out "$work/bad.kvcs"
+[ -e "$work/bad.kvcs" ] && fail "a failed calibration left bad.kvcs behind"
+expect cal_skip 1 "buckets\[0\] (16x16 dense): no training span" "$calibrate" --data "$work/synth" --out "$work/bad.kvcs" --skip-unmatched
+expect conv_run 0 "wrote $work/a.kvcap" "$convert" "$work/s.kvcs" --out "$work/a.kvcap" --keys uniform:0.25 --storage bf16
+expect conv_inspect 0 "storage BF16, activation linear" "$convert" -i "$work/a.kvcap"
+expect conv_inspect_r 0 "keys       mean r 0.250" "$convert" -i "$work/a.kvcap"
+expect conv_bad_sched 2 "--keys: 'pyramid:0.5'" "$convert" "$work/s.kvcs" --out "$work/b.kvcap" --keys pyramid:0.5
+expect conv_missing 1 "no_such.kvcs" "$convert" "$work/no_such.kvcs" --out "$work/b.kvcap"
+expect conv_wrong_kind 1 "kvcap.kind: 'artifact', expected 'calib'" "$convert" "$work/a.kvcap" --out "$work/b.kvcap"
+[ -e "$work/b.kvcap" ] && fail "a failed conversion left b.kvcap behind"
 
 if [ "$failures" -ne 0 ]; then
   echo "$failures CLI check(s) failed"

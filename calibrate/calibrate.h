@@ -1,0 +1,52 @@
+/* calibrate.h — kvcap_calibrate(): the library function under kvcap-calibrate. */
+#ifndef KVCAP_CALIBRATE_H
+#define KVCAP_CALIBRATE_H
+
+#include <stdint.h>
+
+#include "config.h"
+#include "dataset.h"
+#include "state.h"
+#include "synth.h" /* kvcap_progress_fn */
+
+struct kvcap_calibrate_options {
+    const char *const *data; /* dataset shards or folders */
+    int n_data;
+    int skip_unmatched;      /* spans whose grid matches no bucket: skip instead of failing */
+    int max_train_spans;     /* trained path: training spans kept in memory per bucket (64) */
+    int max_val_spans;       /* trained path: validation spans used for checkpoints (32) */
+    /* Progress: phase names "accumulate", "fit", "train", "validate"; called often. */
+    void (*progress)(const char *phase, int64_t done, int64_t total, void *user);
+    void *user;
+};
+
+void kvcap_calibrate_default_options(struct kvcap_calibrate_options *o);
+
+/* What a run saw, for the tools' summaries. */
+struct kvcap_calibrate_report {
+    int64_t spans_seen, spans_skipped;
+    double seconds_accumulate, seconds_fit, seconds_train, seconds_validate;
+    struct kvcap_fit_timing fit;  /* the fit phase split into value PCA and closed-form keys */
+    double gram_flops; /* flops of the Gram accumulation (2 · m² · columns per Gram, syrk) */
+};
+
+/* Streams the dataset, accumulates Grams over the training split, fits value bases and key
+ * maps (closed form, then trained if configured), measures validation metrics, and fills
+ * `state` (initialised here; the caller frees it). Nothing is written to disk. */
+enum kvcap_status kvcap_calibrate(const struct kvcap_calib_config *cfg,
+                                  const struct kvcap_calibrate_options *o,
+                                  struct kvcap_calib_state *state,
+                                  struct kvcap_calibrate_report *report);
+
+/* Validation metrics of a fitted state on the validation split of the dataset (the same
+ * content-keyed split as kvcap_calibrate): fills every unit's metrics. */
+enum kvcap_status kvcap_calibrate_validate(struct kvcap_calib_state *state,
+                                           const struct kvcap_calib_config *cfg,
+                                           const struct kvcap_calibrate_options *o);
+
+/* The split: 1 if the span belongs to the validation set. Keyed by the span's content (grid,
+ * p0 and the first bytes of its layer-0 keys) and the seed, so the same span lands on the
+ * same side however the dataset is split into shards or runs. */
+int kvcap_span_is_validation(const struct kvcap_span_view *span, double fraction, uint64_t seed);
+
+#endif

@@ -1,0 +1,411 @@
+/* state.c — calibration states: create, fit, merge, and their .kvcs file form. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "internal.h"
+#include "linalg.h"
+#include "state.h"
+
+#define NAME_CAP 96
+
+static const char *const metric_names[KVCAP_METRIC_COUNT] = {
+    "v_explained", "v_cos", "v_rel", "k_cos", "k_rel", "attn_cos", "attn_rel"};
+
+const char *kvcap_metric_name(enum kvcap_metric m)
+{
+    return (unsigned)m < KVCAP_METRIC_COUNT ? metric_names[m] : "?";
+}
+
+int kvcap_retained(double r, int m)
+{
+    int v = (int)lround(r * m);
+    return v < 1 ? 1 : v > m ? m : v;
+}
+
+static size_t unit_count(const struct kvcap_calib_state *s)
+{
+    return (size_t)s->model.n_layers * (size_t)s->model.n_kv_heads * (size_t)s->n_buckets;
+}
+
+static void unit_drop_fit(struct kvcap_calib_unit *u)
+{
+    free(u->v_eigval);
+    free(u->v_eigvec);
+    u->v_eigval = NULL;
+    u->v_eigvec = NULL;
+    kvcap_key_maps_free(&u->keys);
+    u->has_keys = 0;
+    for (int i = 0; i < KVCAP_METRIC_COUNT; i++)
+        u->metrics[i] = NAN;
+}
+
+/* Allocates the state's arrays for its model and buckets (Grams zeroed). */
+static enum kvcap_status state_alloc(struct kvcap_calib_state *s)
+{
+    size_t n = unit_count(s), L = (size_t)s->model.n_layers;
+    s->units = calloc(n, sizeof *s->units);
+    s->r_keys = calloc(L, sizeof *s->r_keys);
+    s->r_values = calloc(L, sizeof *s->r_values);
+    KVCAP_RETURN_IF(!s->units || !s->r_keys || !s->r_values, KVCAP_ERR_OUT_OF_MEMORY,
+                    "calibration state: out of memory");
+    for (size_t i = 0; i < n; i++) {
+        struct kvcap_calib_unit *u = &s->units[i];
+        int b = (int)(i % (size_t)s->n_buckets);
+        u->m = kvcap_bucket_points(&s->buckets[b]);
+        size_t mm = (size_t)u->m * (size_t)u->m;
+        u->v_gram = calloc(mm, sizeof(double));
+        u->k_gram = calloc(mm, sizeof(double));
+        KVCAP_RETURN_IF(!u->v_gram || !u->k_gram, KVCAP_ERR_OUT_OF_MEMORY,
+                        "calibration state: out of memory for %zu Grams of %dx%d", 2 * n, u->m,
+                        u->m);
+        unit_drop_fit(u);
+    }
+    return KVCAP_OK;
+}
+
+enum kvcap_status kvcap_calib_state_init(struct kvcap_calib_state *s,
+                                         const struct kvcap_calib_config *cfg)
+{
+    memset(s, 0, sizeof *s);
+    s->model = cfg->model;
+    s->n_buckets = cfg->n_buckets;
+    memcpy(s->buckets, cfg->buckets, sizeof cfg->buckets[0] * (size_t)cfg->n_buckets);
+    s->key_method = cfg->keys.method;
+    s->activation = cfg->keys.method == KVCAP_KEY_METHOD_TRAINED ? cfg->keys.activation
+                                                                 : KVCAP_ACTIVATION_LINEAR;
+    s->hidden = cfg->keys.hidden;
+    s->ridge = cfg->keys.ridge;
+    s->storage = cfg->storage;
+    enum kvcap_status st = state_alloc(s);
+    if (st == KVCAP_OK)
+        st = kvcap_schedule_expand(&cfg->schedule_keys, s->model.n_layers, s->r_keys);
+    if (st == KVCAP_OK)
+        st = kvcap_schedule_expand(&cfg->schedule_values, s->model.n_layers, s->r_values);
+    if (st != KVCAP_OK)
+        kvcap_calib_state_free(s);
+    return st;
+}
+
+void kvcap_calib_state_free(struct kvcap_calib_state *s)
+{
+    if (!s)
+        return;
+    if (s->units)
+        for (size_t i = 0; i < unit_count(s); i++) {
+            unit_drop_fit(&s->units[i]);
+            free(s->units[i].v_gram);
+            free(s->units[i].k_gram);
+        }
+    free(s->units);
+    free(s->r_keys);
+    free(s->r_values);
+    free(s->data_note);
+    memset(s, 0, sizeof *s);
+}
+
+static int unit_key_size(const struct kvcap_calib_state *s, int l, int m, int *h)
+{
+    int rk = kvcap_retained(s->r_keys[l], m);
+    *h = s->hidden > 0 && s->hidden < rk ? s->hidden : rk;
+    return rk;
+}
+
+static double seconds_now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+enum kvcap_status kvcap_calib_state_fit(struct kvcap_calib_state *s, int refit_keys,
+                                        struct kvcap_fit_timing *timing,
+                                        int (*progress)(int64_t, int64_t, void *), void *user)
+{
+    int L = s->model.n_layers, H = s->model.n_kv_heads;
+    struct kvcap_fit_timing local;
+    if (!timing)
+        timing = &local;
+    memset(timing, 0, sizeof *timing);
+    for (int l = 0; l < L; l++) {
+        for (int h = 0; h < H; h++)
+            for (int b = 0; b < s->n_buckets; b++) {
+                struct kvcap_calib_unit *u = kvcap_state_unit(s, l, h, b);
+                if (!u->v_eigval) {
+                    u->v_eigval = malloc(sizeof(double) * (size_t)u->m);
+                    u->v_eigvec = malloc(sizeof(float) * (size_t)u->m * (size_t)u->m);
+                    KVCAP_RETURN_IF(!u->v_eigval || !u->v_eigvec, KVCAP_ERR_OUT_OF_MEMORY,
+                                    "value PCA: out of memory");
+                    double t0 = seconds_now();
+                    enum kvcap_status st = kvcap_values_fit(u->v_gram, u->m, u->v_eigval,
+                                                            u->v_eigvec);
+                    timing->values_seconds += seconds_now() - t0;
+                    timing->value_fits++;
+                    KVCAP_RETURN_IF(st != KVCAP_OK, st, "l%d.h%d.b%d: %s", l, h, b,
+                                    kvcap_last_error());
+                }
+                int hw, rk = unit_key_size(s, l, u->m, &hw);
+                if (u->has_keys && !refit_keys && u->keys.rk == rk && u->keys.h == hw)
+                    continue;
+                kvcap_key_maps_free(&u->keys);
+                u->has_keys = 0;
+                double t0 = seconds_now();
+                enum kvcap_status st = kvcap_keys_closed_form(u->k_gram, u->m, rk, hw, s->ridge,
+                                                              &u->keys);
+                timing->keys_seconds += seconds_now() - t0;
+                timing->key_fits++;
+                KVCAP_RETURN_IF(st != KVCAP_OK, st, "l%d.h%d.b%d: %s", l, h, b,
+                                kvcap_last_error());
+                u->has_keys = 1;
+            }
+        if (progress && progress(l + 1, L, user))
+            return kvcap_fail(KVCAP_ERR_STATE, "fit: stopped by the caller");
+    }
+    return KVCAP_OK;
+}
+
+enum kvcap_status kvcap_calib_state_merge(struct kvcap_calib_state *dst,
+                                          const struct kvcap_calib_state *src,
+                                          const char *src_label)
+{
+    const char *diff = kvcap_geometry_difference(&dst->model, &src->model);
+    KVCAP_RETURN_IF(diff, KVCAP_ERR_GEOMETRY, "%s: %s differs from the first state's", src_label,
+                    diff);
+    KVCAP_RETURN_IF(dst->n_buckets != src->n_buckets, KVCAP_ERR_GEOMETRY,
+                    "%s: %d buckets, the first state has %d", src_label, src->n_buckets,
+                    dst->n_buckets);
+    for (int b = 0; b < dst->n_buckets; b++) {
+        const struct kvcap_bucket *x = &dst->buckets[b], *y = &src->buckets[b];
+        KVCAP_RETURN_IF(x->rows != y->rows || x->cols != y->cols || x->structure != y->structure ||
+                            x->tile_rows != y->tile_rows || x->tile_cols != y->tile_cols,
+                        KVCAP_ERR_GEOMETRY, "%s: buckets[%d] differs from the first state's",
+                        src_label, b);
+        dst->train_spans[b] += src->train_spans[b];
+        dst->val_spans[b] += src->val_spans[b];
+    }
+    for (size_t i = 0; i < unit_count(dst); i++) {
+        struct kvcap_calib_unit *u = &dst->units[i];
+        const struct kvcap_calib_unit *v = &src->units[i];
+        for (size_t j = 0; j < (size_t)u->m * (size_t)u->m; j++) {
+            u->v_gram[j] += v->v_gram[j];
+            u->k_gram[j] += v->k_gram[j];
+        }
+        unit_drop_fit(u);
+    }
+    /* Trained key maps cannot be merged; the merged state is refitted in closed form. */
+    dst->key_method = KVCAP_KEY_METHOD_CLOSED_FORM;
+    dst->activation = KVCAP_ACTIVATION_LINEAR;
+    return KVCAP_OK;
+}
+
+/* ---- .kvcs ------------------------------------------------------------------------------ */
+
+static cJSON *ratios_json(const double *r, int n)
+{
+    return cJSON_CreateDoubleArray(r, n);
+}
+
+enum kvcap_status kvcap_calib_state_write(const struct kvcap_calib_state *s, const char *path)
+{
+    struct kvst_writer *w = NULL;
+    KVCAP_TRY(kvst_writer_create(&w));
+    enum kvcap_status st = KVCAP_OK;
+    char name[NAME_CAP];
+    int L = s->model.n_layers, H = s->model.n_kv_heads;
+    for (int l = 0; st == KVCAP_OK && l < L; l++)
+        for (int h = 0; st == KVCAP_OK && h < H; h++)
+            for (int b = 0; st == KVCAP_OK && b < s->n_buckets; b++) {
+                const struct kvcap_calib_unit *u = kvcap_state_unit(s, l, h, b);
+                const int64_t mm[2] = {u->m, u->m}, m1[1] = {u->m};
+                const int64_t nm[1] = {KVCAP_METRIC_COUNT};
+#define ADD(suffix, dtype, nd, shape, data)                                       \
+    do {                                                                          \
+        snprintf(name, sizeof name, "l%d.h%d.b%d." suffix, l, h, b);              \
+        if (st == KVCAP_OK)                                                       \
+            st = kvst_writer_add(w, name, dtype, nd, shape, data);               \
+    } while (0)
+                ADD("v_gram", KVCAP_DTYPE_F64, 2, mm, u->v_gram);
+                ADD("k_gram", KVCAP_DTYPE_F64, 2, mm, u->k_gram);
+                ADD("metrics", KVCAP_DTYPE_F64, 1, nm, u->metrics);
+                if (u->v_eigval) {
+                    ADD("v_eigval", KVCAP_DTYPE_F64, 1, m1, u->v_eigval);
+                    ADD("v_eigvec", KVCAP_DTYPE_F32, 2, mm, u->v_eigvec);
+                }
+                if (u->has_keys) {
+                    const struct kvcap_key_maps *k = &u->keys;
+                    const int64_t rk[1] = {k->rk}, w1[2] = {k->rk, k->h}, b1[1] = {k->h};
+                    const int64_t w2[2] = {k->h, k->m};
+                    ADD("k_mask", KVCAP_DTYPE_I32, 1, rk, k->mask);
+                    ADD("k_w1", KVCAP_DTYPE_F32, 2, w1, k->w1);
+                    ADD("k_b1", KVCAP_DTYPE_F32, 1, b1, k->b1);
+                    ADD("k_w2", KVCAP_DTYPE_F32, 2, w2, k->w2);
+                    ADD("k_b2", KVCAP_DTYPE_F32, 1, m1, k->b2);
+                    const int64_t one[1] = {1};
+                    static const uint8_t act[2] = {0, 1};
+                    ADD("k_act", KVCAP_DTYPE_U8, 1, one, &act[k->gelu ? 1 : 0]);
+                }
+#undef ADD
+            }
+    cJSON *config = cJSON_CreateObject();
+    if (st == KVCAP_OK && config) {
+        cJSON_AddItemToObject(config, "model", kvcap_geometry_to_json(&s->model));
+        cJSON_AddItemToObject(config, "buckets", kvcap_buckets_to_json(s->buckets, s->n_buckets));
+        cJSON *calib = cJSON_AddObjectToObject(config, "calib");
+        cJSON *spans = cJSON_AddArrayToObject(calib, "spans");
+        for (int b = 0; b < s->n_buckets; b++) {
+            double pair[2] = {(double)s->train_spans[b], (double)s->val_spans[b]};
+            cJSON_AddItemToArray(spans, cJSON_CreateDoubleArray(pair, 2));
+        }
+        cJSON_AddItemToObject(calib, "metrics",
+                              cJSON_CreateStringArray(metric_names, KVCAP_METRIC_COUNT));
+        cJSON *fit = cJSON_AddObjectToObject(calib, "fit");
+        cJSON_AddStringToObject(fit, "keys_method", kvcap_key_method_name(s->key_method));
+        cJSON_AddStringToObject(fit, "activation", kvcap_activation_name(s->activation));
+        cJSON_AddNumberToObject(fit, "hidden", s->hidden);
+        cJSON_AddNumberToObject(fit, "ridge", s->ridge);
+        cJSON_AddStringToObject(fit, "storage", kvcap_dtype_name(s->storage));
+        cJSON *sched = cJSON_AddObjectToObject(fit, "schedule");
+        cJSON_AddItemToObject(sched, "keys", ratios_json(s->r_keys, L));
+        cJSON_AddItemToObject(sched, "values", ratios_json(s->r_values, L));
+        cJSON *prov = cJSON_AddObjectToObject(config, "provenance");
+        char tool[48];
+        snprintf(tool, sizeof tool, "kvcap %s", kvcap_version());
+        cJSON_AddStringToObject(prov, "tool", tool);
+        if (s->data_note)
+            cJSON_AddStringToObject(prov, "data", s->data_note);
+        st = kvcap_schema_set_meta(w, KVCAP_KIND_CALIB, config);
+    } else if (st == KVCAP_OK) {
+        st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
+    }
+    if (st == KVCAP_OK)
+        st = kvst_writer_commit(w, path);
+    cJSON_Delete(config);
+    kvst_writer_free(w);
+    return st;
+}
+
+static enum kvcap_status read_ratios(const cJSON *sched, const char *key, const char *path,
+                                     int n, double *out)
+{
+    const cJSON *arr = cJSON_GetObjectItemCaseSensitive(sched, key);
+    KVCAP_RETURN_IF(!cJSON_IsArray(arr) || cJSON_GetArraySize(arr) != n, KVCAP_ERR_FORMAT,
+                    "%s: calib.fit.schedule.%s: expected %d ratios", path, key, n);
+    for (int i = 0; i < n; i++) {
+        double r = cJSON_GetNumberValue(cJSON_GetArrayItem(arr, i));
+        KVCAP_RETURN_IF(!(r > 0 && r <= 1), KVCAP_ERR_FORMAT,
+                        "%s: calib.fit.schedule.%s[%d]: expected a ratio in (0, 1]", path, key, i);
+        out[i] = r;
+    }
+    return KVCAP_OK;
+}
+
+static enum kvcap_status read_fit(const cJSON *fit, const char *path, struct kvcap_calib_state *s)
+{
+    KVCAP_RETURN_IF(!cJSON_IsObject(fit), KVCAP_ERR_FORMAT, "%s: calib.fit: missing", path);
+    const char *method = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(fit, "keys_method"));
+    const char *act = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(fit, "activation"));
+    const char *storage = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(fit, "storage"));
+    KVCAP_RETURN_IF(!method || !kvcap_key_method_parse(method, &s->key_method), KVCAP_ERR_FORMAT,
+                    "%s: calib.fit.keys_method: missing or unknown", path);
+    KVCAP_RETURN_IF(!act || !kvcap_activation_parse(act, &s->activation), KVCAP_ERR_FORMAT,
+                    "%s: calib.fit.activation: missing or unknown", path);
+    KVCAP_RETURN_IF(!storage || !kvcap_dtype_parse(storage, &s->storage), KVCAP_ERR_FORMAT,
+                    "%s: calib.fit.storage: missing or unknown", path);
+    s->hidden = (int)cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(fit, "hidden"));
+    s->ridge = cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(fit, "ridge"));
+    KVCAP_RETURN_IF(s->hidden < 0 || !(s->ridge >= 0), KVCAP_ERR_FORMAT,
+                    "%s: calib.fit.hidden/ridge: out of range", path);
+    const cJSON *sched = cJSON_GetObjectItemCaseSensitive(fit, "schedule");
+    KVCAP_TRY(read_ratios(sched, "keys", path, s->model.n_layers, s->r_keys));
+    return read_ratios(sched, "values", path, s->model.n_layers, s->r_values);
+}
+
+static const struct kvst_tensor *find(const struct kvst_file *f, int l, int h, int b,
+                                      const char *suffix)
+{
+    char name[NAME_CAP];
+    snprintf(name, sizeof name, "l%d.h%d.b%d.%s", l, h, b, suffix);
+    return kvst_find(f, name);
+}
+
+enum kvcap_status kvcap_calib_state_read(const char *path, struct kvcap_calib_state *s)
+{
+    memset(s, 0, sizeof *s);
+    struct kvst_file *f = NULL;
+    KVCAP_TRY(kvst_open(path, &f));
+    struct kvcap_file_info info;
+    enum kvcap_status st = kvcap_schema_check(f, KVCAP_KIND_CALIB, &info);
+    if (st == KVCAP_OK) {
+        s->model = info.model;
+        s->n_buckets = info.n_buckets;
+        memcpy(s->buckets, info.buckets, sizeof info.buckets);
+        st = state_alloc(s);
+    }
+    const cJSON *calib = cJSON_GetObjectItemCaseSensitive(info.config, "calib");
+    if (st == KVCAP_OK) {
+        const cJSON *spans = cJSON_GetObjectItemCaseSensitive(calib, "spans");
+        for (int b = 0; b < s->n_buckets; b++) {
+            const cJSON *pair = cJSON_GetArrayItem(spans, b);
+            double tr = cJSON_GetNumberValue(cJSON_GetArrayItem(pair, 0));
+            double va = cJSON_GetNumberValue(cJSON_GetArrayItem(pair, 1));
+            if (!(tr >= 0 && va >= 0 && tr < 9e15 && va < 9e15)) {
+                st = kvcap_fail(KVCAP_ERR_FORMAT, "%s: calib.spans[%d]: expected two counts",
+                                path, b);
+                break;
+            }
+            s->train_spans[b] = (int64_t)tr;
+            s->val_spans[b] = (int64_t)va;
+        }
+    }
+    if (st == KVCAP_OK)
+        st = read_fit(cJSON_GetObjectItemCaseSensitive(calib, "fit"), path, s);
+    for (int l = 0; st == KVCAP_OK && l < s->model.n_layers; l++)
+        for (int h = 0; st == KVCAP_OK && h < s->model.n_kv_heads; h++)
+            for (int b = 0; st == KVCAP_OK && b < s->n_buckets; b++) {
+                struct kvcap_calib_unit *u = kvcap_state_unit(s, l, h, b);
+                size_t mm = (size_t)u->m * (size_t)u->m;
+                memcpy(u->v_gram, find(f, l, h, b, "v_gram")->data, sizeof(double) * mm);
+                memcpy(u->k_gram, find(f, l, h, b, "k_gram")->data, sizeof(double) * mm);
+                const struct kvst_tensor *t = find(f, l, h, b, "metrics");
+                if (t && t->n_elements == KVCAP_METRIC_COUNT)
+                    memcpy(u->metrics, t->data, sizeof u->metrics);
+                const struct kvst_tensor *ev = find(f, l, h, b, "v_eigval");
+                const struct kvst_tensor *evec = find(f, l, h, b, "v_eigvec");
+                if (ev && evec) {
+                    u->v_eigval = malloc(sizeof(double) * (size_t)u->m);
+                    u->v_eigvec = malloc(sizeof(float) * mm);
+                    if (!u->v_eigval || !u->v_eigvec) {
+                        st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
+                        break;
+                    }
+                    memcpy(u->v_eigval, ev->data, sizeof(double) * (size_t)u->m);
+                    memcpy(u->v_eigvec, evec->data, sizeof(float) * mm);
+                }
+                const struct kvst_tensor *mask = find(f, l, h, b, "k_mask");
+                if (mask) { /* shapes were checked by the schema */
+                    const struct kvst_tensor *w1 = find(f, l, h, b, "k_w1");
+                    const struct kvst_tensor *act = find(f, l, h, b, "k_act");
+                    int gelu = act ? *(const uint8_t *)act->data == 1
+                                   : s->activation == KVCAP_ACTIVATION_GELU;
+                    st = kvcap_key_maps_alloc(&u->keys, u->m, (int)mask->shape[0],
+                                              (int)w1->shape[1], gelu);
+                    if (st != KVCAP_OK)
+                        break;
+                    struct kvcap_key_maps *k = &u->keys;
+                    memcpy(k->mask, mask->data, mask->nbytes);
+                    memcpy(k->w1, w1->data, w1->nbytes);
+                    memcpy(k->b1, find(f, l, h, b, "k_b1")->data, sizeof(float) * (size_t)k->h);
+                    memcpy(k->w2, find(f, l, h, b, "k_w2")->data,
+                           sizeof(float) * (size_t)k->h * (size_t)k->m);
+                    memcpy(k->b2, find(f, l, h, b, "k_b2")->data, sizeof(float) * (size_t)k->m);
+                    u->has_keys = 1;
+                }
+            }
+    kvcap_file_info_free(&info);
+    kvst_close(f);
+    if (st != KVCAP_OK)
+        kvcap_calib_state_free(s);
+    return st;
+}

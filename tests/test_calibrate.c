@@ -1,0 +1,396 @@
+/* test_calibrate.c — calibration with known answers: exact recovery at the true rank, invariance
+ * to the span's start position, exact merging of states, trained keys never worse than the
+ * closed form, and named errors for bad inputs. */
+#include <dirent.h>
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include "calibrate.h"
+#include "convert.h"
+#include "internal.h"
+
+/* Data are stored in f32: exact-rank structure survives storage up to float rounding. */
+#define EXACT_REL_TOL 1e-4
+/* Grams summed in a different order: double rounding only. */
+#define MERGE_REL_TOL 1e-12
+/* Offset normalisation rotates in float: angles up to ~5000 rad lose ~1e-6 relative. */
+#define P0_REL_TOL 2e-5
+
+static const char *base_yaml =
+    "model:\n"
+    "  name: tiny\n"
+    "  layers: 2\n"
+    "  q_heads: 4\n"
+    "  kv_heads: 2\n"
+    "  head_dim: 64\n"
+    "  rope: {type: rope, pairing: half, theta: 10000}\n"
+    "buckets:\n"
+    "  - {rows: 8, cols: 8}\n"
+    "  - {rows: 8, cols: 8, structure: tiled, tile: [4, 4]}\n"
+    "schedule:\n"
+    "  keys: {kind: uniform, ratio: 0.125}\n"   /* R_k = 8 of 64 (2 of 16 per tile) */
+    "  values: {kind: uniform, ratio: 0.078125}\n" /* R_v = 5 of 64 */
+    "keys: {method: %s, activation: %s, ridge: 0, train: {steps: 60, finetune_steps: 40, lr: 0.003}}\n"
+    "validation: {fraction: %s, seed: 3}\n"
+    "storage: f32\n";
+
+static void load_config(struct kvcap_calib_config *cfg, const char *method,
+                        const char *activation, const char *fraction)
+{
+    char text[2048];
+    snprintf(text, sizeof text, base_yaml, method, activation, fraction);
+    enum kvcap_status st = kvcap_calib_config_load_string(text, "test.yaml", cfg);
+    if (st != KVCAP_OK)
+        fail_msg("%s", kvcap_last_error());
+}
+
+static void tmpdir(char *out, size_t cap, const char *tag)
+{
+    const char *t = getenv("TMPDIR");
+    snprintf(out, cap, "%s/%s-%d-XXXXXX", t ? t : "/tmp", tag, (int)getpid());
+    assert_non_null(mkdtemp(out));
+}
+
+static void rm_tree(const char *dir)
+{
+    DIR *d = opendir(dir);
+    struct dirent *e;
+    char p[1024];
+    while (d && (e = readdir(d)) != NULL)
+        if (e->d_name[0] != '.') {
+            snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
+            unlink(p);
+        }
+    if (d)
+        closedir(d);
+    rmdir(dir);
+}
+
+static void synth_noisy(const struct kvcap_calib_config *cfg, const char *dir, int spans,
+                        uint64_t seed, int p0_max, double noise)
+{
+    struct kvcap_synth_params p;
+    kvcap_synth_default_params(&p);
+    p.n_spans = spans;
+    p.n_grids = 1;
+    p.grid_rows[0] = 8;
+    p.grid_cols[0] = 8;
+    p.rank_k = 6;
+    p.rank_v = 5;
+    p.noise = noise;
+    p.outliers = noise > 0 ? 2 : 0;
+    p.post_queries = 0;
+    p.decode_queries = 4;
+    p.dtype = KVCAP_DTYPE_F32;
+    p.seed = seed;
+    p.p0_max = p0_max;
+    assert_int_equal(kvcap_synth(&cfg->model, &p, dir, NULL, NULL), KVCAP_OK);
+}
+
+static void synth(const struct kvcap_calib_config *cfg, const char *dir, int spans,
+                  uint64_t seed, int p0_max)
+{
+    synth_noisy(cfg, dir, spans, seed, p0_max, 0.0);
+}
+
+static void calibrate(const struct kvcap_calib_config *cfg, const char *const *dirs, int n,
+                      struct kvcap_calib_state *s)
+{
+    struct kvcap_calibrate_options o;
+    kvcap_calibrate_default_options(&o);
+    o.data = dirs;
+    o.n_data = n;
+    struct kvcap_calibrate_report r;
+    enum kvcap_status st = kvcap_calibrate(cfg, &o, s, &r);
+    if (st != KVCAP_OK)
+        fail_msg("%s", kvcap_last_error());
+}
+
+static void test_exact_recovery(void **state)
+{
+    (void)state;
+    struct kvcap_calib_config cfg;
+    load_config(&cfg, "closed_form", "linear", "0.3");
+    char dir[512];
+    tmpdir(dir, sizeof dir, "cal-exact");
+    synth(&cfg, dir, 12, 7, 3000);
+    const char *dirs[1] = {dir};
+    struct kvcap_calib_state s;
+    calibrate(&cfg, dirs, 1, &s);
+    assert_true(s.val_spans[0] > 0 && s.train_spans[0] > 0);
+    for (int l = 0; l < 2; l++)
+        for (int h = 0; h < 2; h++) {
+            const struct kvcap_calib_unit *u = kvcap_state_unit(&s, l, h, 0);
+            /* explained variance is 1 at the true rank 5, and the 6th eigenvalue is noise */
+            double top = 0, all = 0;
+            for (int i = 0; i < u->m; i++) {
+                all += u->v_eigval[i];
+                top += i < 5 ? u->v_eigval[i] : 0;
+            }
+            assert_true(top / all > 1 - 1e-9);
+            assert_true(u->v_eigval[5] < 1e-9 * u->v_eigval[0]);
+            /* held-out spans: values and linear keys reconstruct exactly (float storage) */
+            const double *m = u->metrics;
+            if (!(m[KVCAP_METRIC_V_EXPLAINED] > 1 - 1e-8 && m[KVCAP_METRIC_V_REL] < EXACT_REL_TOL &&
+                  m[KVCAP_METRIC_K_REL] < EXACT_REL_TOL && m[KVCAP_METRIC_ATTN_REL] < EXACT_REL_TOL &&
+                  m[KVCAP_METRIC_ATTN_COS] > 1 - 1e-8))
+                fail_msg("l%d.h%d: v_expl %.12f v_rel %g k_rel %g attn_rel %g attn_cos %.12f", l, h,
+                         m[KVCAP_METRIC_V_EXPLAINED], m[KVCAP_METRIC_V_REL],
+                         m[KVCAP_METRIC_K_REL], m[KVCAP_METRIC_ATTN_REL],
+                         m[KVCAP_METRIC_ATTN_COS]);
+            assert_int_equal(u->keys.rk, 8);
+        }
+    /* the state survives a write/read round trip */
+    char path[600];
+    snprintf(path, sizeof path, "%s/state.kvcs", dir);
+    assert_int_equal(kvcap_calib_state_write(&s, path), KVCAP_OK);
+    struct kvcap_calib_state back;
+    assert_int_equal(kvcap_calib_state_read(path, &back), KVCAP_OK);
+    const struct kvcap_calib_unit *a = kvcap_state_unit(&s, 1, 1, 1), *b = kvcap_state_unit(&back, 1, 1, 1);
+    assert_memory_equal(a->v_gram, b->v_gram, sizeof(double) * (size_t)a->m * a->m);
+    assert_memory_equal(a->keys.w2, b->keys.w2, sizeof(float) * (size_t)a->keys.h * a->m);
+    assert_memory_equal(a->metrics, b->metrics, sizeof a->metrics);
+    assert_int_equal(back.train_spans[1], s.train_spans[1]);
+    kvcap_calib_state_free(&back);
+    kvcap_calib_state_free(&s);
+    kvcap_calib_config_free(&cfg);
+    rm_tree(dir);
+}
+
+static double rel_diff(const double *a, const double *b, size_t n)
+{
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        num += (a[i] - b[i]) * (a[i] - b[i]);
+        den += a[i] * a[i];
+    }
+    return sqrt(num / (den > 0 ? den : 1));
+}
+
+static void test_start_position_invariance(void **state)
+{
+    (void)state;
+    struct kvcap_calib_config cfg;
+    load_config(&cfg, "closed_form", "linear", "0");
+    char d0[512], d1[512];
+    tmpdir(d0, sizeof d0, "cal-p0a");
+    tmpdir(d1, sizeof d1, "cal-p0b");
+    /* Noisy (full-rank) data: with exact-rank data the mask picks beyond the rank are decided
+     * by rounding, which is not a property of the data. */
+    synth_noisy(&cfg, d0, 6, 11, 0, 0.05);    /* every span at p0 = 0 */
+    synth_noisy(&cfg, d1, 6, 11, 5000, 0.05); /* the same spans at random p0 up to 5000 */
+    struct kvcap_calib_state s0, s1;
+    const char *a[1] = {d0}, *b[1] = {d1};
+    calibrate(&cfg, a, 1, &s0);
+    calibrate(&cfg, b, 1, &s1);
+    for (int i = 0; i < 2 * 2 * 2; i++) {
+        const struct kvcap_calib_unit *u = &s0.units[i], *v = &s1.units[i];
+        size_t mm = (size_t)u->m * u->m;
+        assert_true(rel_diff(u->k_gram, v->k_gram, mm) < P0_REL_TOL);
+        assert_true(rel_diff(u->v_gram, v->v_gram, mm) < MERGE_REL_TOL);
+        assert_memory_equal(u->keys.mask, v->keys.mask, sizeof(int32_t) * (size_t)u->keys.rk);
+    }
+    kvcap_calib_state_free(&s0);
+    kvcap_calib_state_free(&s1);
+    kvcap_calib_config_free(&cfg);
+    rm_tree(d0);
+    rm_tree(d1);
+}
+
+static void test_merge_equals_one_run(void **state)
+{
+    (void)state;
+    struct kvcap_calib_config cfg;
+    load_config(&cfg, "closed_form", "linear", "0.25");
+    char da[512], db[512];
+    tmpdir(da, sizeof da, "cal-ma");
+    tmpdir(db, sizeof db, "cal-mb");
+    synth(&cfg, da, 7, 21, 4000);
+    synth(&cfg, db, 9, 22, 4000);
+    struct kvcap_calib_state sa, sb, sab;
+    const char *a[1] = {da}, *b[1] = {db}, *ab[2] = {da, db};
+    calibrate(&cfg, a, 1, &sa);
+    calibrate(&cfg, b, 1, &sb);
+    calibrate(&cfg, ab, 2, &sab);
+    assert_int_equal(kvcap_calib_state_merge(&sa, &sb, "b"), KVCAP_OK);
+    for (int bk = 0; bk < 2; bk++) {
+        assert_int_equal(sa.train_spans[bk], sab.train_spans[bk]);
+        assert_int_equal(sa.val_spans[bk], sab.val_spans[bk]);
+    }
+    for (int i = 0; i < 8; i++) {
+        size_t mm = (size_t)sa.units[i].m * sa.units[i].m;
+        assert_true(rel_diff(sab.units[i].v_gram, sa.units[i].v_gram, mm) <= MERGE_REL_TOL);
+        assert_true(rel_diff(sab.units[i].k_gram, sa.units[i].k_gram, mm) <= MERGE_REL_TOL);
+    }
+    /* through the files and kvcap_convert: two states -> one artifact */
+    char pa[600], pb[600], out[600];
+    snprintf(pa, sizeof pa, "%s/a.kvcs", da);
+    snprintf(pb, sizeof pb, "%s/b.kvcs", db);
+    snprintf(out, sizeof out, "%s/merged.kvcap", da);
+    assert_int_equal(kvcap_calib_state_write(&sab, pa), KVCAP_OK); /* any valid state */
+    assert_int_equal(kvcap_calib_state_write(&sb, pb), KVCAP_OK);
+    struct kvcap_convert_options o;
+    kvcap_convert_default_options(&o);
+    const char *states[2] = {pa, pb};
+    o.states = states;
+    o.n_states = 2;
+    o.out = out;
+    struct kvcap_convert_report rep;
+    if (kvcap_convert(&o, &rep) != KVCAP_OK)
+        fail_msg("%s", kvcap_last_error());
+    assert_true(rep.keys_refit);
+    assert_true(access(out, F_OK) == 0);
+    /* a state of another model does not merge */
+    struct kvcap_calib_state other;
+    struct kvcap_calib_config cfg2 = cfg;
+    cfg2.model.n_layers = 3;
+    cfg2.schedule_keys.kind = cfg2.schedule_values.kind = KVCAP_SCHEDULE_UNIFORM;
+    assert_int_equal(kvcap_calib_state_init(&other, &cfg2), KVCAP_OK);
+    assert_int_equal(kvcap_calib_state_merge(&sab, &other, "other.kvcs"), KVCAP_ERR_GEOMETRY);
+    assert_non_null(strstr(kvcap_last_error(), "model.layers"));
+    kvcap_calib_state_free(&other);
+    kvcap_calib_state_free(&sa);
+    kvcap_calib_state_free(&sb);
+    kvcap_calib_state_free(&sab);
+    kvcap_calib_config_free(&cfg);
+    rm_tree(da);
+    rm_tree(db);
+}
+
+static void test_trained_never_worse(void **state)
+{
+    (void)state;
+    char dir[512];
+    tmpdir(dir, sizeof dir, "cal-train");
+    struct kvcap_calib_config closed, trained;
+    load_config(&closed, "closed_form", "linear", "0.3");
+    load_config(&trained, "trained", "gelu", "0.3");
+    /* noisy, outlier-laden data so the closed form is not already perfect */
+    struct kvcap_synth_params p;
+    kvcap_synth_default_params(&p);
+    p.n_spans = 10;
+    p.n_grids = 1;
+    p.grid_rows[0] = p.grid_cols[0] = 8;
+    p.rank_k = 12;
+    p.noise = 0.05;
+    p.dtype = KVCAP_DTYPE_F32;
+    p.decode_queries = 2;
+    assert_int_equal(kvcap_synth(&closed.model, &p, dir, NULL, NULL), KVCAP_OK);
+    const char *dirs[1] = {dir};
+    struct kvcap_calib_state sc, st;
+    calibrate(&closed, dirs, 1, &sc);
+    calibrate(&trained, dirs, 1, &st);
+    assert_int_equal(st.activation, KVCAP_ACTIVATION_GELU);
+    for (int i = 0; i < 8; i++) {
+        double kc = sc.units[i].metrics[KVCAP_METRIC_K_REL];
+        double kt = st.units[i].metrics[KVCAP_METRIC_K_REL];
+        if (!(kt <= kc * (1 + 1e-4) + 1e-7))
+            fail_msg("unit %d: trained k_rel %g worse than closed form %g", i, kt, kc);
+    }
+    kvcap_calib_state_free(&sc);
+    kvcap_calib_state_free(&st);
+    kvcap_calib_config_free(&closed);
+    kvcap_calib_config_free(&trained);
+    rm_tree(dir);
+}
+
+static void expect_failure(const struct kvcap_calib_config *cfg, const char *const *dirs, int n,
+                           enum kvcap_status status, const char *needle)
+{
+    struct kvcap_calibrate_options o;
+    kvcap_calibrate_default_options(&o);
+    o.data = dirs;
+    o.n_data = n;
+    struct kvcap_calib_state s;
+    struct kvcap_calibrate_report r;
+    enum kvcap_status st = kvcap_calibrate(cfg, &o, &s, &r);
+    if (st != status || !strstr(kvcap_last_error(), needle))
+        fail_msg("status %s, message \"%s\"; expected %s naming \"%s\"", kvcap_status_str(st),
+                 kvcap_last_error(), kvcap_status_str(status), needle);
+}
+
+static void test_bad_inputs_named(void **state)
+{
+    (void)state;
+    struct kvcap_calib_config cfg;
+    load_config(&cfg, "closed_form", "linear", "0.2");
+    char dir[512];
+    tmpdir(dir, sizeof dir, "cal-bad");
+    const char *dirs[1] = {dir};
+    /* empty dataset */
+    expect_failure(&cfg, dirs, 1, KVCAP_ERR_INVALID_ARGUMENT, "empty");
+    /* a grid that matches no bucket */
+    struct kvcap_synth_params p;
+    kvcap_synth_default_params(&p);
+    p.n_spans = 2;
+    p.n_grids = 1;
+    p.grid_rows[0] = 5;
+    p.grid_cols[0] = 7;
+    p.rank_k = p.rank_v = 4;
+    assert_int_equal(kvcap_synth(&cfg.model, &p, dir, NULL, NULL), KVCAP_OK);
+    expect_failure(&cfg, dirs, 1, KVCAP_ERR_GEOMETRY, "5x7 grid (n = 35), which matches no bucket");
+    rm_tree(dir);
+    /* data recorded from another model */
+    tmpdir(dir, sizeof dir, "cal-bad2");
+    struct kvcap_model_geometry other = cfg.model;
+    other.n_kv_heads = 1;
+    other.n_q_heads = 2;
+    p.grid_rows[0] = p.grid_cols[0] = 8;
+    assert_int_equal(kvcap_synth(&other, &p, dir, NULL, NULL), KVCAP_OK);
+    expect_failure(&cfg, dirs, 1, KVCAP_ERR_GEOMETRY, "model.q_heads");
+    rm_tree(dir);
+    /* NaN in the data */
+    tmpdir(dir, sizeof dir, "cal-bad3");
+    struct kvcap_dataset_writer_params wp;
+    kvcap_dataset_writer_default_params(&wp);
+    wp.dir = dir;
+    wp.dtype = KVCAP_DTYPE_F32;
+    struct kvcap_dataset_writer *w = NULL;
+    assert_int_equal(kvcap_dataset_writer_create(&cfg.model, &wp, &w), KVCAP_OK);
+    static float kv[2 * 64 * 64];
+    for (size_t i = 0; i < sizeof kv / sizeof kv[0]; i++)
+        kv[i] = (float)((i * 7919) % 13) - 6.0f;
+    assert_int_equal(kvcap_dataset_writer_begin_span(w, 8, 8, 3), KVCAP_OK);
+    assert_int_equal(kvcap_dataset_writer_set_kv(w, 0, kv, kv), KVCAP_OK);
+    kv[64 * 64 + 5] = NAN; /* head 1, token 0, channel 5 of layer 1 */
+    assert_int_equal(kvcap_dataset_writer_set_kv(w, 1, kv, kv), KVCAP_OK);
+    assert_int_equal(kvcap_dataset_writer_end_span(w), KVCAP_OK);
+    assert_int_equal(kvcap_dataset_writer_flush(w), KVCAP_OK);
+    kvcap_dataset_writer_free(w);
+    cfg.validation_fraction = 0;
+    expect_failure(&cfg, dirs, 1, KVCAP_ERR_NUMERIC, "tensor 's0.l1.k': non-finite value");
+    rm_tree(dir);
+    /* a shard with a missing tensor (handcrafted: tests/data/schema) */
+    struct kvcap_calib_config tiny;
+    const char *tiny_yaml = "model: {name: tiny, layers: 2, q_heads: 2, kv_heads: 1, head_dim: 64,"
+                            " rope: {type: rope, pairing: half, theta: 10000}}\n"
+                            "buckets: [{rows: 2, cols: 2}]\n"
+                            "schedule: {kind: uniform, ratio: 0.5}\n";
+    assert_int_equal(kvcap_calib_config_load_string(tiny_yaml, "tiny.yaml", &tiny), KVCAP_OK);
+    const char *bad[1] = {KVCAP_TEST_DATA "/schema/bad_missing_value.safetensors"};
+    expect_failure(&tiny, bad, 1, KVCAP_ERR_FORMAT, "missing required tensor 's0.l1.v'");
+    const char *bad_shape[1] = {KVCAP_TEST_DATA "/schema/bad_key_shape.safetensors"};
+    expect_failure(&tiny, bad_shape, 1, KVCAP_ERR_FORMAT, "tensor 's0.l0.k': shape");
+    kvcap_calib_config_free(&tiny);
+    kvcap_calib_config_free(&cfg);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_exact_recovery),
+        cmocka_unit_test(test_start_position_invariance),
+        cmocka_unit_test(test_merge_equals_one_run),
+        cmocka_unit_test(test_trained_never_worse),
+        cmocka_unit_test(test_bad_inputs_named),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
