@@ -7,7 +7,6 @@
 #include <omp.h>
 #endif
 #include <math.h>
-#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -349,7 +348,6 @@ enum kvcap_status kvcap_calibrate(const struct kvcap_calib_config *cfg,
     struct accumulator *acc = calloc(n_units, sizeof *acc);
     int threads = omp_threads();
     struct scratch *sc = calloc((size_t)threads, sizeof *sc);
-    char first_error[1024] = "";
     if (!acc || !sc)
         st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "calibrate: out of memory");
     for (int t = 0; st == KVCAP_OK && t < threads; t++)
@@ -398,28 +396,19 @@ enum kvcap_status kvcap_calibrate(const struct kvcap_calib_config *cfg,
          * and a single-threaded dsyrk, which on this class of machine beats one multi-threaded
          * dsyrk with the preprocessing serialised between calls. */
         double flops = 0.0;
-        atomic_int failed = 0;
+        struct kvcap_parallel_error err = {0};
 #pragma omp parallel for schedule(dynamic) reduction(+ : flops)
         for (int lh = 0; lh < L * H; lh++) {
-            if (atomic_load(&failed))
+            if (kvcap_parallel_failed(&err))
                 continue;
-            struct scratch *mine = &sc[omp_thread()];
             enum kvcap_status s2 = accumulate_head(state, acc, o, span, lh / H, lh % H, bits,
-                                                   trained, mine, &flops);
-            if (s2 != KVCAP_OK) {
-#pragma omp critical(kvcap_calibrate_error)
-                if (!atomic_load(&failed)) {
-                    st = s2;
-                    snprintf(first_error, sizeof first_error, "%s", kvcap_last_error());
-                    atomic_store(&failed, 1);
-                }
-            }
+                                                   trained, &sc[omp_thread()], &flops);
+            if (s2 != KVCAP_OK)
+                kvcap_parallel_fail(&err, s2);
         }
         report->gram_flops += flops;
-        if (st != KVCAP_OK) {
-            st = kvcap_fail(st, "%s", first_error); /* re-raise on the calling thread */
+        if ((st = kvcap_parallel_status(&err)) != KVCAP_OK)
             break;
-        }
         report_progress(o, "accumulate", report->spans_seen, total);
     }
     double tail_flops = 0.0;

@@ -1,4 +1,5 @@
 /* state.c — calibration states: create, fit, merge, and their .kvcs file form. */
+#include <cblas.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -120,50 +121,69 @@ static double seconds_now(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+/* Value PCA and closed-form keys of one unit (whichever are missing or stale). */
+static enum kvcap_status fit_unit(struct kvcap_calib_state *s, size_t i, int keys, int refit_keys)
+{
+    struct kvcap_calib_unit *u = &s->units[i];
+    int H = s->model.n_kv_heads, B = s->n_buckets;
+    int l = (int)(i / ((size_t)H * B)), h = (int)(i / (size_t)B % (size_t)H), b = (int)(i % (size_t)B);
+    if (!keys) {
+        if (u->v_eigval)
+            return KVCAP_OK;
+        u->v_eigval = malloc(sizeof(double) * (size_t)u->m);
+        u->v_eigvec = malloc(sizeof(float) * (size_t)u->m * (size_t)u->m);
+        KVCAP_RETURN_IF(!u->v_eigval || !u->v_eigvec, KVCAP_ERR_OUT_OF_MEMORY,
+                        "l%d.h%d.b%d: value PCA: out of memory", l, h, b);
+        enum kvcap_status st = kvcap_values_fit(u->v_gram, u->m, u->v_eigval, u->v_eigvec);
+        KVCAP_RETURN_IF(st != KVCAP_OK, st, "l%d.h%d.b%d: %s", l, h, b, kvcap_last_error());
+        return KVCAP_OK;
+    }
+    int hw, rk = unit_key_size(s, l, u->m, &hw);
+    if (u->has_keys && !refit_keys && u->keys.rk == rk && u->keys.h == hw)
+        return KVCAP_OK;
+    kvcap_key_maps_free(&u->keys);
+    u->has_keys = 0;
+    enum kvcap_status st = kvcap_keys_closed_form(u->k_gram, u->m, rk, hw, s->ridge, &u->keys);
+    KVCAP_RETURN_IF(st != KVCAP_OK, st, "l%d.h%d.b%d: %s", l, h, b, kvcap_last_error());
+    u->has_keys = 1;
+    return KVCAP_OK;
+}
+
 enum kvcap_status kvcap_calib_state_fit(struct kvcap_calib_state *s, int refit_keys,
                                         struct kvcap_fit_timing *timing,
                                         int (*progress)(int64_t, int64_t, void *), void *user)
 {
-    int L = s->model.n_layers, H = s->model.n_kv_heads;
     struct kvcap_fit_timing local;
     if (!timing)
         timing = &local;
     memset(timing, 0, sizeof *timing);
-    for (int l = 0; l < L; l++) {
-        for (int h = 0; h < H; h++)
-            for (int b = 0; b < s->n_buckets; b++) {
-                struct kvcap_calib_unit *u = kvcap_state_unit(s, l, h, b);
-                if (!u->v_eigval) {
-                    u->v_eigval = malloc(sizeof(double) * (size_t)u->m);
-                    u->v_eigvec = malloc(sizeof(float) * (size_t)u->m * (size_t)u->m);
-                    KVCAP_RETURN_IF(!u->v_eigval || !u->v_eigvec, KVCAP_ERR_OUT_OF_MEMORY,
-                                    "value PCA: out of memory");
-                    double t0 = seconds_now();
-                    enum kvcap_status st = kvcap_values_fit(u->v_gram, u->m, u->v_eigval,
-                                                            u->v_eigvec);
-                    timing->values_seconds += seconds_now() - t0;
-                    timing->value_fits++;
-                    KVCAP_RETURN_IF(st != KVCAP_OK, st, "l%d.h%d.b%d: %s", l, h, b,
-                                    kvcap_last_error());
-                }
-                int hw, rk = unit_key_size(s, l, u->m, &hw);
-                if (u->has_keys && !refit_keys && u->keys.rk == rk && u->keys.h == hw)
-                    continue;
-                kvcap_key_maps_free(&u->keys);
-                u->has_keys = 0;
-                double t0 = seconds_now();
-                enum kvcap_status st = kvcap_keys_closed_form(u->k_gram, u->m, rk, hw, s->ridge,
-                                                              &u->keys);
-                timing->keys_seconds += seconds_now() - t0;
-                timing->key_fits++;
-                KVCAP_RETURN_IF(st != KVCAP_OK, st, "l%d.h%d.b%d: %s", l, h, b,
-                                kvcap_last_error());
-                u->has_keys = 1;
-            }
-        if (progress && progress(l + 1, L, user))
-            return kvcap_fail(KVCAP_ERR_STATE, "fit: stopped by the caller");
+    long n = (long)unit_count(s);
+    /* Units are independent: two single-threaded LAPACK calls at a time use two cores better
+     * than one call with two BLAS threads (the tridiagonal reduction scales poorly). */
+    int blas_threads = openblas_get_num_threads();
+    openblas_set_num_threads(1);
+    enum kvcap_status st = KVCAP_OK;
+    for (int keys = 0; keys < 2 && st == KVCAP_OK; keys++) {
+        struct kvcap_parallel_error err = {0};
+        int fits = 0;
+        double t0 = seconds_now();
+#pragma omp parallel for schedule(dynamic) reduction(+ : fits)
+        for (long i = 0; i < n; i++) {
+            if (kvcap_parallel_failed(&err))
+                continue;
+            enum kvcap_status s2 = fit_unit(s, (size_t)i, keys, refit_keys);
+            if (s2 != KVCAP_OK)
+                kvcap_parallel_fail(&err, s2);
+            fits++;
+        }
+        *(keys ? &timing->keys_seconds : &timing->values_seconds) = seconds_now() - t0;
+        *(keys ? &timing->key_fits : &timing->value_fits) = fits;
+        st = kvcap_parallel_status(&err);
+        if (st == KVCAP_OK && progress && progress(keys + 1, 2, user))
+            st = kvcap_fail(KVCAP_ERR_STATE, "fit: stopped by the caller");
     }
-    return KVCAP_OK;
+    openblas_set_num_threads(blas_threads);
+    return st;
 }
 
 enum kvcap_status kvcap_calib_state_merge(struct kvcap_calib_state *dst,

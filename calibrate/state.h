@@ -80,10 +80,11 @@ enum kvcap_status kvcap_calib_state_merge(struct kvcap_calib_state *dst,
 
 /* Fits every unit from its Grams: value eigen-decomposition, and closed-form key maps for the
  * state's key ratios (units whose key maps are present and of the right size are kept unless
- * `refit_keys`). `progress` is called once per layer. */
+ * `refit_keys`). Units run in parallel (OpenMP, one BLAS thread each). `progress` is called
+ * after each of the two phases. */
 struct kvcap_fit_timing {
-    double values_seconds, keys_seconds;
-    int value_fits, key_fits; /* decompositions / closed-form fits actually run */
+    double values_seconds, keys_seconds; /* wall time of each phase (units run in parallel) */
+    int value_fits, key_fits;            /* units visited by each phase */
 };
 enum kvcap_status kvcap_calib_state_fit(struct kvcap_calib_state *s, int refit_keys,
                                         struct kvcap_fit_timing *timing,

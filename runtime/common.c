@@ -145,3 +145,26 @@ const char *kvcap_dtype_name(enum kvcap_dtype dtype)
     }
     return "?";
 }
+
+void kvcap_parallel_fail(struct kvcap_parallel_error *e, enum kvcap_status status)
+{
+    int expected = 0;
+    if (!__atomic_compare_exchange_n(&e->failed, &expected, 2, 0, __ATOMIC_ACQ_REL,
+                                     __ATOMIC_ACQUIRE))
+        return; /* another worker failed first */
+    e->status = status;
+    snprintf(e->message, sizeof e->message, "%s", last_error);
+    __atomic_store_n(&e->failed, 1, __ATOMIC_RELEASE);
+}
+
+int kvcap_parallel_failed(const struct kvcap_parallel_error *e)
+{
+    return __atomic_load_n(&e->failed, __ATOMIC_ACQUIRE) != 0;
+}
+
+enum kvcap_status kvcap_parallel_status(const struct kvcap_parallel_error *e)
+{
+    if (__atomic_load_n(&e->failed, __ATOMIC_ACQUIRE) == 0)
+        return KVCAP_OK;
+    return kvcap_fail(e->status, "%s", e->message);
+}

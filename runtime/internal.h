@@ -28,6 +28,18 @@ void kvcap_log(enum kvcap_log_level level, const char *fmt, ...) KVCAP_PRINTF(2,
 void kvcap_quiet_push(void);
 void kvcap_quiet_pop(void);
 
+/* The first failure among worker threads (OpenMP loops): workers record it with
+ * kvcap_parallel_fail (the first one wins, with its message); after the loop the caller
+ * re-raises it on its own thread with kvcap_parallel_status. */
+struct kvcap_parallel_error {
+    int failed; /* read with kvcap_parallel_failed */
+    enum kvcap_status status;
+    char message[1024];
+};
+void kvcap_parallel_fail(struct kvcap_parallel_error *e, enum kvcap_status status);
+int kvcap_parallel_failed(const struct kvcap_parallel_error *e);
+enum kvcap_status kvcap_parallel_status(const struct kvcap_parallel_error *e);
+
 /* Clears this thread's last error (done by API entry points that succeed partially). */
 void kvcap_clear_error(void);
 
