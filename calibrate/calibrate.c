@@ -91,17 +91,6 @@ static int span_columns(const struct kvcap_bucket *b, int d)
     return d * (b->rows * b->cols / kvcap_bucket_points(b));
 }
 
-/* Token index of point p of tile t (row-major tiles over the grid, row-major inside). */
-static size_t token_of(const struct kvcap_bucket *b, int t, int p)
-{
-    if (b->structure == KVCAP_STRUCTURE_DENSE)
-        return (size_t)p;
-    int tiles_per_row = b->cols / b->tile_cols;
-    int ti = t / tiles_per_row, tj = t % tiles_per_row;
-    int a = p / b->tile_cols, c = p % b->tile_cols;
-    return (size_t)(ti * b->tile_rows + a) * (size_t)b->cols + (size_t)(tj * b->tile_cols + c);
-}
-
 /* Lays an n x d token-major head out as the unit's m x (tiles·d) sample matrix, starting at
  * column col0 of a buffer with leading dimension ld (double or float destination). */
 #define DEFINE_PLACE(fn, T)                                                                  \
@@ -111,7 +100,7 @@ static size_t token_of(const struct kvcap_bucket *b, int t, int p)
         int m = kvcap_bucket_points(b), tiles = b->rows * b->cols / m;                       \
         for (int t = 0; t < tiles; t++)                                                      \
             for (int p = 0; p < m; p++) {                                                    \
-                const float *src = x + token_of(b, t, p) * (size_t)d;                        \
+                const float *src = x + kvcap_bucket_token(b, t, p) * (size_t)d;                        \
                 T *dst = buf + (size_t)p * ld + col0 + (size_t)t * d;                        \
                 for (int c = 0; c < d; c++)                                                  \
                     dst[c] = (T)src[c];                                                      \
@@ -126,7 +115,7 @@ static void unplace(const struct kvcap_bucket *b, const float *buf, size_t ld, i
     int m = kvcap_bucket_points(b), tiles = b->rows * b->cols / m;
     for (int t = 0; t < tiles; t++)
         for (int p = 0; p < m; p++)
-            memcpy(x + token_of(b, t, p) * (size_t)d, buf + (size_t)p * ld + (size_t)t * d,
+            memcpy(x + kvcap_bucket_token(b, t, p) * (size_t)d, buf + (size_t)p * ld + (size_t)t * d,
                    sizeof(float) * (size_t)d);
 }
 

@@ -56,21 +56,6 @@ enum kvcap_status kvcap_key_maps_copy(struct kvcap_key_maps *dst, const struct k
     return KVCAP_OK;
 }
 
-/* GELU with the tanh approximation used by GPT-2-style models. */
-float kvcap_gelu(float x)
-{
-    const float c = 0.7978845608028654f; /* sqrt(2/pi) */
-    return 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * x * x * x)));
-}
-
-float kvcap_gelu_grad(float x)
-{
-    const float c = 0.7978845608028654f;
-    float u = c * (x + 0.044715f * x * x * x);
-    float t = tanhf(u);
-    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * c * (1.0f + 3.0f * 0.044715f * x * x);
-}
-
 void kvcap_key_maps_apply_ref(const struct kvcap_key_maps *k, const float *xk, size_t ldk,
                               size_t ncols, float *hidden, float *out, size_t ldo)
 {

@@ -11,6 +11,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "activation.h"
 #include "config.h"
 #include "kvcap.h"
 
@@ -31,9 +32,6 @@ enum kvcap_status kvcap_key_maps_alloc(struct kvcap_key_maps *k, int m, int rk, 
 void kvcap_key_maps_free(struct kvcap_key_maps *k); /* NULL-safe, leaves k zeroed */
 enum kvcap_status kvcap_key_maps_copy(struct kvcap_key_maps *dst, const struct kvcap_key_maps *src);
 
-/* GELU, tanh approximation (as in GPT-2 / most engines), and its derivative. */
-float kvcap_gelu(float x);
-float kvcap_gelu_grad(float x);
 
 /* Reconstructs one sample: xk = K'[M] as [rk][ncols] (ld ldk), out = K̂' as [m][ncols]
  * (ld ldo), hidden scratch [h][ncols]. The readable reference, used by tests and metrics. */

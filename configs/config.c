@@ -922,12 +922,11 @@ static enum kvcap_status parse_runtime(struct ctx *c, yaml_node_t *root, void *o
             yaml_node_t *v = lookup(c, pol, kinds[k]);
             if (!v || cfg->policy[k] != KVCAP_POLICY_KVCAPSULE)
                 continue;
+            /* kvcapsule's artifact may also come from the engine (kvcap_cache_params), so its
+             * presence is checked where the cache is created, not here. */
             if (k != KVCAP_SPAN_VISION)
                 return fail_at(c, v->start_mark,
                                "policies.%s: kvcapsule applies to vision spans only", kinds[k]);
-            if (!cfg->artifact[0])
-                return fail_at(c, v->start_mark,
-                               "policies.vision: kvcapsule needs an artifact (set 'artifact')");
         }
     }
     n = lookup(c, root, "fallback");

@@ -105,3 +105,13 @@ const char *kvcap_geometry_difference(const struct kvcap_model_geometry *a,
     }
     return NULL;
 }
+
+size_t kvcap_bucket_token(const struct kvcap_bucket *b, int t, int p)
+{
+    if (b->structure == KVCAP_STRUCTURE_DENSE)
+        return (size_t)p;
+    int tiles_per_row = b->cols / b->tile_cols;
+    int ti = t / tiles_per_row, tj = t % tiles_per_row;
+    int a = p / b->tile_cols, c = p % b->tile_cols;
+    return (size_t)(ti * b->tile_rows + a) * (size_t)b->cols + (size_t)(tj * b->tile_cols + c);
+}

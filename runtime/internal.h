@@ -75,6 +75,10 @@ int kvcap_dtype_parse(const char *s, enum kvcap_dtype *out); /* "F32"/"f32", "BF
  * message with their context. */
 enum kvcap_status kvcap_bucket_check(const struct kvcap_bucket *b, const char *field);
 
+/* Token index (row-major over the grid) of point p of tile t, tiles numbered row-major over
+ * the grid and points row-major inside a tile (SPEC §3); dense buckets: t = 0, p = token. */
+size_t kvcap_bucket_token(const struct kvcap_bucket *b, int t, int p);
+
 /* The first field ("model.kv_heads", ...) in which two geometries differ (the name is
  * ignored), or NULL when they describe the same model. */
 const char *kvcap_geometry_difference(const struct kvcap_model_geometry *a,

@@ -576,8 +576,6 @@ static const struct bad_case bad_cases[] = {
     {"runtime-policy-name.yaml", "3:11", "policies.vision: 'fastcache' is not one of full, "
                                          "kvcapsule, flashcache, vlcache, freekv, streaming"},
     {"runtime-fallback-kvcapsule.yaml", "3:11", "fallback: cannot be kvcapsule"},
-    {"runtime-kvcapsule-no-artifact.yaml", "2:20", "policies.vision: kvcapsule needs an "
-                                                   "artifact"},
     {"runtime-kvcapsule-text.yaml", "4:9", "policies.text: kvcapsule applies to vision spans "
                                            "only"},
     {"runtime-freekv-budget.yaml", "4:11", "freekv.budget: 96 tokens leave no page to "

@@ -186,6 +186,113 @@ struct kvcap_bucket {
     int tile_rows, tile_cols; /* TILED only: must divide rows and cols; 0 for DENSE */
 };
 
+/* ---- Artifacts ------------------------------------------------------------------------ */
+/* A compressor artifact (.kvcap, written by kvcap-convert): read-only once opened, so one
+ * artifact may be shared by any number of caches and threads. */
+struct kvcap_artifact;
+
+/* Opens and validates `path` (formats/SPEC.md §4.3) and loads its maps. */
+KVCAP_API enum kvcap_status kvcap_artifact_open(const char *path, struct kvcap_artifact **out);
+/* NULL is a no-op. Every cache using the artifact must be freed first. */
+KVCAP_API void kvcap_artifact_free(struct kvcap_artifact *artifact);
+/* The model geometry the artifact was calibrated for; owned by the artifact. */
+KVCAP_API const struct kvcap_model_geometry *kvcap_artifact_geometry(
+    const struct kvcap_artifact *artifact);
+
+/* ---- The cache ------------------------------------------------------------------------- */
+/* The KV cache of a batch of sequences for one model. Thread safety: calls on one cache must
+ * not overlap (the engine serialises them, as it does its own forward pass); different caches
+ * are independent. The cache may use several threads inside a call (params.n_threads). */
+struct kvcap_cache;
+
+struct kvcap_cache_params {
+    struct kvcap_model_geometry model;     /* required */
+    int n_seqs;                            /* sequences in the batch, >= 1 */
+    enum kvcap_dtype storage;              /* dtype of everything the cache stores: F32, F16
+                                            * (default) or BF16; math is always fp32 */
+    const struct kvcap_artifact *artifact; /* borrowed, may be NULL; must outlive the cache */
+    const char *config_path;               /* runtime YAML (configs/runtime.yaml); NULL: defaults.
+                                            * Its artifact key is ignored here: pass `artifact` */
+    const char *record_dir;                /* non-NULL: record mode, vision spans and their decode
+                                            * queries are appended to dataset shards there */
+    int n_threads;                         /* 0: all cores */
+};
+
+KVCAP_API void kvcap_cache_default_params(struct kvcap_cache_params *params);
+KVCAP_API enum kvcap_status kvcap_cache_create(const struct kvcap_cache_params *params,
+                                               struct kvcap_cache **out);
+/* NULL is a no-op. In record mode, spans still pending are written out first (errors are
+ * logged; call kvcap_cache_record_flush before to see them). */
+KVCAP_API void kvcap_cache_free(struct kvcap_cache *cache);
+
+/* K or V rows handed over by the engine, read in place (no copy into a special layout is
+ * needed): element (head h, token j, channel c) is at
+ *     base + h * head_stride + j * token_stride + c                  (pages == NULL)
+ *     pages[j / page_size] + h * head_stride + (j % page_size) * token_stride + c   (paged)
+ * in elements of `dtype`. Contiguous NHD: head_stride = d, token_stride = heads * d; HND:
+ * head_stride = n * d, token_stride = d. Host memory, borrowed for the duration of the call. */
+struct kvcap_tensor_view {
+    const void *base;
+    const void *const *pages; /* optional: page table */
+    int page_size;            /* tokens per page, with pages */
+    enum kvcap_dtype dtype;   /* F32, F16 or BF16 */
+    int64_t head_stride, token_stride;
+};
+
+struct kvcap_span_desc {
+    enum kvcap_span_kind kind; /* VISION or TEXT (GENERATED tokens come through append) */
+    int n_tokens;              /* >= 1 */
+    int rows, cols;            /* VISION: the grid, rows * cols == n_tokens; else 0 */
+    int p0;                    /* position of the first token (the RoPE offset), >= 0 */
+};
+
+/* Prefill: adds a span of sequence `seq` at `layer`. Engines call it layer by layer; the i-th
+ * call for (seq, layer) adds span i of that sequence, so spans must come in the same order on
+ * every layer with the same description (KVCAP_ERR_INVALID_ARGUMENT otherwise). The span is
+ * stored under the policy the runtime config gives its kind (vision spans whose grid has no
+ * bucket in the artifact use the fallback). */
+KVCAP_API enum kvcap_status kvcap_cache_add_span(struct kvcap_cache *cache, int seq, int layer,
+                                                 const struct kvcap_span_desc *span,
+                                                 const struct kvcap_tensor_view *k,
+                                                 const struct kvcap_tensor_view *v);
+
+/* Optional: the queries of the post-vision prompt tokens of `seq` at `layer`
+ * (q: [q_heads][n][head_dim] fp32, rotated at their own positions), attached to the most
+ * recent vision span (used by attention-guided policies and recorded in record mode). */
+KVCAP_API enum kvcap_status kvcap_cache_add_post_queries(struct kvcap_cache *cache, int seq,
+                                                         int layer, const float *q, int n);
+
+/* Decode: appends one generated token's K and V (views of one token) to `seq` at `layer`. */
+KVCAP_API enum kvcap_status kvcap_cache_append(struct kvcap_cache *cache, int seq, int layer,
+                                               const struct kvcap_tensor_view *k,
+                                               const struct kvcap_tensor_view *v);
+
+/* Decode: attention output of every query head of every sequence at `layer` over everything
+ * the cache holds for it. q and out: [n_seqs][q_heads][head_dim] fp32 (q rotated at its own
+ * position, as the engine does); scores are scaled by 1/sqrt(head_dim). */
+KVCAP_API enum kvcap_status kvcap_cache_attend(struct kvcap_cache *cache, int layer,
+                                               const float *q, float *out);
+
+struct kvcap_cache_stats {
+    uint64_t bytes_held;                /* all sequences, layers and heads */
+    uint64_t bytes_by_policy[6];        /* indexed by enum kvcap_policy */
+    uint64_t bytes_by_kind[3];          /* indexed by enum kvcap_span_kind */
+    uint64_t bytes_full_equivalent;     /* what `full` would hold for the same tokens */
+    int64_t tokens_by_kind[3];          /* tokens seen (before compression) */
+    uint64_t bytes_read_last_attend;    /* K/V, compressed state and maps read by the last
+                                         * kvcap_cache_attend call */
+    uint64_t map_bytes_read_last_attend; /* of which artifact maps */
+    int64_t spans_fallback;             /* vision spans with no bucket (fallback policy) */
+};
+
+KVCAP_API enum kvcap_status kvcap_cache_stats(const struct kvcap_cache *cache,
+                                              struct kvcap_cache_stats *stats);
+
+/* Record mode: writes every finished span (with the decode queries recorded so far) to the
+ * dataset; spans whose sequence is still decoding keep collecting queries afterwards only if
+ * they were not flushed. */
+KVCAP_API enum kvcap_status kvcap_cache_record_flush(struct kvcap_cache *cache);
+
 /* ---- Devices -------------------------------------------------------------------------- */
 /* Number of CUDA devices usable by this build: 0 when built without CUDA, when no driver is
  * installed or when no device is present — none of which is an error. */

@@ -1,0 +1,335 @@
+/* bench_decode.c — kvcap-bench: replays prefill + N decode steps for each policy and prints, per
+ * policy, time per decode step, bytes read per step, achieved GB/s against this machine's read
+ * bandwidth measured in the same run, bytes held, and the same against `full` as ratios. */
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "artifact.h"
+#include "cli.h"
+#include "internal.h"
+#include "rng.h"
+#include "schema.h"
+#include "synth.h"
+
+static void usage(FILE *out)
+{
+    fprintf(out,
+            "usage: kvcap-bench [options]\n"
+            "\n"
+            "Replays prefill of vision spans plus decode steps through libkvcap for each policy\n"
+            "and prints time and bytes per decode step next to the machine's read bandwidth and\n"
+            "to `full`, measured in the same run. Without --artifact the KVCapsule maps are random\n"
+            "(timing and bytes only; fidelity is what kvcap-calibrate reports).\n"
+            "\n"
+            "options:\n"
+            "  -g, --grid RxC       vision span grid (default 64x128 = 8192 tokens)\n"
+            "  -t, --tile RxC       tiled maps with this tile (default 4x4); 'dense' for dense maps\n"
+            "  -r, --ratio R        retention of the random maps (default 0.4)\n"
+            "  -l, --layers L       layers (default 4; q/kv heads and head_dim as Qwen2.5-VL-7B)\n"
+            "  -b, --batch B        sequences (default 1)\n"
+            "  -s, --steps N        decode steps timed (default 20)\n"
+            "  -a, --artifact FILE  use this artifact (its geometry and buckets) instead\n"
+            "      --storage T      f32, f16 (default) or bf16\n"
+            "      --threads N      threads (default: all cores)\n"
+            "  -h, --help           show this help\n");
+}
+
+/* Best-of-3 read bandwidth (GB/s) of a buffer far larger than the caches, all threads. */
+static double read_bandwidth(int threads)
+{
+    size_t n = (size_t)1 << 28; /* 1 GiB of floats */
+    float *buf = malloc(n * sizeof(float));
+    if (!buf)
+        return 0.0;
+#pragma omp parallel for num_threads(threads)
+    for (size_t i = 0; i < n; i++)
+        buf[i] = (float)(i & 1023);
+    double best = 0.0;
+    volatile float sink = 0;
+    for (int rep = 0; rep < 3; rep++) {
+        double t0 = cli_now(), total = 0.0;
+#pragma omp parallel for num_threads(threads) reduction(+ : total)
+        for (size_t b = 0; b < n; b += 4096) {
+            float acc[16] = {0};
+            for (size_t i = b; i < b + 4096; i += 16)
+                for (int j = 0; j < 16; j++)
+                    acc[j] += buf[i + j];
+            for (int j = 0; j < 16; j++)
+                total += acc[j];
+        }
+        double rate = (double)n * sizeof(float) / (cli_now() - t0) * 1e-9;
+        sink += (float)total;
+        best = rate > best ? rate : best;
+    }
+    (void)sink;
+    free(buf);
+    return best;
+}
+
+/* A random artifact for geometry g and one bucket (timing only). */
+static enum kvcap_status random_artifact(const char *path, const struct kvcap_model_geometry *g,
+                                         const struct kvcap_bucket *b, double ratio)
+{
+    struct kvst_writer *w = NULL;
+    KVCAP_TRY(kvst_writer_create(&w));
+    int m = kvcap_bucket_points(b), rk = (int)(ratio * m + 0.5);
+    rk = rk < 1 ? 1 : rk > m ? m : rk;
+    int h = rk, rv = rk;
+    size_t count = (size_t)rv * m + (size_t)rk * h + (size_t)h + (size_t)h * m + (size_t)m;
+    float *buf = malloc(sizeof(float) * count);
+    int32_t *mask = malloc(sizeof(int32_t) * (size_t)rk);
+    enum kvcap_status st = buf && mask ? KVCAP_OK : kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "OOM");
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 1);
+    for (size_t i = 0; st == KVCAP_OK && i < count; i++)
+        buf[i] = (float)(0.1 * kvcap_rng_normal(&r));
+    for (int i = 0; st == KVCAP_OK && i < rk; i++)
+        mask[i] = i * m / rk;
+    char name[96];
+    const int64_t su[2] = {rv, m}, sm[1] = {rk}, sw1[2] = {rk, h}, sb1[1] = {h}, sw2[2] = {h, m},
+                  sb2[1] = {m};
+    for (int l = 0; st == KVCAP_OK && l < g->n_layers; l++)
+        for (int hh = 0; st == KVCAP_OK && hh < g->n_kv_heads; hh++) {
+            float *u = buf, *w1 = u + (size_t)rv * m, *b1 = w1 + (size_t)rk * h, *w2 = b1 + h,
+                  *b2 = w2 + (size_t)h * m;
+#define ADD(sfx, dt, nd, shape, data)                                      \
+    snprintf(name, sizeof name, "l%d.h%d.b0." sfx, l, hh);                 \
+    if (st == KVCAP_OK)                                                    \
+        st = kvst_writer_add(w, name, dt, nd, shape, data);
+            ADD("U", KVCAP_DTYPE_F32, 2, su, u)
+            ADD("k_mask", KVCAP_DTYPE_I32, 1, sm, mask)
+            ADD("k_w1", KVCAP_DTYPE_F32, 2, sw1, w1)
+            ADD("k_b1", KVCAP_DTYPE_F32, 1, sb1, b1)
+            ADD("k_w2", KVCAP_DTYPE_F32, 2, sw2, w2)
+            ADD("k_b2", KVCAP_DTYPE_F32, 1, sb2, b2)
+#undef ADD
+        }
+    cJSON *config = cJSON_CreateObject();
+    cJSON_AddItemToObject(config, "model", kvcap_geometry_to_json(g));
+    cJSON_AddItemToObject(config, "buckets", kvcap_buckets_to_json(b, 1));
+    cJSON *art = cJSON_AddObjectToObject(config, "artifact");
+    cJSON_AddStringToObject(art, "storage", "f32");
+    cJSON_AddStringToObject(art, "activation", "linear");
+    cJSON *sched = cJSON_AddObjectToObject(art, "schedule");
+    double *rs = malloc(sizeof(double) * (size_t)g->n_layers);
+    for (int l = 0; rs && l < g->n_layers; l++)
+        rs[l] = (double)rk / m;
+    cJSON_AddItemToObject(sched, "keys", cJSON_CreateDoubleArray(rs, g->n_layers));
+    cJSON_AddItemToObject(sched, "values", cJSON_CreateDoubleArray(rs, g->n_layers));
+    free(rs);
+    if (st == KVCAP_OK)
+        st = kvcap_schema_set_meta(w, KVCAP_KIND_ARTIFACT, config);
+    if (st == KVCAP_OK)
+        st = kvst_writer_commit(w, path);
+    cJSON_Delete(config);
+    kvst_writer_free(w);
+    free(buf), free(mask);
+    return st;
+}
+
+struct result {
+    const char *name;
+    double ms_per_step;
+    uint64_t bytes_per_step, map_bytes_per_step, held;
+};
+
+static enum kvcap_status run_policy(const struct kvcap_model_geometry *g, int batch, int rows,
+                                    int cols, enum kvcap_dtype storage, int threads, int steps,
+                                    const struct kvcap_artifact *a, const char *policy,
+                                    struct result *res)
+{
+    char cfg_path[4200];
+    const char *tmp = getenv("TMPDIR");
+    snprintf(cfg_path, sizeof cfg_path, "%s/kvcap-bench-%d.yaml", tmp ? tmp : "/tmp", (int)getpid());
+    FILE *f = fopen(cfg_path, "w");
+    KVCAP_RETURN_IF(!f, KVCAP_ERR_IO, "%s: cannot write", cfg_path);
+    fprintf(f, "policies: {vision: %s, text: full, generated: full}\nfallback: full\n", policy);
+    fclose(f);
+    struct kvcap_cache_params p;
+    kvcap_cache_default_params(&p);
+    p.model = *g;
+    p.n_seqs = batch;
+    p.storage = storage;
+    p.artifact = strcmp(policy, "kvcapsule") == 0 ? a : NULL;
+    p.config_path = cfg_path;
+    p.n_threads = threads;
+    struct kvcap_cache *c = NULL;
+    enum kvcap_status st = kvcap_cache_create(&p, &c);
+    remove(cfg_path);
+    KVCAP_TRY(st);
+    int n = rows * cols, d = g->head_dim, H = g->n_kv_heads, Hq = g->n_q_heads;
+    struct kvcap_synth_params sp;
+    kvcap_synth_default_params(&sp);
+    sp.post_queries = sp.decode_queries = 0;
+    sp.rank_k = sp.rank_v = 16;
+    float *kf = malloc(sizeof(float) * (size_t)n * d);
+    float *k = malloc(sizeof(float) * (size_t)H * n * d), *v = malloc(sizeof(float) * (size_t)H * n * d);
+    float *q = malloc(sizeof(float) * (size_t)batch * Hq * d), *out = malloc(sizeof(float) * (size_t)batch * Hq * d);
+    if (!kf || !k || !v || !q || !out)
+        st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "bench: out of memory");
+    for (int s = 0; st == KVCAP_OK && s < batch; s++)
+        for (int l = 0; st == KVCAP_OK && l < g->n_layers; l++) {
+            for (int h = 0; st == KVCAP_OK && h < H; h++)
+                st = kvcap_synth_head(g, &sp, s, rows, cols, 100 + s, l, h, kf, k + (size_t)h * n * d,
+                                      v + (size_t)h * n * d, NULL, NULL);
+            struct kvcap_span_desc desc = {KVCAP_SPAN_VISION, n, rows, cols, 100 + s};
+            struct kvcap_tensor_view kv = {k, NULL, 0, KVCAP_DTYPE_F32, (int64_t)n * d, d};
+            struct kvcap_tensor_view vv = {v, NULL, 0, KVCAP_DTYPE_F32, (int64_t)n * d, d};
+            if (st == KVCAP_OK)
+                st = kvcap_cache_add_span(c, s, l, &desc, &kv, &vv);
+        }
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 3);
+    for (size_t i = 0; i < (size_t)batch * Hq * d && q; i++)
+        q[i] = (float)kvcap_rng_normal(&r);
+    double best = 1e30;
+    uint64_t bytes = 0, map_bytes = 0;
+    for (int rep = -1; st == KVCAP_OK && rep < steps; rep++) { /* rep -1 warms up */
+        double t0 = cli_now();
+        uint64_t b = 0, mb = 0;
+        for (int l = 0; st == KVCAP_OK && l < g->n_layers; l++) {
+            st = kvcap_cache_attend(c, l, q, out);
+            struct kvcap_cache_stats cs;
+            kvcap_cache_stats(c, &cs);
+            b += cs.bytes_read_last_attend;
+            mb += cs.map_bytes_read_last_attend;
+        }
+        double t = cli_now() - t0;
+        if (rep >= 0 && t < best)
+            best = t;
+        bytes = b;
+        map_bytes = mb;
+    }
+    struct kvcap_cache_stats cs;
+    if (st == KVCAP_OK)
+        st = kvcap_cache_stats(c, &cs);
+    if (st == KVCAP_OK) {
+        res->name = policy;
+        res->ms_per_step = best * 1e3;
+        res->bytes_per_step = bytes + map_bytes;
+        res->map_bytes_per_step = map_bytes;
+        res->held = cs.bytes_held;
+    }
+    free(kf), free(k), free(v), free(q), free(out);
+    kvcap_cache_free(c);
+    return st;
+}
+
+int main(int argc, char **argv)
+{
+    enum { STORAGE = 1000, THREADS };
+    static const struct option options[] = {
+        {"grid", required_argument, NULL, 'g'},  {"tile", required_argument, NULL, 't'},
+        {"ratio", required_argument, NULL, 'r'}, {"layers", required_argument, NULL, 'l'},
+        {"batch", required_argument, NULL, 'b'}, {"steps", required_argument, NULL, 's'},
+        {"artifact", required_argument, NULL, 'a'}, {"storage", required_argument, NULL, STORAGE},
+        {"threads", required_argument, NULL, THREADS}, {"help", no_argument, NULL, 'h'},
+        {NULL, 0, NULL, 0}};
+    int rows = 64, cols = 128, tr = 4, tc = 4, layers = 4, batch = 1, steps = 20, threads = 0, c;
+    double ratio = 0.4;
+    const char *artifact_path = NULL;
+    enum kvcap_dtype storage = KVCAP_DTYPE_F16;
+    cli_init("kvcap-bench", 0);
+    while ((c = getopt_long(argc, argv, "g:t:r:l:b:s:a:h", options, NULL)) != -1) {
+        switch (c) {
+        case 'g':
+            if (sscanf(optarg, "%dx%d", &rows, &cols) != 2 || rows < 1 || cols < 1)
+                return cli_usage_error("--grid: '%s' is not ROWSxCOLS", optarg);
+            break;
+        case 't':
+            if (strcmp(optarg, "dense") == 0)
+                tr = tc = 0;
+            else if (sscanf(optarg, "%dx%d", &tr, &tc) != 2 || tr < 1 || tc < 1)
+                return cli_usage_error("--tile: '%s' is not ROWSxCOLS or dense", optarg);
+            break;
+        case 'r': ratio = atof(optarg); break;
+        case 'l': layers = atoi(optarg); break;
+        case 'b': batch = atoi(optarg); break;
+        case 's': steps = atoi(optarg); break;
+        case 'a': artifact_path = optarg; break;
+        case STORAGE:
+            if (strcmp(optarg, "f32") == 0) storage = KVCAP_DTYPE_F32;
+            else if (strcmp(optarg, "f16") == 0) storage = KVCAP_DTYPE_F16;
+            else if (strcmp(optarg, "bf16") == 0) storage = KVCAP_DTYPE_BF16;
+            else return cli_usage_error("--storage: '%s' is not f32, f16 or bf16", optarg);
+            break;
+        case THREADS: threads = atoi(optarg); break;
+        case 'h': usage(stdout); return 0;
+        default: return cli_usage_error("unknown option");
+        }
+    }
+    if (!(ratio > 0 && ratio <= 1) || layers < 1 || batch < 1 || steps < 1)
+        return cli_usage_error("--ratio in (0, 1], --layers, --batch and --steps >= 1");
+    struct kvcap_model_geometry g = {.name = "Qwen2.5-VL-7B (attention shape)", .n_layers = layers,
+                                     .n_q_heads = 28, .n_kv_heads = 4, .head_dim = 128,
+                                     .rope_type = KVCAP_ROPE_MROPE,
+                                     .rope_pairing = KVCAP_ROPE_PAIRING_HALF, .rope_theta = 1e6,
+                                     .n_rope_sections = 3, .rope_sections = {16, 24, 24}};
+    struct kvcap_artifact *a = NULL;
+    char path[4200];
+    enum kvcap_status st;
+    if (artifact_path) {
+        if ((st = kvcap_artifact_open(artifact_path, &a)) != KVCAP_OK)
+            return cli_fail(st);
+        g = *kvcap_artifact_geometry(a);
+        rows = a->buckets[0].rows;
+        cols = a->buckets[0].cols;
+    } else {
+        struct kvcap_bucket b = {rows, cols, tr ? KVCAP_STRUCTURE_TILED : KVCAP_STRUCTURE_DENSE, tr, tc};
+        if ((st = kvcap_bucket_check(&b, "--grid/--tile")) != KVCAP_OK)
+            return cli_fail(st);
+        const char *tmp = getenv("TMPDIR");
+        snprintf(path, sizeof path, "%s/kvcap-bench-%d.kvcap", tmp ? tmp : "/tmp", (int)getpid());
+        st = random_artifact(path, &g, &b, ratio);
+        if (st == KVCAP_OK)
+            st = kvcap_artifact_open(path, &a);
+        remove(path);
+        if (st != KVCAP_OK)
+            return cli_fail(st);
+    }
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    int nthreads = threads ? threads : (int)(cores > 0 ? cores : 1);
+    double bw = read_bandwidth(nthreads);
+    static const char *const policies[] = {"full", "streaming", "kvcapsule"};
+    struct result res[3];
+    for (int i = 0; i < 3; i++)
+        if ((st = run_policy(&g, batch, rows, cols, storage, nthreads, steps, a, policies[i],
+                             &res[i])) != KVCAP_OK)
+            return cli_fail(st);
+    double bw2 = read_bandwidth(nthreads);
+    bw = bw2 > bw ? bw2 : bw;
+    char held[32], per[32];
+    printf("\nkvcap decode benchmark: %s, %d layers, %d q / %d kv heads, d %d; batch %d; one %dx%d "
+           "vision span (%d tokens) per sequence; %s storage; %d thread%s\n",
+           g.name, g.n_layers, g.n_q_heads, g.n_kv_heads, g.head_dim, batch, rows, cols,
+           rows * cols, kvcap_dtype_name(storage), nthreads, nthreads == 1 ? "" : "s");
+    const struct kvcap_bucket *bk = &a->buckets[0];
+    const struct kvcap_unit_maps *u = kvcap_artifact_unit(a, 0, 0, 0);
+    printf("kvcapsule maps: %s%s, R_k = h = %d, R_v = %d of %d points%s\n",
+           kvcap_structure_name(bk->structure),
+           bk->structure == KVCAP_STRUCTURE_TILED ? " (tiles)" : "", u->h, u->rv, u->m,
+           artifact_path ? "" : " (random: timing only)");
+    printf("read bandwidth, measured now (%d threads): %.1f GB/s\n\n", nthreads, bw);
+    printf("%-10s %10s %12s %9s %7s %12s %9s %9s %9s\n", "policy", "ms/step", "bytes/step",
+           "GB/s", "% bw", "bytes held", "time/full", "read/full", "held/full");
+    for (int i = 0; i < 3; i++) {
+        double gbs = res[i].bytes_per_step / (res[i].ms_per_step * 1e-3) * 1e-9;
+        printf("%-10s %10.3f %12s %9.1f %6.0f%% %12s %9.3f %9.3f %9.3f\n", res[i].name,
+               res[i].ms_per_step, cli_bytes(res[i].bytes_per_step, per, sizeof per), gbs,
+               100 * gbs / bw, cli_bytes(res[i].held, held, sizeof held),
+               res[i].ms_per_step / res[0].ms_per_step,
+               (double)res[i].bytes_per_step / (double)res[0].bytes_per_step,
+               (double)res[i].held / (double)res[0].held);
+    }
+    printf("(streaming keeps sinks + window of the runtime defaults; kvcapsule bytes include the "
+           "maps, %s per step)\n",
+           cli_bytes(res[2].map_bytes_per_step, per, sizeof per));
+    kvcap_artifact_free(a);
+    return 0;
+}

@@ -1,0 +1,1158 @@
+/* attention.c — decode attention on one KV head (see attention.h): plain rows, fused KVCapsule
+ * spans (DESIGN §4) and the log-sum-exp merge. The _ref functions are the readable oracles
+ * (double accumulation, libm exp); the fast ones share one blocked design:
+ *
+ *  - rows stream in blocks of B = min(64, 4096/d) rows (any row stride);
+ *  - queries go in groups of up to 8, one query per lane of an 8-float vector: a block's scores
+ *    are [B][8], so the online softmax (max, rescale, exp, sum) is one vector op per row, and
+ *    K and V are read once per block whatever the group size;
+ *  - two kernel sets, chosen per call with __builtin_cpu_supports: AVX2+FMA+F16C intrinsics
+ *    (target attribute, no -march flags) that convert F16/BF16 in registers as they load, and
+ *    portable C that converts each block into a 16 KiB stack buffer (the same code as
+ *    kvcap_load_f32) and lets the compiler vectorise at the default target.
+ *
+ * Limits: d in 1..ATTN_MAX_D (4096). Outside the limits, with NULL inputs, or with too little
+ * scratch (capsule), the fast functions read nothing, leave the partials untouched and return 0.
+ * The _ref functions allocate working memory; if that fails they also return 0 untouched.
+ * No function here starts threads; BLAS is called for the capsule's two map products only. */
+#include <limits.h>
+#include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cblas.h>
+
+#include "attention.h"
+#include "internal.h"
+#include "safetensors.h"
+
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#  define ATTN_X86 1
+#  include <cpuid.h>
+#  include <immintrin.h>
+#else
+#  define ATTN_X86 0
+#endif
+
+#if defined(__GNUC__)
+#  define ATTN_INLINE static inline __attribute__((always_inline))
+#else
+#  define ATTN_INLINE static inline
+#endif
+
+#define ATTN_MAX_D 4096
+#define ATTN_BLOCK_FLOATS 4096 /* floats per portable conversion buffer: 16 KiB, in L1 */
+#define ATTN_MAX_B 64          /* rows per block */
+#define ATTN_LANES 8           /* queries per group, one per lane */
+
+static int block_rows(int d)
+{
+    int b = ATTN_BLOCK_FLOATS / d;
+    return b < ATTN_MAX_B ? b : ATTN_MAX_B;
+}
+
+/* ---- Partial results ---------------------------------------------------------------------- */
+
+void kvcap_partial_reset(struct kvcap_partial p, int nq, int d)
+{
+    for (int q = 0; q < nq; q++) {
+        p.mx[q] = -INFINITY;
+        p.sum[q] = 0.0f;
+    }
+    if (nq > 0 && d > 0)
+        memset(p.o, 0, sizeof(float) * (size_t)nq * (size_t)d);
+}
+
+/* A partial has seen no keys when its sum is 0 (or its max is still -inf): merging it must not
+ * touch the other side, and exp(-inf - -inf) must never be evaluated. */
+static int partial_empty(float mx, float sum)
+{
+    return !(sum > 0.0f) || mx == -INFINITY;
+}
+
+void kvcap_partial_merge(struct kvcap_partial into, struct kvcap_partial from, int nq, int d)
+{
+    for (int q = 0; q < nq; q++) {
+        float fm = from.mx[q], fs = from.sum[q];
+        if (partial_empty(fm, fs))
+            continue;
+        float *io = into.o + (size_t)q * d;
+        const float *fo = from.o + (size_t)q * d;
+        float im = into.mx[q], is = into.sum[q];
+        if (partial_empty(im, is)) {
+            into.mx[q] = fm;
+            into.sum[q] = fs;
+            memcpy(io, fo, sizeof(float) * (size_t)d);
+            continue;
+        }
+        float mx = im > fm ? im : fm;
+        float a = expf(im - mx), b = expf(fm - mx); /* one of them is exactly 1 */
+        for (int c = 0; c < d; c++)
+            io[c] = a * io[c] + b * fo[c];
+        into.sum[q] = a * is + b * fs;
+        into.mx[q] = mx;
+    }
+}
+
+void kvcap_partial_finish(struct kvcap_partial p, int nq, int d, float *out, size_t out_stride)
+{
+    for (int q = 0; q < nq; q++) {
+        float s = p.sum[q];
+        const float *o = p.o + (size_t)q * d;
+        float *dst = out + (size_t)q * out_stride;
+        for (int c = 0; c < d; c++)
+            dst[c] = s > 0.0f ? o[c] / s : 0.0f;
+    }
+}
+
+/* Folds a one-query partial (mx, sum, o[d]) into query q of `acc`. */
+static void merge_one(struct kvcap_partial acc, int q, int d, float mx, float sum, float *o)
+{
+    struct kvcap_partial into = {acc.mx + q, acc.sum + q, acc.o + (size_t)q * d};
+    struct kvcap_partial from = {&mx, &sum, o};
+    kvcap_partial_merge(into, from, 1, d);
+}
+
+/* ---- Element helpers ---------------------------------------------------------------------- */
+
+ATTN_INLINE float bits_f32(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+ATTN_INLINE uint32_t f32_bits(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+/* Exact f16 -> f32 without branches, so loops over it vectorise (the FP16 library's method:
+ * normals by an exponent re-bias and a power-of-two multiply, subnormals through a magic
+ * float subtraction; inf/NaN land in the all-ones exponent). Agrees bit for bit with
+ * kvcap_f16_to_f32, which the test checks over all 65536 inputs. */
+ATTN_INLINE float f16_to_f32_fast(uint16_t h)
+{
+    uint32_t w = (uint32_t)h << 16;
+    uint32_t sign = w & 0x80000000u;
+    uint32_t two_w = w + w;
+    float normalized = bits_f32((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+    float denormalized = bits_f32((two_w >> 17) | (126u << 23)) - 0.5f;
+    uint32_t sub = 0u - (uint32_t)(two_w < (1u << 27)); /* a mask, not a branch (see exp) */
+    uint32_t mag = (f32_bits(denormalized) & sub) | (f32_bits(normalized) & ~sub);
+    return bits_f32(sign | mag);
+}
+
+/* exp(x) for the softmax, Cephes expf's polynomial on r = x - n ln2 (about 1 ulp), with n
+ * rounded by the 1.5·2^23 trick. Written without branches, float-to-int conversions or libm so
+ * that loops over it vectorise under the default -ftrapping-math. Valid for x <= 88; x below
+ * -87 (incl. -inf) and NaN give exactly 0, which is what a softmax weight should be. */
+#define ATTN_EXP_LO -87.0f
+#define ATTN_EXP_MAGIC 12582912.0f /* 1.5 * 2^23: adding it rounds to an integer */
+#define ATTN_EXP_MAGIC_BITS 0x4B400000u
+#define ATTN_LN2_HI 0.693359375f
+#define ATTN_LN2_LO -2.12194440e-4f
+#define ATTN_LOG2E 1.44269504088896341f
+#define ATTN_P0 1.9875691500e-4f
+#define ATTN_P1 1.3981999507e-3f
+#define ATTN_P2 8.3334519073e-3f
+#define ATTN_P3 4.1665795894e-2f
+#define ATTN_P4 1.6666665459e-1f
+#define ATTN_P5 5.0000001201e-1f
+
+ATTN_INLINE float exp_approx(float x)
+{
+    float t = x * ATTN_LOG2E + ATTN_EXP_MAGIC;
+    float n = t - ATTN_EXP_MAGIC;
+    uint32_t e = (f32_bits(t) - ATTN_EXP_MAGIC_BITS + 127u) << 23; /* 2^n */
+    float r = x - n * ATTN_LN2_HI;
+    r = r - n * ATTN_LN2_LO;
+    float y = ATTN_P0;
+    y = y * r + ATTN_P1;
+    y = y * r + ATTN_P2;
+    y = y * r + ATTN_P3;
+    y = y * r + ATTN_P4;
+    y = y * r + ATTN_P5;
+    y = y * r * r + r + 1.0f;
+    uint32_t keep = 0u - (uint32_t)(x >= ATTN_EXP_LO);
+    return bits_f32(f32_bits(y * bits_f32(e)) & keep);
+}
+
+/* ---- Kernel bodies in portable C (also inlined into the AVX2 set for loads and tails) ------ */
+
+ATTN_INLINE void load_body(enum kvcap_dtype dtype, const void *src, size_t n, float *dst)
+{
+    const unsigned char *s = src;
+    switch (dtype) {
+    case KVCAP_DTYPE_F32:
+        if (n)
+            memcpy(dst, src, n * sizeof(float));
+        break;
+    case KVCAP_DTYPE_F16:
+        for (size_t i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, s + 2 * i, 2);
+            dst[i] = f16_to_f32_fast(h);
+        }
+        break;
+    case KVCAP_DTYPE_BF16:
+        for (size_t i = 0; i < n; i++) {
+            uint16_t b;
+            memcpy(&b, s + 2 * i, 2);
+            dst[i] = bits_f32((uint32_t)b << 16);
+        }
+        break;
+    case KVCAP_DTYPE_F64:
+        for (size_t i = 0; i < n; i++) {
+            double v;
+            memcpy(&v, s + 8 * i, 8);
+            dst[i] = (float)v;
+        }
+        break;
+    default: /* not a float type: callers never pass one; zeros rather than garbage */
+        if (n)
+            memset(dst, 0, n * sizeof(float));
+        break;
+    }
+}
+
+/* Block softmax for one query group: sc [nr][8] raw dot products -> sc = scaled scores ->
+ * probabilities exp(s - m_new); m8/s8 (running max and sum per lane) are updated and alpha8
+ * receives the factor exp(m_old - m_new) by which the caller must rescale its o (0 when the
+ * lane had seen nothing). */
+ATTN_INLINE void softmax_body(float *sc, int nr, float scale, float *m8, float *s8,
+                              float *alpha8)
+{
+    float bm[ATTN_LANES], add[ATTN_LANES];
+    for (int l = 0; l < ATTN_LANES; l++) {
+        bm[l] = m8[l];
+        add[l] = 0.0f;
+    }
+    for (int j = 0; j < nr; j++)
+        for (int l = 0; l < ATTN_LANES; l++) {
+            float x = sc[j * ATTN_LANES + l] * scale;
+            sc[j * ATTN_LANES + l] = x;
+            bm[l] = x > bm[l] ? x : bm[l];
+        }
+    for (int l = 0; l < ATTN_LANES; l++) /* 0 for a lane that had seen nothing: -inf -> 0 */
+        alpha8[l] = exp_approx(m8[l] - bm[l]);
+    for (int j = 0; j < nr; j++)
+        for (int l = 0; l < ATTN_LANES; l++) {
+            float p = exp_approx(sc[j * ATTN_LANES + l] - bm[l]);
+            sc[j * ATTN_LANES + l] = p;
+            add[l] += p;
+        }
+    for (int l = 0; l < ATTN_LANES; l++) {
+        s8[l] = s8[l] * alpha8[l] + add[l];
+        m8[l] = bm[l];
+    }
+}
+
+/* Capsule scores, one row j of S [m][cols]: s = scale (s + b2_j sum(q')), column max. */
+ATTN_INLINE void bias_max_body(float *s, float b, const float *sq, float *cmax, size_t n,
+                               float scale)
+{
+    for (size_t i = 0; i < n; i++) {
+        float x = scale * (s[i] + b * sq[i]);
+        s[i] = x;
+        cmax[i] = x > cmax[i] ? x : cmax[i];
+    }
+}
+
+/* Capsule probabilities, one row of S: p = exp(s - max of its (span, query)), column sums. */
+ATTN_INLINE void exp_cols_body(float *s, const float *cmax, float *csum, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        float p = exp_approx(s[i] - cmax[i]);
+        s[i] = p;
+        csum[i] += p;
+    }
+}
+
+/* ---- Portable kernels --------------------------------------------------------------------- */
+
+static size_t elem_size(enum kvcap_dtype t)
+{
+    return t == KVCAP_DTYPE_F32 ? 4 : 2; /* F16, BF16 (callers validate the dtype) */
+}
+
+/* nr rows (d elements each, `stride` elements apart, storage dtype) as f32: the data itself for
+ * F32, else converted into buf (nr * d <= ATTN_BLOCK_FLOATS). *ld receives the row stride. */
+static const float *block_f32(enum kvcap_dtype dt, const void *rows, size_t stride, int nr, int d,
+                              float *buf, size_t *ld)
+{
+    if (dt == KVCAP_DTYPE_F32) {
+        *ld = stride;
+        return rows;
+    }
+    const unsigned char *b = rows;
+    if (stride == (size_t)d) /* contiguous rows: one conversion for the block */
+        load_body(dt, b, (size_t)nr * d, buf);
+    else
+        for (int j = 0; j < nr; j++)
+            load_body(dt, b + (size_t)j * stride * 2, (size_t)d, buf + (size_t)j * d);
+    *ld = (size_t)d;
+    return buf;
+}
+
+/* out[j][l] = k_j · q_l for l < nq (0 for the other lanes); nr rows from `k` (storage dtype,
+ * `ks` elements apart). */
+static void scores_generic(enum kvcap_dtype dt, const void *k, size_t ks, int nr, const float *q,
+                           int nq, int d, float *out)
+{
+    float buf[ATTN_BLOCK_FLOATS];
+    size_t ld;
+    const float *kf = block_f32(dt, k, ks, nr, d, buf, &ld);
+    for (int j = 0; j < nr; j++) {
+        const float *kr = kf + (size_t)j * ld;
+        for (int l = 0; l < ATTN_LANES; l++) {
+            float v = 0.0f;
+            if (l < nq) {
+                const float *ql = q + (size_t)l * d;
+                float a[8] = {0};
+                int c = 0;
+                for (; c + 8 <= d; c += 8)
+                    for (int u = 0; u < 8; u++)
+                        a[u] += ql[c + u] * kr[c + u];
+                for (; c < d; c++)
+                    a[0] += ql[c] * kr[c];
+                v = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+            }
+            out[j * ATTN_LANES + l] = v;
+        }
+    }
+}
+
+/* o[l][:] += Σ_j w[j][l] v_j for l < nq. */
+static void accum_generic(enum kvcap_dtype dt, const void *v, size_t vs, int nr, const float *w,
+                          int nq, int d, float *o)
+{
+    float buf[ATTN_BLOCK_FLOATS];
+    size_t ld;
+    const float *vf = block_f32(dt, v, vs, nr, d, buf, &ld);
+    for (int l = 0; l < nq; l++) {
+        float *ol = o + (size_t)l * d;
+        int c = 0;
+        for (; c + 16 <= d; c += 16) { /* 16 accumulators the compiler keeps in registers */
+            float a[16];
+            for (int u = 0; u < 16; u++)
+                a[u] = ol[c + u];
+            for (int j = 0; j < nr; j++) {
+                float wl = w[j * ATTN_LANES + l];
+                const float *vr = vf + (size_t)j * ld + c;
+                for (int u = 0; u < 16; u++)
+                    a[u] += wl * vr[u];
+            }
+            for (int u = 0; u < 16; u++)
+                ol[c + u] = a[u];
+        }
+        for (; c < d; c++) {
+            float a = ol[c];
+            for (int j = 0; j < nr; j++)
+                a += w[j * ATTN_LANES + l] * vf[(size_t)j * ld + c];
+            ol[c] = a;
+        }
+    }
+}
+
+static void load_generic(enum kvcap_dtype dtype, const void *src, size_t n, float *dst)
+{
+    load_body(dtype, src, n, dst);
+}
+
+static void softmax_generic(float *sc, int nr, float scale, float *m8, float *s8, float *a8)
+{
+    softmax_body(sc, nr, scale, m8, s8, a8);
+}
+
+static void bias_max_generic(float *s, float b, const float *sq, float *cmax, size_t n,
+                             float scale)
+{
+    bias_max_body(s, b, sq, cmax, n, scale);
+}
+
+static void exp_cols_generic(float *s, const float *cmax, float *csum, size_t n)
+{
+    exp_cols_body(s, cmax, csum, n);
+}
+
+/* ---- AVX2 + FMA + F16C kernels (x86, chosen at run time) ---------------------------------- */
+#if ATTN_X86
+#  define ATTN_AVX2 __attribute__((target("avx2,fma,f16c")))
+#  define ATTN_AVX2_INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c")))
+
+/* Eight 8-lane accumulators -> one vector of their eight horizontal sums. */
+ATTN_AVX2_INLINE __m256 hsum8_avx2(const __m256 *a)
+{
+    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                         _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* 8 elements (from element c) of a row in storage dtype DT (0 F32, 1 F16, 2 BF16) as f32:
+ * the conversion happens in registers, so 16-bit rows are read once, never expanded in memory. */
+ATTN_AVX2_INLINE __m256 load8_avx2(const unsigned char *row, int c, const int DT)
+{
+    if (DT == 1)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(row + 2 * (size_t)c)));
+    if (DT == 2)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(const void *)(row + 2 * (size_t)c))),
+            16));
+    return _mm256_loadu_ps((const float *)(const void *)(row + 4 * (size_t)c));
+}
+
+ATTN_INLINE float load1(const unsigned char *row, int c, const int DT)
+{
+    uint16_t h;
+    float f;
+    if (DT == 1) {
+        memcpy(&h, row + 2 * (size_t)c, 2);
+        return f16_to_f32_fast(h);
+    }
+    if (DT == 2) {
+        memcpy(&h, row + 2 * (size_t)c, 2);
+        return bits_f32((uint32_t)h << 16);
+    }
+    memcpy(&f, row + 4 * (size_t)c, 4);
+    return f;
+}
+
+/* Scores of R rows (kb bytes apart) against NQ queries with R * NQ <= 16 accumulators, one FMA
+ * chain each: enough independent chains to hide the FMA latency whatever NQ is. P rows share
+ * one horizontal sum (lane p*NQ + l). */
+ATTN_AVX2_INLINE void scores_tile_avx2(const unsigned char *k, size_t kb, const float *q, int d,
+                                       float *out, const int R, const int NQ, const int DT)
+{
+    const int P = 8 / NQ < R ? 8 / NQ : R; /* R is 1 or a multiple of 8 / NQ */
+    __m256 acc[16], qv[8];
+#  pragma GCC unroll 16
+    for (int i = 0; i < 16; i++)
+        acc[i] = _mm256_setzero_ps();
+    int c = 0;
+    for (; c + 8 <= d; c += 8) {
+#  pragma GCC unroll 8
+        for (int l = 0; l < NQ; l++)
+            qv[l] = _mm256_loadu_ps(q + (size_t)l * d + c);
+#  pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            __m256 kv = load8_avx2(k + (size_t)r * kb, c, DT);
+#  pragma GCC unroll 8
+            for (int l = 0; l < NQ; l++)
+                acc[r * NQ + l] = _mm256_fmadd_ps(qv[l], kv, acc[r * NQ + l]);
+        }
+    }
+#  pragma GCC unroll 8
+    for (int r0 = 0; r0 < R; r0 += P) {
+        __m256 part[8];
+#  pragma GCC unroll 8
+        for (int i = 0; i < 8; i++)
+            part[i] = i < P * NQ ? acc[r0 * NQ + i] : _mm256_setzero_ps();
+        __m256 sum = hsum8_avx2(part); /* lanes past P*NQ are 0 */
+        float t[8];
+        if (c < d) { /* d not a multiple of 8 */
+            _mm256_storeu_ps(t, sum);
+            for (int p = 0; p < P; p++)
+                for (int l = 0; l < NQ; l++)
+                    for (int cc = c; cc < d; cc++)
+                        t[p * NQ + l] +=
+                            q[(size_t)l * d + cc] * load1(k + (size_t)(r0 + p) * kb, cc, DT);
+            sum = _mm256_loadu_ps(t);
+        }
+        if (P == 1) {
+            _mm256_storeu_ps(out + r0 * ATTN_LANES, sum);
+            continue;
+        }
+        _mm256_storeu_ps(t, sum);
+#  pragma GCC unroll 8
+        for (int p = 0; p < P; p++) {
+            _mm256_storeu_ps(out + (r0 + p) * ATTN_LANES, _mm256_setzero_ps());
+#  pragma GCC unroll 8
+            for (int l = 0; l < NQ; l++)
+                out[(r0 + p) * ATTN_LANES + l] = t[p * NQ + l];
+        }
+    }
+}
+
+ATTN_AVX2_INLINE void scores_nq_avx2(const unsigned char *k, size_t kb, int nr, const float *q,
+                                     int d, float *out, const int NQ, const int DT)
+{
+    const int R = NQ == 1 ? 8 : NQ <= 3 ? 4 : NQ <= 7 ? 2 : 1; /* R*NQ <= 16, R multiple of P */
+    int j = 0;
+    for (; j + R <= nr; j += R)
+        scores_tile_avx2(k + (size_t)j * kb, kb, q, d, out + j * ATTN_LANES, R, NQ, DT);
+    for (; j < nr; j++)
+        scores_tile_avx2(k + (size_t)j * kb, kb, q, d, out + j * ATTN_LANES, 1, NQ, DT);
+}
+
+/* o[l][c0 : c0+8*CH] += Σ_j w[j][l] v_j[...] for NQ queries; accumulators stay in registers
+ * over the whole block, J sets of them (rows j, j+1, ...) so that J * CH * NQ chains are in
+ * flight (<= 12 accumulators). */
+ATTN_AVX2_INLINE void accum_tile_avx2(const unsigned char *v, size_t vb, int nr, const float *w,
+                                      float *o, int d, int c0, const int CH, const int NQ,
+                                      const int J, const int DT)
+{
+    __m256 acc[2][8], vv[8];
+#  pragma GCC unroll 8
+    for (int l = 0; l < NQ; l++)
+#  pragma GCC unroll 8
+        for (int hh = 0; hh < CH; hh++) {
+            acc[0][l * CH + hh] = _mm256_loadu_ps(o + (size_t)l * d + c0 + 8 * hh);
+            acc[1][l * CH + hh] = _mm256_setzero_ps();
+        }
+    int j = 0;
+    for (; j + J <= nr; j += J)
+#  pragma GCC unroll 2
+        for (int u = 0; u < J; u++) {
+            const unsigned char *vr = v + (size_t)(j + u) * vb;
+#  pragma GCC unroll 8
+            for (int hh = 0; hh < CH; hh++)
+                vv[hh] = load8_avx2(vr, c0 + 8 * hh, DT);
+#  pragma GCC unroll 8
+            for (int l = 0; l < NQ; l++) {
+                __m256 wb = _mm256_broadcast_ss(w + (j + u) * ATTN_LANES + l);
+#  pragma GCC unroll 8
+                for (int hh = 0; hh < CH; hh++)
+                    acc[u][l * CH + hh] = _mm256_fmadd_ps(wb, vv[hh], acc[u][l * CH + hh]);
+            }
+        }
+    for (; j < nr; j++) {
+        const unsigned char *vr = v + (size_t)j * vb;
+#  pragma GCC unroll 8
+        for (int hh = 0; hh < CH; hh++)
+            vv[hh] = load8_avx2(vr, c0 + 8 * hh, DT);
+#  pragma GCC unroll 8
+        for (int l = 0; l < NQ; l++) {
+            __m256 wb = _mm256_broadcast_ss(w + j * ATTN_LANES + l);
+#  pragma GCC unroll 8
+            for (int hh = 0; hh < CH; hh++)
+                acc[0][l * CH + hh] = _mm256_fmadd_ps(wb, vv[hh], acc[0][l * CH + hh]);
+        }
+    }
+#  pragma GCC unroll 8
+    for (int l = 0; l < NQ; l++)
+#  pragma GCC unroll 8
+        for (int hh = 0; hh < CH; hh++)
+            _mm256_storeu_ps(o + (size_t)l * d + c0 + 8 * hh,
+                             J > 1 ? _mm256_add_ps(acc[0][l * CH + hh], acc[1][l * CH + hh])
+                                   : acc[0][l * CH + hh]);
+}
+
+ATTN_AVX2_INLINE void accum_nq_avx2(const unsigned char *v, size_t vb, int nr, const float *w,
+                                    int d, float *o, const int NQ, const int DT)
+{
+    const int CH = NQ == 1 ? 8 : NQ == 2 ? 4 : NQ <= 4 ? 2 : 1;
+    const int J = NQ >= 5 && NQ <= 7 ? 2 : 1; /* NQ = 8: 16 accumulators would spill */
+    int c = 0;
+    for (; c + 8 * CH <= d; c += 8 * CH)
+        accum_tile_avx2(v, vb, nr, w, o, d, c, CH, NQ, J, DT);
+    for (; c + 8 <= d; c += 8)
+        accum_tile_avx2(v, vb, nr, w, o, d, c, 1, NQ, J, DT);
+    for (; c < d; c++)
+        for (int l = 0; l < NQ; l++) {
+            float a = o[(size_t)l * d + c];
+            for (int j = 0; j < nr; j++)
+                a += w[j * ATTN_LANES + l] * load1(v + (size_t)j * vb, c, DT);
+            o[(size_t)l * d + c] = a;
+        }
+}
+
+/* One specialisation per (dtype, group size), so every loop above has constant bounds. */
+#  define ATTN_NQ_CASES(CALL, DT)                                                            \
+      switch (nq) {                                                                          \
+      case 1: CALL(1, DT); break;                                                            \
+      case 2: CALL(2, DT); break;                                                            \
+      case 3: CALL(3, DT); break;                                                            \
+      case 4: CALL(4, DT); break;                                                            \
+      case 5: CALL(5, DT); break;                                                            \
+      case 6: CALL(6, DT); break;                                                            \
+      case 7: CALL(7, DT); break;                                                            \
+      default: CALL(8, DT); break;                                                           \
+      }
+#  define ATTN_DT_NQ_CASES(CALL)                                                             \
+      if (dt == KVCAP_DTYPE_F16)                                                             \
+          ATTN_NQ_CASES(CALL, 1)                                                             \
+      else if (dt == KVCAP_DTYPE_BF16)                                                       \
+          ATTN_NQ_CASES(CALL, 2)                                                             \
+      else                                                                                   \
+          ATTN_NQ_CASES(CALL, 0)
+
+static ATTN_AVX2 void scores_avx2(enum kvcap_dtype dt, const void *k, size_t ks, int nr,
+                                  const float *q, int nq, int d, float *out)
+{
+    size_t kb = ks * elem_size(dt);
+#  define ATTN_SCORES_CALL(N, DT) scores_nq_avx2(k, kb, nr, q, d, out, N, DT)
+    ATTN_DT_NQ_CASES(ATTN_SCORES_CALL)
+#  undef ATTN_SCORES_CALL
+}
+
+static ATTN_AVX2 void accum_avx2(enum kvcap_dtype dt, const void *v, size_t vs, int nr,
+                                 const float *w, int nq, int d, float *o)
+{
+    size_t vb = vs * elem_size(dt);
+#  define ATTN_ACCUM_CALL(N, DT) accum_nq_avx2(v, vb, nr, w, d, o, N, DT)
+    ATTN_DT_NQ_CASES(ATTN_ACCUM_CALL)
+#  undef ATTN_ACCUM_CALL
+}
+
+static ATTN_AVX2 void load_avx2(enum kvcap_dtype dtype, const void *src, size_t n, float *dst)
+{
+    if (dtype != KVCAP_DTYPE_F16) {
+        load_body(dtype, src, n, dst);
+        return;
+    }
+    const unsigned char *s = src;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i,
+                         _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 2 * i))));
+    load_body(dtype, s + 2 * i, n - i, dst + i);
+}
+
+/* exp_approx on 8 lanes (with FMA; the same constants and the same 0 below -87). */
+ATTN_AVX2_INLINE __m256 exp_avx2(__m256 x)
+{
+    const __m256 magic = _mm256_set1_ps(ATTN_EXP_MAGIC);
+    __m256 t = _mm256_fmadd_ps(x, _mm256_set1_ps(ATTN_LOG2E), magic);
+    __m256 n = _mm256_sub_ps(t, magic);
+    __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_sub_epi32(_mm256_castps_si256(t),
+                                          _mm256_set1_epi32((int)ATTN_EXP_MAGIC_BITS)),
+                         _mm256_set1_epi32(127)),
+        23);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(ATTN_LN2_HI), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(ATTN_LN2_LO), r);
+    __m256 y = _mm256_set1_ps(ATTN_P0);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(ATTN_P1));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(ATTN_P2));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(ATTN_P3));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(ATTN_P4));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(ATTN_P5));
+    y = _mm256_fmadd_ps(_mm256_mul_ps(y, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(ATTN_EXP_LO), _CMP_GE_OQ);
+    return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), keep);
+}
+
+static ATTN_AVX2 void softmax_avx2(float *sc, int nr, float scale, float *m8, float *s8,
+                                   float *a8)
+{
+    const __m256 vscale = _mm256_set1_ps(scale);
+    __m256 m = _mm256_loadu_ps(m8), bm = m, add = _mm256_setzero_ps();
+    for (int j = 0; j < nr; j++) {
+        __m256 x = _mm256_mul_ps(_mm256_loadu_ps(sc + j * ATTN_LANES), vscale);
+        _mm256_storeu_ps(sc + j * ATTN_LANES, x);
+        bm = _mm256_max_ps(x, bm);
+    }
+    __m256 alpha = exp_avx2(_mm256_sub_ps(m, bm));
+    for (int j = 0; j < nr; j++) {
+        __m256 p = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(sc + j * ATTN_LANES), bm));
+        _mm256_storeu_ps(sc + j * ATTN_LANES, p);
+        add = _mm256_add_ps(add, p);
+    }
+    _mm256_storeu_ps(s8, _mm256_fmadd_ps(_mm256_loadu_ps(s8), alpha, add));
+    _mm256_storeu_ps(m8, bm);
+    _mm256_storeu_ps(a8, alpha);
+}
+
+static ATTN_AVX2 void bias_max_avx2(float *s, float b, const float *sq, float *cmax, size_t n,
+                                    float scale)
+{
+    const __m256 vb = _mm256_set1_ps(b), vscale = _mm256_set1_ps(scale);
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_fmadd_ps(vb, _mm256_loadu_ps(sq + i), _mm256_loadu_ps(s + i));
+        x = _mm256_mul_ps(x, vscale);
+        _mm256_storeu_ps(s + i, x);
+        _mm256_storeu_ps(cmax + i, _mm256_max_ps(x, _mm256_loadu_ps(cmax + i)));
+    }
+    bias_max_body(s + i, b, sq + i, cmax + i, n - i, scale);
+}
+
+static ATTN_AVX2 void exp_cols_avx2(float *s, const float *cmax, float *csum, size_t n)
+{
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 p = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + i), _mm256_loadu_ps(cmax + i)));
+        _mm256_storeu_ps(s + i, p);
+        _mm256_storeu_ps(csum + i, _mm256_add_ps(_mm256_loadu_ps(csum + i), p));
+    }
+    exp_cols_body(s + i, cmax + i, csum + i, n - i);
+}
+#endif /* ATTN_X86 */
+
+/* ---- Dispatch ----------------------------------------------------------------------------- */
+
+struct attn_isa {
+    void (*scores)(enum kvcap_dtype dt, const void *k, size_t ks, int nr, const float *q, int nq,
+                   int d, float *out);
+    void (*accum)(enum kvcap_dtype dt, const void *v, size_t vs, int nr, const float *w, int nq,
+                  int d, float *o);
+    void (*load)(enum kvcap_dtype dtype, const void *src, size_t n, float *dst);
+    void (*softmax)(float *sc, int nr, float scale, float *m8, float *s8, float *a8);
+    void (*bias_max)(float *s, float b, const float *sq, float *cmax, size_t n, float scale);
+    void (*exp_cols)(float *s, const float *cmax, float *csum, size_t n);
+};
+
+static const struct attn_isa isa_generic = {scores_generic,  accum_generic,    load_generic,
+                                            softmax_generic, bias_max_generic, exp_cols_generic};
+#if ATTN_X86
+static const struct attn_isa isa_avx2 = {scores_avx2,  accum_avx2,    load_avx2,
+                                         softmax_avx2, bias_max_avx2, exp_cols_avx2};
+#endif
+
+static atomic_int attn_simd_enabled = 1;
+
+/* Test hook (not API, hence not in attention.h): 0 forces the portable kernels, 1 restores the
+ * run-time choice. Returns the previous setting. Lets one test program check both paths. */
+int kvcap_attention_set_simd(int enabled);
+int kvcap_attention_set_simd(int enabled)
+{
+    return atomic_exchange_explicit(&attn_simd_enabled, enabled ? 1 : 0, memory_order_relaxed);
+}
+
+#if ATTN_X86
+/* AVX2 and FMA with OS support for the YMM state (what __builtin_cpu_supports checks), and
+ * F16C from CPUID leaf 1 (clang's __builtin_cpu_supports does not know "f16c"). */
+static int cpu_has_avx2_set(void)
+{
+    __builtin_cpu_init();
+    unsigned a, b, c, d;
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
+}
+#endif
+
+/* Probed once (CPUID traps to the hypervisor in a VM: microseconds); racing first calls store
+ * the same value. 0: not probed yet, 1: portable only, 2: the AVX2 set is usable. */
+static atomic_int attn_cpu_level = 0;
+
+static const struct attn_isa *attn_isa(void)
+{
+#if ATTN_X86
+    int level = atomic_load_explicit(&attn_cpu_level, memory_order_relaxed);
+    if (level == 0) {
+        level = cpu_has_avx2_set() ? 2 : 1;
+        atomic_store_explicit(&attn_cpu_level, level, memory_order_relaxed);
+    }
+    if (level == 2 && atomic_load_explicit(&attn_simd_enabled, memory_order_relaxed))
+        return &isa_avx2;
+#endif
+    return &isa_generic;
+}
+
+void kvcap_load_f32(enum kvcap_dtype dtype, const void *src, size_t n, float *dst)
+{
+    attn_isa()->load(dtype, src, n, dst);
+}
+
+/* Row j of a row set in storage dtype. */
+static const void *row_at(const void *base, enum kvcap_dtype dt, size_t stride, size_t j)
+{
+    return (const unsigned char *)base + j * stride * elem_size(dt);
+}
+
+/* o (d floats) *= a, with a == 0 clearing it (an empty partial's o is 0 anyway; this keeps a
+ * stray non-finite value from surviving as NaN). */
+static void rescale(float *o, int d, float a)
+{
+    if (a == 0.0f)
+        memset(o, 0, sizeof(float) * (size_t)d);
+    else if (a != 1.0f)
+        for (int c = 0; c < d; c++)
+            o[c] *= a;
+}
+
+static int float_dtype(enum kvcap_dtype t)
+{
+    return t == KVCAP_DTYPE_F32 || t == KVCAP_DTYPE_F16 || t == KVCAP_DTYPE_BF16;
+}
+
+/* ---- Plain rows --------------------------------------------------------------------------- */
+
+/* Element i of a float tensor, for the readable oracles. */
+static double elem(enum kvcap_dtype dtype, const void *base, size_t i)
+{
+    const unsigned char *b = base;
+    uint16_t h;
+    float f;
+    switch (dtype) {
+    case KVCAP_DTYPE_F16:
+        memcpy(&h, b + 2 * i, 2);
+        return kvcap_f16_to_f32(h);
+    case KVCAP_DTYPE_BF16:
+        memcpy(&h, b + 2 * i, 2);
+        return kvcap_bf16_to_f32(h);
+    default:
+        memcpy(&f, b + 4 * i, 4);
+        return f;
+    }
+}
+
+static uint64_t rows_bytes(const struct kvcap_rows *rows, int d)
+{
+    return 2u * (uint64_t)rows->n * (uint64_t)d * kvcap_dtype_size(rows->dtype);
+}
+
+uint64_t kvcap_attend_rows_ref(const struct kvcap_rows *rows, const float *q, int nq, int d,
+                               float scale, struct kvcap_partial acc)
+{
+    if (!rows || !q || rows->n <= 0 || nq <= 0 || d <= 0 || !float_dtype(rows->dtype))
+        return 0;
+    double *o = malloc(sizeof(double) * (size_t)d);
+    float *of = malloc(sizeof(float) * (size_t)d);
+    if (!o || !of) {
+        free(o);
+        free(of);
+        return 0;
+    }
+    for (int qi = 0; qi < nq; qi++) {
+        const float *qv = q + (size_t)qi * d;
+        /* pass 1: the max score; pass 2: weights and the weighted sum of values */
+        double mx = -INFINITY;
+        for (int j = 0; j < rows->n; j++) {
+            double s = 0;
+            for (int c = 0; c < d; c++)
+                s += (double)qv[c] * elem(rows->dtype, rows->k, (size_t)j * rows->row_stride + c);
+            s *= scale;
+            mx = s > mx ? s : mx;
+        }
+        /* Shift by the float max the partial will carry, so its weights are exactly
+         * exp(s - partial.mx) even when |mx| is large. */
+        float fmx = (float)mx;
+        double sum = 0;
+        for (int c = 0; c < d; c++)
+            o[c] = 0;
+        for (int j = 0; j < rows->n; j++) {
+            double s = 0;
+            for (int c = 0; c < d; c++)
+                s += (double)qv[c] * elem(rows->dtype, rows->k, (size_t)j * rows->row_stride + c);
+            double p = exp(s * scale - (double)fmx);
+            sum += p;
+            for (int c = 0; c < d; c++)
+                o[c] += p * elem(rows->dtype, rows->v, (size_t)j * rows->row_stride + c);
+        }
+        for (int c = 0; c < d; c++)
+            of[c] = (float)o[c];
+        merge_one(acc, qi, d, fmx, (float)sum, of);
+    }
+    free(o);
+    free(of);
+    return rows_bytes(rows, d);
+}
+
+uint64_t kvcap_attend_rows(const struct kvcap_rows *rows, const float *q, int nq, int d,
+                           float scale, struct kvcap_partial acc)
+{
+    if (!rows || !q || rows->n <= 0 || nq <= 0 || d <= 0 || d > ATTN_MAX_D ||
+        !float_dtype(rows->dtype))
+        return 0;
+    const struct attn_isa *isa = attn_isa();
+    int B = block_rows(d);
+    float sc[ATTN_MAX_B * ATTN_LANES];
+    for (int j0 = 0; j0 < rows->n; j0 += B) {
+        int nr = rows->n - j0 < B ? rows->n - j0 : B;
+        const void *kb = row_at(rows->k, rows->dtype, rows->row_stride, (size_t)j0);
+        const void *vb = row_at(rows->v, rows->dtype, rows->row_stride, (size_t)j0);
+        for (int g = 0; g < nq; g += ATTN_LANES) {
+            int ng = nq - g < ATTN_LANES ? nq - g : ATTN_LANES;
+            float m8[ATTN_LANES], s8[ATTN_LANES], a8[ATTN_LANES];
+            for (int l = 0; l < ATTN_LANES; l++) {
+                m8[l] = l < ng ? acc.mx[g + l] : -INFINITY;
+                s8[l] = l < ng ? acc.sum[g + l] : 0.0f;
+            }
+            isa->scores(rows->dtype, kb, rows->row_stride, nr, q + (size_t)g * d, ng, d, sc);
+            isa->softmax(sc, nr, scale, m8, s8, a8);
+            for (int l = 0; l < ng; l++) {
+                rescale(acc.o + (size_t)(g + l) * d, d, a8[l]);
+                acc.mx[g + l] = m8[l];
+                acc.sum[g + l] = s8[l];
+            }
+            isa->accum(rows->dtype, vb, rows->row_stride, nr, sc, ng, d, acc.o + (size_t)g * d);
+        }
+    }
+    return rows_bytes(rows, d);
+}
+
+/* ---- KVCapsule spans ---------------------------------------------------------------------- */
+
+static uint64_t capsule_bytes(const struct kvcap_capsule_maps *maps,
+                              const struct kvcap_capsule_span *spans, int n_spans, int d)
+{
+    uint64_t b = 4u * ((uint64_t)maps->h * maps->m + (uint64_t)maps->m +
+                       (uint64_t)maps->rv * maps->m);
+    for (int i = 0; i < n_spans; i++)
+        if (spans[i].tiles > 0)
+            b += kvcap_dtype_size(spans[i].dtype) *
+                 ((uint64_t)spans[i].tiles * ((uint64_t)maps->h + maps->rv) * d + (uint64_t)d);
+    return b;
+}
+
+/* Common argument check; returns the number of columns (Σ tiles × nq), 0 when there is nothing
+ * to do or the arguments are unusable. */
+static size_t capsule_cols(const struct kvcap_capsule_maps *maps,
+                           const struct kvcap_capsule_span *spans, int n_spans, int nq, int d)
+{
+    if (!maps || !spans || n_spans <= 0 || nq <= 0 || d <= 0 || maps->m <= 0 || maps->h < 0 ||
+        maps->rv < 0 || (maps->h && !maps->w2) || !maps->b2 || (maps->rv && !maps->u))
+        return 0;
+    size_t cols = 0;
+    for (int i = 0; i < n_spans; i++) {
+        const struct kvcap_capsule_span *s = &spans[i];
+        if (s->tiles < 0 || !float_dtype(s->dtype))
+            return 0;
+        if (s->tiles == 0)
+            continue;
+        if (!s->q || !s->mu || (maps->h && !s->hs) || (maps->rv && !s->vt))
+            return 0;
+        cols += (size_t)s->tiles * (size_t)nq;
+    }
+    return cols;
+}
+
+uint64_t kvcap_capsule_attend_ref(const struct kvcap_capsule_maps *maps,
+                                  const struct kvcap_capsule_span *spans, int n_spans, int nq,
+                                  int d, float scale)
+{
+    if (capsule_cols(maps, spans, n_spans, nq, d) == 0)
+        return 0;
+    int m = maps->m, h = maps->h, rv = maps->rv, max_tiles = 0;
+    for (int i = 0; i < n_spans; i++)
+        max_tiles = spans[i].tiles > max_tiles ? spans[i].tiles : max_tiles;
+    double *s = malloc(sizeof(double) * (size_t)max_tiles * m);
+    double *z = malloc(sizeof(double) * (size_t)(h + 1));
+    double *o = malloc(sizeof(double) * (size_t)d);
+    float *of = malloc(sizeof(float) * (size_t)d);
+    if (!s || !z || !o || !of) {
+        free(s);
+        free(z);
+        free(o);
+        free(of);
+        return 0;
+    }
+    for (int i = 0; i < n_spans; i++) {
+        const struct kvcap_capsule_span *sp = &spans[i];
+        int T = sp->tiles;
+        if (T == 0)
+            continue;
+        for (int qi = 0; qi < nq; qi++) {
+            const float *qv = sp->q + (size_t)qi * d;
+            double sumq = 0;
+            for (int c = 0; c < d; c++)
+                sumq += qv[c];
+            /* scores s_t = W2ᵀ (H_t q') + b2 sum(q'), scaled */
+            double mx = -INFINITY;
+            for (int t = 0; t < T; t++) {
+                for (int a = 0; a < h; a++) {
+                    z[a] = 0;
+                    for (int c = 0; c < d; c++)
+                        z[a] += elem(sp->dtype, sp->hs, ((size_t)t * h + a) * d + c) * qv[c];
+                }
+                for (int j = 0; j < m; j++) {
+                    double v = (double)maps->b2[j] * sumq;
+                    for (int a = 0; a < h; a++)
+                        v += (double)maps->w2[(size_t)a * m + j] * z[a];
+                    v *= scale;
+                    s[(size_t)t * m + j] = v;
+                    mx = v > mx ? v : mx;
+                }
+            }
+            float fmx = (float)mx; /* see kvcap_attend_rows_ref */
+            double sum = 0;
+            for (size_t j = 0; j < (size_t)T * m; j++) {
+                s[j] = exp(s[j] - (double)fmx);
+                sum += s[j];
+            }
+            /* o = Σ_t Ṽ_tᵀ (U p_t) + (Σ p) μ */
+            for (int c = 0; c < d; c++)
+                o[c] = sum * elem(sp->dtype, sp->mu, (size_t)c);
+            for (int t = 0; t < T; t++)
+                for (int r = 0; r < rv; r++) {
+                    double y = 0;
+                    for (int j = 0; j < m; j++)
+                        y += (double)maps->u[(size_t)r * m + j] * s[(size_t)t * m + j];
+                    for (int c = 0; c < d; c++)
+                        o[c] += y * elem(sp->dtype, sp->vt, ((size_t)t * rv + r) * d + c);
+                }
+            for (int c = 0; c < d; c++)
+                of[c] = (float)o[c];
+            merge_one(sp->acc, qi, d, fmx, (float)sum, of);
+        }
+    }
+    free(s);
+    free(z);
+    free(o);
+    free(of);
+    return capsule_bytes(maps, spans, n_spans, d);
+}
+
+size_t kvcap_capsule_scratch_floats(const struct kvcap_capsule_maps *maps, int n_spans,
+                                    int max_tiles, int nq, int d)
+{
+    (void)d;
+    if (!maps || n_spans <= 0 || max_tiles <= 0 || nq <= 0 || maps->m <= 0 || maps->h < 0 ||
+        maps->rv < 0)
+        return 0;
+    size_t hv = (size_t)(maps->h > maps->rv ? maps->h : maps->rv);
+    size_t per = hv + (size_t)maps->m + 2, cols, total;
+    if (!kvcap_mul_size((size_t)n_spans, (size_t)max_tiles, &cols) ||
+        !kvcap_mul_size(cols, (size_t)nq, &cols) || !kvcap_mul_size(per, cols, &total))
+        return SIZE_MAX;
+    return total;
+}
+
+/* Scratch layout (floats), cols = Σ_i tiles_i × nq, column (i, t, q) = off_i + t*nq + q:
+ *   ZY   [max(h, rv)][cols]  Z = H q' per column, later Y = U P
+ *   S    [m][cols]           scores, then probabilities
+ *   cv   [cols]              sum(q') per column, later Σ_j p per column
+ *   cmax [cols]              column max, then the max of the column's (span, query)
+ * Steps: Z (per span, streaming H) -> S = W2ᵀ Z (one sgemm: W2 read once) -> bias, scale, max
+ * -> P = exp -> Y = U P (one sgemm) -> per span: merge factors, o += Ṽᵀ y (+ Σp μ). */
+uint64_t kvcap_capsule_attend(const struct kvcap_capsule_maps *maps,
+                              const struct kvcap_capsule_span *spans, int n_spans, int nq, int d,
+                              float scale, float *scratch, size_t scratch_floats)
+{
+    size_t cols = capsule_cols(maps, spans, n_spans, nq, d);
+    if (cols == 0 || cols > INT_MAX || d > ATTN_MAX_D || !scratch)
+        return 0;
+    int m = maps->m, h = maps->h, rv = maps->rv;
+    size_t hv = (size_t)(h > rv ? h : rv), need;
+    if (!kvcap_mul_size(hv + (size_t)m + 2, cols, &need) || scratch_floats < need)
+        return 0;
+    float *ZY = scratch, *S = ZY + hv * cols, *cv = S + (size_t)m * cols, *cmax = cv + cols;
+    const struct attn_isa *isa = attn_isa();
+    int B = block_rows(d);
+    float sc[ATTN_MAX_B * ATTN_LANES];
+
+    /* Z[a][(i,t,q)] = H_{i,t}[a] · q'_{i,q}, and sum(q') per column. */
+    size_t off = 0;
+    for (int i = 0; i < n_spans; i++) {
+        const struct kvcap_capsule_span *sp = &spans[i];
+        int T = sp->tiles;
+        if (T == 0)
+            continue;
+        for (int qi = 0; qi < nq; qi++) {
+            float sq = 0.0f;
+            for (int c = 0; c < d; c++)
+                sq += sp->q[(size_t)qi * d + c];
+            for (int t = 0; t < T; t++)
+                cv[off + (size_t)t * nq + qi] = sq;
+        }
+        size_t nrows = (size_t)T * h;
+        for (size_t r0 = 0; r0 < nrows; r0 += (size_t)B) {
+            int nr = nrows - r0 < (size_t)B ? (int)(nrows - r0) : B;
+            const void *hb = row_at(sp->hs, sp->dtype, (size_t)d, r0);
+            for (int g = 0; g < nq; g += ATTN_LANES) {
+                int ng = nq - g < ATTN_LANES ? nq - g : ATTN_LANES;
+                isa->scores(sp->dtype, hb, (size_t)d, nr, sp->q + (size_t)g * d, ng, d, sc);
+                size_t t = r0 / (size_t)h, a = r0 % (size_t)h; /* row r0 + jj = (t, a) */
+                for (int jj = 0; jj < nr; jj++) {
+                    float *zc = ZY + a * cols + off + t * (size_t)nq + (size_t)g;
+                    for (int l = 0; l < ng; l++)
+                        zc[l] = sc[jj * ATTN_LANES + l];
+                    if (++a == (size_t)h) {
+                        a = 0;
+                        t++;
+                    }
+                }
+            }
+        }
+        off += (size_t)T * nq;
+    }
+
+    /* S = W2ᵀ Z: the map is read once for every span and query of the call. */
+    if (h > 0)
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, m, (int)cols, h, 1.0f, maps->w2, m,
+                    ZY, (int)cols, 0.0f, S, (int)cols);
+    else
+        memset(S, 0, sizeof(float) * (size_t)m * cols);
+    for (size_t c = 0; c < cols; c++)
+        cmax[c] = -INFINITY;
+    for (int j = 0; j < m; j++)
+        isa->bias_max(S + (size_t)j * cols, maps->b2[j], cv, cmax, cols, scale);
+
+    /* One softmax shift per (span, query): the max over its tiles' columns. */
+    off = 0;
+    for (int i = 0; i < n_spans; i++) {
+        int T = spans[i].tiles;
+        for (int qi = 0; qi < nq && T > 0; qi++) {
+            float mx = -INFINITY;
+            for (int t = 0; t < T; t++)
+                mx = cmax[off + (size_t)t * nq + qi] > mx ? cmax[off + (size_t)t * nq + qi] : mx;
+            for (int t = 0; t < T; t++)
+                cmax[off + (size_t)t * nq + qi] = mx;
+        }
+        off += (size_t)T * nq;
+    }
+    memset(cv, 0, sizeof(float) * cols);
+    for (int j = 0; j < m; j++)
+        isa->exp_cols(S + (size_t)j * cols, cmax, cv, cols);
+
+    /* Y = U P: the value basis, also read once. */
+    if (rv > 0)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rv, (int)cols, m, 1.0f, maps->u, m,
+                    S, (int)cols, 0.0f, ZY, (int)cols);
+
+    /* Per span: merge the span's partial (max cmax, sum Σp, o = Ṽᵀy + Σp μ) into its acc,
+     * scaling the new terms by b = exp(max - new max) as they are accumulated. The factors
+     * b and b·Σp of query q are kept in the span's first columns of cmax and cv, which are
+     * free once read. */
+    off = 0;
+    for (int i = 0; i < n_spans; i++) {
+        const struct kvcap_capsule_span *sp = &spans[i];
+        int T = sp->tiles;
+        if (T == 0)
+            continue;
+        float *bq = cmax + off, *psum = cv + off;
+        for (int qi = 0; qi < nq; qi++) {
+            float mx = cmax[off + (size_t)qi], sum = 0.0f;
+            for (int t = 0; t < T; t++)
+                sum += cv[off + (size_t)t * nq + qi];
+            float im = sp->acc.mx[qi], is = sp->acc.sum[qi], b = 1.0f;
+            if (partial_empty(im, is)) {
+                rescale(sp->acc.o + (size_t)qi * d, d, 0.0f);
+                sp->acc.mx[qi] = mx;
+                sp->acc.sum[qi] = sum;
+            } else {
+                float nm = im > mx ? im : mx, a = expf(im - nm);
+                b = expf(mx - nm);
+                rescale(sp->acc.o + (size_t)qi * d, d, a);
+                sp->acc.mx[qi] = nm;
+                sp->acc.sum[qi] = a * is + b * sum;
+            }
+            bq[qi] = b;
+            psum[qi] = b * sum;
+        }
+        size_t nrows = (size_t)T * rv;
+        for (size_t r0 = 0; r0 < nrows; r0 += (size_t)B) {
+            int nr = nrows - r0 < (size_t)B ? (int)(nrows - r0) : B;
+            const void *vb = row_at(sp->vt, sp->dtype, (size_t)d, r0);
+            for (int g = 0; g < nq; g += ATTN_LANES) {
+                int ng = nq - g < ATTN_LANES ? nq - g : ATTN_LANES;
+                size_t t = r0 / (size_t)rv, rr = r0 % (size_t)rv; /* row r0 + jj = (t, rr) */
+                for (int jj = 0; jj < nr; jj++) {
+                    const float *yc = ZY + rr * cols + off + t * (size_t)nq + (size_t)g;
+                    for (int l = 0; l < ATTN_LANES; l++)
+                        sc[jj * ATTN_LANES + l] = l < ng ? bq[g + l] * yc[l] : 0.0f;
+                    if (++rr == (size_t)rv) {
+                        rr = 0;
+                        t++;
+                    }
+                }
+                isa->accum(sp->dtype, vb, (size_t)d, nr, sc, ng, d, sp->acc.o + (size_t)g * d);
+            }
+        }
+        for (int g = 0; g < nq; g += ATTN_LANES) {
+            int ng = nq - g < ATTN_LANES ? nq - g : ATTN_LANES;
+            for (int l = 0; l < ATTN_LANES; l++)
+                sc[l] = l < ng ? psum[g + l] : 0.0f;
+            isa->accum(sp->dtype, sp->mu, (size_t)d, 1, sc, ng, d, sp->acc.o + (size_t)g * d);
+        }
+        off += (size_t)T * nq;
+    }
+    return capsule_bytes(maps, spans, n_spans, d);
+}

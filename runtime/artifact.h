@@ -1,0 +1,38 @@
+/* artifact.h — a loaded compressor artifact: per (layer, KV head, bucket) the KVCapsule maps in
+ * f32, ready for prefill (mask, W1, b1, U) and decode (W2, b2, U). */
+#ifndef KVCAP_ARTIFACT_H
+#define KVCAP_ARTIFACT_H
+
+#include "kvcap.h"
+#include "schema.h"
+
+struct kvcap_unit_maps {
+    int m, rk, h, rv, gelu;
+    int32_t *mask; /* [rk] */
+    float *w1;     /* [rk][h] */
+    float *b1;     /* [h] */
+    float *w2;     /* [h][m] */
+    float *b2;     /* [m] */
+    float *u;      /* [rv][m] */
+};
+
+struct kvcap_artifact {
+    struct kvcap_model_geometry model;
+    int n_buckets;
+    struct kvcap_bucket buckets[KVCAP_MAX_BUCKETS];
+    enum kvcap_policy fallback;
+    struct kvcap_unit_maps *units; /* [layers][kv_heads][buckets] */
+    uint64_t map_bytes;            /* f32 bytes of all maps */
+};
+
+static inline const struct kvcap_unit_maps *kvcap_artifact_unit(const struct kvcap_artifact *a,
+                                                               int l, int h, int b)
+{
+    return &a->units[((size_t)l * a->model.n_kv_heads + (size_t)h) * a->n_buckets + (size_t)b];
+}
+
+/* Index of the bucket for a grid, or -1. With several buckets of that grid (dense and tiled),
+ * the one with the fewest map bytes per step is preferred: tiled. */
+int kvcap_artifact_find_bucket(const struct kvcap_artifact *a, int rows, int cols);
+
+#endif

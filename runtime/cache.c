@@ -1,0 +1,597 @@
+/* cache.c — libkvcap's cache: sequences × layers of segments (one per prefill span, plus the
+ * generated tail), the policy chosen per span kind, and decode attention that merges every
+ * segment's partial softmax. KVCapsule segments of one bucket are attended together across the
+ * whole batch so the maps are read once per step. */
+#include <cblas.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "cache_internal.h"
+#include "pool.h"
+#include "rope.h"
+
+static const struct kvcap_policy_impl *policy_impl(enum kvcap_policy p)
+{
+    switch (p) {
+    case KVCAP_POLICY_FULL: return &kvcap_policy_full_impl;
+    case KVCAP_POLICY_STREAMING: return &kvcap_policy_streaming_impl;
+    case KVCAP_POLICY_KVCAPSULE: return &kvcap_policy_kvcapsule_impl;
+    default: return NULL; /* flashcache, vlcache, freekv: not in this build yet */
+    }
+}
+
+void kvcap_cache_default_params(struct kvcap_cache_params *p)
+{
+    if (!p)
+        return;
+    memset(p, 0, sizeof *p);
+    p->n_seqs = 1;
+    p->storage = KVCAP_DTYPE_F16;
+}
+
+static int is_float_storage(enum kvcap_dtype d)
+{
+    return d == KVCAP_DTYPE_F32 || d == KVCAP_DTYPE_F16 || d == KVCAP_DTYPE_BF16;
+}
+
+enum kvcap_status kvcap_cache_create(const struct kvcap_cache_params *p, struct kvcap_cache **out)
+{
+    KVCAP_RETURN_IF(!p || !out, KVCAP_ERR_INVALID_ARGUMENT, "kvcap_cache_create: NULL argument");
+    *out = NULL;
+    KVCAP_TRY(kvcap_geometry_validate(&p->model));
+    KVCAP_RETURN_IF(p->n_seqs < 1 || p->n_seqs > 65536, KVCAP_ERR_INVALID_ARGUMENT,
+                    "params.n_seqs: %d is outside 1..65536", p->n_seqs);
+    KVCAP_RETURN_IF(!is_float_storage(p->storage), KVCAP_ERR_INVALID_ARGUMENT,
+                    "params.storage: %s is not F32, F16 or BF16", kvcap_dtype_name(p->storage));
+    KVCAP_RETURN_IF(p->n_threads < 0 || p->n_threads > 64, KVCAP_ERR_INVALID_ARGUMENT,
+                    "params.n_threads: %d is outside 0..64", p->n_threads);
+    if (p->artifact) {
+        const char *diff = kvcap_geometry_difference(&p->artifact->model, &p->model);
+        KVCAP_RETURN_IF(diff, KVCAP_ERR_GEOMETRY,
+                        "params.artifact: its %s differs from params.model (the artifact was "
+                        "calibrated for another model)",
+                        diff);
+    }
+    struct kvcap_cache *c = calloc(1, sizeof *c);
+    KVCAP_RETURN_IF(!c, KVCAP_ERR_OUT_OF_MEMORY, "kvcap_cache_create: out of memory");
+    c->g = p->model;
+    c->n_seqs = p->n_seqs;
+    c->storage = p->storage;
+    c->artifact = p->artifact;
+    enum kvcap_status st =
+        p->config_path ? kvcap_runtime_config_load_file(p->config_path, &c->cfg)
+                       : (kvcap_runtime_config_default(&c->cfg), KVCAP_OK);
+    if (st == KVCAP_OK && !p->config_path) {
+        /* Defaults that work in this build: kvcapsule when an artifact is given; a default
+         * policy this build does not have yet is replaced by full (an explicit config asking
+         * for it fails below instead). */
+        if (p->artifact)
+            c->cfg.policy[KVCAP_SPAN_VISION] = KVCAP_POLICY_KVCAPSULE;
+        for (int k = 0; k < 3; k++)
+            if (!policy_impl(c->cfg.policy[k]))
+                c->cfg.policy[k] = KVCAP_POLICY_FULL;
+        if (!policy_impl(c->cfg.fallback)) {
+            kvcap_log(KVCAP_LOG_INFO, "cache: fallback '%s' is not in this build; spans without "
+                      "a bucket are kept in full", kvcap_policy_name(c->cfg.fallback));
+            c->cfg.fallback = KVCAP_POLICY_FULL;
+        }
+    }
+    if (st == KVCAP_OK && c->cfg.policy[KVCAP_SPAN_VISION] == KVCAP_POLICY_KVCAPSULE &&
+        !p->artifact)
+        st = kvcap_fail(KVCAP_ERR_INVALID_ARGUMENT,
+                        "params.artifact: the runtime config compresses vision spans with "
+                        "kvcapsule, which needs an artifact");
+    for (int k = 0; st == KVCAP_OK && k < 3; k++) {
+        enum kvcap_policy pol = c->cfg.policy[k];
+        if (!policy_impl(pol))
+            st = kvcap_fail(KVCAP_ERR_UNSUPPORTED,
+                            "runtime config: policy '%s' is not available in this build yet "
+                            "(available: full, streaming, kvcapsule)",
+                            kvcap_policy_name(pol));
+    }
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    c->threads = p->n_threads ? p->n_threads : (int)(cores > 0 ? (cores < 64 ? cores : 64) : 1);
+    if (st == KVCAP_OK)
+        st = kvcap_pool_create(c->threads, &c->pool);
+    if (st == KVCAP_OK) {
+        c->layers = calloc((size_t)c->n_seqs * c->g.n_layers, sizeof *c->layers);
+        c->scratch = calloc((size_t)c->threads, sizeof *c->scratch);
+        if (!c->layers || !c->scratch)
+            st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "kvcap_cache_create: out of memory");
+    }
+    for (size_t i = 0; st == KVCAP_OK && i < (size_t)c->n_seqs * c->g.n_layers; i++) {
+        c->layers[i].gen.kind = KVCAP_SPAN_GENERATED;
+        c->layers[i].gen.policy = c->cfg.policy[KVCAP_SPAN_GENERATED];
+    }
+    if (st == KVCAP_OK && p->record_dir)
+        st = kvcap_recorder_create(&c->g, c->n_seqs, p->record_dir, &c->recorder);
+    if (st != KVCAP_OK) {
+        kvcap_cache_free(c);
+        return st;
+    }
+    *out = c;
+    return KVCAP_OK;
+}
+
+void kvcap_cache_free(struct kvcap_cache *c)
+{
+    if (!c)
+        return;
+    kvcap_recorder_free(c->recorder);
+    kvcap_pool_free(c->pool);
+    for (size_t i = 0; c->layers && i < (size_t)c->n_seqs * c->g.n_layers; i++) {
+        struct kvcap_seq_layer *sl = &c->layers[i];
+        for (int s = 0; s < sl->n_segs; s++)
+            kvcap_segment_release(&sl->segs[s]);
+        free(sl->segs);
+        kvcap_segment_release(&sl->gen);
+    }
+    for (int t = 0; c->scratch && t < c->threads; t++) {
+        struct kvcap_thread_scratch *s = &c->scratch[t];
+        free(s->part), free(s->qrot), free(s->spans), free(s->work);
+    }
+    free(c->scratch);
+    free(c->layers);
+    kvcap_runtime_config_free(&c->cfg);
+    free(c);
+}
+
+/* ---- Views and plain rows --------------------------------------------------------------- */
+
+static const void *view_row(const struct kvcap_tensor_view *v, int head, int token)
+{
+    size_t esize = kvcap_dtype_size(v->dtype);
+    if (v->pages) {
+        const char *page = v->pages[token / v->page_size];
+        return page + ((int64_t)head * v->head_stride +
+                       (int64_t)(token % v->page_size) * v->token_stride) * (int64_t)esize;
+    }
+    return (const char *)v->base +
+           ((int64_t)head * v->head_stride + (int64_t)token * v->token_stride) * (int64_t)esize;
+}
+
+void kvcap_view_read(const struct kvcap_tensor_view *v, int head, int t0, int n, int d, float *dst)
+{
+    for (int j = 0; j < n; j++)
+        kvcap_load_f32(v->dtype, view_row(v, head, t0 + j), (size_t)d, dst + (size_t)j * d);
+}
+
+enum kvcap_status kvcap_view_check(const struct kvcap_tensor_view *v, const char *what, int heads,
+                                   int n, int d)
+{
+    KVCAP_RETURN_IF(!v, KVCAP_ERR_INVALID_ARGUMENT, "%s: NULL view", what);
+    KVCAP_RETURN_IF(!is_float_storage(v->dtype), KVCAP_ERR_INVALID_ARGUMENT,
+                    "%s.dtype: %s is not F32, F16 or BF16", what, kvcap_dtype_name(v->dtype));
+    KVCAP_RETURN_IF(!v->base && !v->pages, KVCAP_ERR_INVALID_ARGUMENT,
+                    "%s: neither base nor pages given", what);
+    KVCAP_RETURN_IF(v->pages && v->page_size < 1, KVCAP_ERR_INVALID_ARGUMENT,
+                    "%s.page_size: %d, need >= 1 with pages", what, v->page_size);
+    KVCAP_RETURN_IF(v->head_stride < 0 || v->token_stride < 0 ||
+                        (heads > 1 && v->head_stride < d && v->token_stride < d) ||
+                        (n > 1 && v->token_stride == 0) || (heads > 1 && v->head_stride == 0),
+                    KVCAP_ERR_INVALID_ARGUMENT,
+                    "%s: strides (head %lld, token %lld) overlap rows of %d channels", what,
+                    (long long)v->head_stride, (long long)v->token_stride, d);
+    return KVCAP_OK;
+}
+
+enum kvcap_status kvcap_segment_reserve(const struct kvcap_cache *c, struct kvcap_segment *seg,
+                                        int cap)
+{
+    if (cap <= seg->cap)
+        return KVCAP_OK;
+    size_t d = (size_t)c->g.head_dim, H = (size_t)c->g.n_kv_heads;
+    size_t es = kvcap_dtype_size(c->storage);
+    void *k = malloc(H * (size_t)cap * d * es), *v = malloc(H * (size_t)cap * d * es);
+    if (!k || !v) {
+        free(k), free(v);
+        return kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "cache: out of memory for %d rows", cap);
+    }
+    for (size_t h = 0; seg->n_rows > 0 && h < H; h++) {
+        memcpy((char *)k + h * (size_t)cap * d * es, (char *)seg->k + h * (size_t)seg->cap * d * es,
+               (size_t)seg->n_rows * d * es);
+        memcpy((char *)v + h * (size_t)cap * d * es, (char *)seg->v + h * (size_t)seg->cap * d * es,
+               (size_t)seg->n_rows * d * es);
+    }
+    free(seg->k), free(seg->v);
+    seg->k = k;
+    seg->v = v;
+    seg->cap = cap;
+    return KVCAP_OK;
+}
+
+void kvcap_segment_store(const struct kvcap_cache *c, struct kvcap_segment *seg, int head, int r0,
+                         int n, const float *k, const float *v)
+{
+    size_t d = (size_t)c->g.head_dim, es = kvcap_dtype_size(c->storage);
+    size_t off = ((size_t)head * (size_t)seg->cap + (size_t)r0) * d * es;
+    kvcap_convert_from_f32(c->storage, k, (size_t)n * d, (char *)seg->k + off);
+    kvcap_convert_from_f32(c->storage, v, (size_t)n * d, (char *)seg->v + off);
+}
+
+enum kvcap_status kvcap_segment_fill(struct kvcap_cache *c, struct kvcap_segment *seg,
+                                     const struct kvcap_tensor_view *k,
+                                     const struct kvcap_tensor_view *v, const int *tokens, int n)
+{
+    int d = c->g.head_dim;
+    KVCAP_TRY(kvcap_segment_reserve(c, seg, n > 0 ? n : 1));
+    float *kr = malloc(sizeof(float) * (size_t)d * 2);
+    KVCAP_RETURN_IF(!kr, KVCAP_ERR_OUT_OF_MEMORY, "cache: out of memory");
+    float *vr = kr + d;
+    for (int h = 0; h < c->g.n_kv_heads; h++)
+        for (int j = 0; j < n; j++) {
+            int t = tokens ? tokens[j] : j;
+            kvcap_view_read(k, h, t, 1, d, kr);
+            kvcap_view_read(v, h, t, 1, d, vr);
+            kvcap_segment_store(c, seg, h, j, 1, kr, vr);
+        }
+    free(kr);
+    seg->n_rows = n;
+    return KVCAP_OK;
+}
+
+void kvcap_segment_release(struct kvcap_segment *seg)
+{
+    free(seg->k), free(seg->v), free(seg->hs), free(seg->vt), free(seg->mu);
+    seg->k = seg->v = seg->hs = seg->vt = seg->mu = NULL;
+    seg->n_rows = seg->cap = 0;
+}
+
+uint64_t kvcap_segment_bytes(const struct kvcap_cache *c, const struct kvcap_segment *seg)
+{
+    uint64_t H = (uint64_t)c->g.n_kv_heads, d = (uint64_t)c->g.head_dim;
+    uint64_t es = kvcap_dtype_size(c->storage);
+    if (seg->policy == KVCAP_POLICY_KVCAPSULE && seg->hs)
+        return H * ((uint64_t)seg->tiles * (uint64_t)(seg->h + seg->rv) * d + d) * es;
+    return H * 2 * (uint64_t)seg->cap * d * es; /* what is allocated, not only used */
+}
+
+/* ---- Prefill ------------------------------------------------------------------------------ */
+
+static enum kvcap_status check_seq_layer(const struct kvcap_cache *c, int seq, int layer)
+{
+    KVCAP_RETURN_IF(!c, KVCAP_ERR_INVALID_ARGUMENT, "cache: NULL cache");
+    KVCAP_RETURN_IF(seq < 0 || seq >= c->n_seqs, KVCAP_ERR_INVALID_ARGUMENT,
+                    "seq: %d is outside 0..%d", seq, c->n_seqs - 1);
+    KVCAP_RETURN_IF(layer < 0 || layer >= c->g.n_layers, KVCAP_ERR_INVALID_ARGUMENT,
+                    "layer: %d is outside 0..%d", layer, c->g.n_layers - 1);
+    return KVCAP_OK;
+}
+
+static enum kvcap_status check_span(const struct kvcap_cache *c, int seq, int layer,
+                                    const struct kvcap_span_desc *s)
+{
+    KVCAP_RETURN_IF(!s, KVCAP_ERR_INVALID_ARGUMENT, "span: NULL");
+    KVCAP_RETURN_IF(s->kind != KVCAP_SPAN_VISION && s->kind != KVCAP_SPAN_TEXT,
+                    KVCAP_ERR_INVALID_ARGUMENT,
+                    "span.kind: %d is not VISION or TEXT (generated tokens use append)",
+                    (int)s->kind);
+    KVCAP_RETURN_IF(s->n_tokens < 1 || s->n_tokens > (1 << 24) || s->p0 < 0,
+                    KVCAP_ERR_INVALID_ARGUMENT, "span: n_tokens %d, p0 %d out of range",
+                    s->n_tokens, s->p0);
+    KVCAP_RETURN_IF(s->kind == KVCAP_SPAN_VISION &&
+                        (s->rows < 1 || s->cols < 1 || s->rows * s->cols != s->n_tokens),
+                    KVCAP_ERR_INVALID_ARGUMENT, "span: grid %dx%d does not hold n_tokens %d",
+                    s->rows, s->cols, s->n_tokens);
+    /* layer l > 0 must follow layer 0's sequence of spans */
+    const struct kvcap_seq_layer *sl = kvcap_cache_seq_layer(c, seq, layer);
+    if (layer > 0) {
+        const struct kvcap_seq_layer *first = kvcap_cache_seq_layer(c, seq, 0);
+        KVCAP_RETURN_IF(sl->n_segs >= first->n_segs, KVCAP_ERR_INVALID_ARGUMENT,
+                        "layer %d: span %d of seq %d was not added at layer 0 first", layer,
+                        sl->n_segs, seq);
+        const struct kvcap_segment *ref = &first->segs[sl->n_segs];
+        KVCAP_RETURN_IF(ref->kind != s->kind || ref->n_tokens != s->n_tokens || ref->p0 != s->p0 ||
+                            ref->rows != (s->kind == KVCAP_SPAN_VISION ? s->rows : 0),
+                        KVCAP_ERR_INVALID_ARGUMENT,
+                        "layer %d: span %d of seq %d differs from layer 0's (kind, size, grid or "
+                        "p0)",
+                        layer, sl->n_segs, seq);
+    }
+    KVCAP_RETURN_IF(sl->gen.n_rows > 0, KVCAP_ERR_STATE,
+                    "seq %d layer %d: spans cannot be added after generated tokens", seq, layer);
+    return KVCAP_OK;
+}
+
+enum kvcap_status kvcap_cache_add_span(struct kvcap_cache *c, int seq, int layer,
+                                       const struct kvcap_span_desc *span,
+                                       const struct kvcap_tensor_view *k,
+                                       const struct kvcap_tensor_view *v)
+{
+    KVCAP_TRY(check_seq_layer(c, seq, layer));
+    KVCAP_TRY(check_span(c, seq, layer, span));
+    KVCAP_TRY(kvcap_view_check(k, "k", c->g.n_kv_heads, span->n_tokens, c->g.head_dim));
+    KVCAP_TRY(kvcap_view_check(v, "v", c->g.n_kv_heads, span->n_tokens, c->g.head_dim));
+    struct kvcap_seq_layer *sl = kvcap_cache_seq_layer(c, seq, layer);
+    if (sl->n_segs == sl->cap_segs) {
+        int cap = sl->cap_segs ? 2 * sl->cap_segs : 4;
+        struct kvcap_segment *grown = realloc(sl->segs, sizeof *grown * (size_t)cap);
+        KVCAP_RETURN_IF(!grown, KVCAP_ERR_OUT_OF_MEMORY, "cache: out of memory");
+        sl->segs = grown;
+        sl->cap_segs = cap;
+    }
+    struct kvcap_segment seg;
+    memset(&seg, 0, sizeof seg);
+    seg.kind = span->kind;
+    seg.n_tokens = span->n_tokens;
+    seg.rows = span->kind == KVCAP_SPAN_VISION ? span->rows : 0;
+    seg.cols = span->kind == KVCAP_SPAN_VISION ? span->cols : 0;
+    seg.p0 = span->p0;
+    seg.bucket = -1;
+    seg.policy = c->cfg.policy[span->kind];
+    int fallback = 0;
+    if (seg.policy == KVCAP_POLICY_KVCAPSULE) {
+        seg.bucket = kvcap_artifact_find_bucket(c->artifact, seg.rows, seg.cols);
+        if (seg.bucket < 0) {
+            seg.policy = c->cfg.fallback;
+            fallback = 1;
+            KVCAP_RETURN_IF(!policy_impl(seg.policy), KVCAP_ERR_UNSUPPORTED,
+                            "seq %d: vision span %dx%d has no bucket in the artifact and the "
+                            "fallback policy '%s' is not available in this build yet (set "
+                            "fallback: full or streaming)",
+                            seq, seg.rows, seg.cols, kvcap_policy_name(seg.policy));
+        }
+    }
+    if (c->recorder && span->kind == KVCAP_SPAN_VISION)
+        KVCAP_TRY(kvcap_recorder_span(c->recorder, seq, layer, span, k, v));
+    enum kvcap_status st = policy_impl(seg.policy)->prefill(c, layer, &seg, k, v);
+    if (st != KVCAP_OK) {
+        kvcap_segment_release(&seg);
+        return st;
+    }
+    sl->segs[sl->n_segs++] = seg;
+    if (layer == 0) {
+        c->tokens_by_kind[span->kind] += span->n_tokens;
+        c->spans_fallback += fallback;
+    }
+    return KVCAP_OK;
+}
+
+enum kvcap_status kvcap_cache_add_post_queries(struct kvcap_cache *c, int seq, int layer,
+                                               const float *q, int n)
+{
+    KVCAP_TRY(check_seq_layer(c, seq, layer));
+    KVCAP_RETURN_IF(!q || n < 1, KVCAP_ERR_INVALID_ARGUMENT, "post queries: q NULL or n %d < 1",
+                    n);
+    if (c->recorder)
+        KVCAP_TRY(kvcap_recorder_post_queries(c->recorder, seq, layer, q, n));
+    return KVCAP_OK;
+}
+
+/* ---- Decode ------------------------------------------------------------------------------- */
+
+enum kvcap_status kvcap_cache_append(struct kvcap_cache *c, int seq, int layer,
+                                     const struct kvcap_tensor_view *k,
+                                     const struct kvcap_tensor_view *v)
+{
+    KVCAP_TRY(check_seq_layer(c, seq, layer));
+    KVCAP_TRY(kvcap_view_check(k, "k", c->g.n_kv_heads, 1, c->g.head_dim));
+    KVCAP_TRY(kvcap_view_check(v, "v", c->g.n_kv_heads, 1, c->g.head_dim));
+    struct kvcap_segment *gen = &kvcap_cache_seq_layer(c, seq, layer)->gen;
+    int row = gen->n_rows;
+    if (gen->policy == KVCAP_POLICY_STREAMING) {
+        /* first `sinks` generated tokens stay; after them a ring of the last `window` */
+        int sinks = c->cfg.streaming.sinks, window = c->cfg.streaming.window;
+        if (gen->seen >= sinks + window)
+            row = sinks + (int)((gen->seen - sinks) % window);
+    }
+    if (row >= gen->cap)
+        KVCAP_TRY(kvcap_segment_reserve(c, gen, gen->cap ? 2 * gen->cap : 64));
+    int d = c->g.head_dim;
+    float *buf = malloc(sizeof(float) * 2 * (size_t)d);
+    KVCAP_RETURN_IF(!buf, KVCAP_ERR_OUT_OF_MEMORY, "cache: out of memory");
+    for (int h = 0; h < c->g.n_kv_heads; h++) {
+        kvcap_view_read(k, h, 0, 1, d, buf);
+        kvcap_view_read(v, h, 0, 1, d, buf + d);
+        kvcap_segment_store(c, gen, h, row, 1, buf, buf + d);
+    }
+    free(buf);
+    if (row == gen->n_rows)
+        gen->n_rows++;
+    gen->seen++;
+    if (layer == 0)
+        c->tokens_by_kind[KVCAP_SPAN_GENERATED]++;
+    return KVCAP_OK;
+}
+
+static enum kvcap_status grow(void **p, size_t *cap, size_t need, size_t elem)
+{
+    if (need <= *cap)
+        return KVCAP_OK;
+    void *q = realloc(*p, need * elem);
+    KVCAP_RETURN_IF(!q, KVCAP_ERR_OUT_OF_MEMORY, "cache: out of memory for attention scratch");
+    *p = q;
+    *cap = need;
+    return KVCAP_OK;
+}
+
+/* Spans of bucket b at `layer` across the batch, and the most tiles any has. */
+static int bucket_spans(const struct kvcap_cache *c, int layer, int b, int *max_tiles)
+{
+    int n = 0;
+    *max_tiles = 1;
+    for (int s = 0; s < c->n_seqs; s++) {
+        const struct kvcap_seq_layer *sl = kvcap_cache_seq_layer(c, s, layer);
+        for (int i = 0; i < sl->n_segs; i++)
+            if (sl->segs[i].policy == KVCAP_POLICY_KVCAPSULE && sl->segs[i].bucket == b) {
+                n++;
+                *max_tiles = sl->segs[i].tiles > *max_tiles ? sl->segs[i].tiles : *max_tiles;
+            }
+    }
+    return n;
+}
+
+static struct kvcap_capsule_maps unit_maps(const struct kvcap_unit_maps *u)
+{
+    struct kvcap_capsule_maps m = {u->m, u->h, u->rv, u->w2, u->b2, u->u};
+    return m;
+}
+
+static enum kvcap_status prepare_scratch(struct kvcap_cache *c, int layer)
+{
+    int G = c->g.n_q_heads / c->g.n_kv_heads, d = c->g.head_dim;
+    size_t part = (size_t)c->n_seqs * (size_t)G * (size_t)(d + 2);
+    size_t spans = 1, work = 1;
+    for (int b = 0; c->artifact && b < c->artifact->n_buckets; b++) {
+        int max_tiles, n = bucket_spans(c, layer, b, &max_tiles);
+        if (n == 0)
+            continue;
+        spans = (size_t)n > spans ? (size_t)n : spans;
+        for (int h = 0; h < c->g.n_kv_heads; h++) {
+            struct kvcap_capsule_maps m = unit_maps(kvcap_artifact_unit(c->artifact, layer, h, b));
+            size_t need = kvcap_capsule_scratch_floats(&m, n, max_tiles, G, d);
+            work = need > work ? need : work;
+        }
+    }
+    for (int t = 0; t < c->threads; t++) {
+        struct kvcap_thread_scratch *s = &c->scratch[t];
+        KVCAP_TRY(grow((void **)&s->part, &s->part_cap, part, sizeof(float)));
+        KVCAP_TRY(grow((void **)&s->qrot, &s->qrot_cap, spans * (size_t)G * d, sizeof(float)));
+        KVCAP_TRY(grow((void **)&s->spans, &s->spans_cap, spans, sizeof(struct kvcap_capsule_span)));
+        KVCAP_TRY(grow((void **)&s->work, &s->work_cap, work, sizeof(float)));
+    }
+    return KVCAP_OK;
+}
+
+static struct kvcap_partial seq_partial(float *part, int s, int G, int d)
+{
+    float *base = part + (size_t)s * G * (d + 2);
+    struct kvcap_partial p = {base, base + G, base + 2 * G};
+    return p;
+}
+
+/* All of KV head h at `layer`, for every sequence: plain segments row by row, KVCapsule
+ * segments bucket by bucket across the batch. */
+static uint64_t attend_head(struct kvcap_cache *c, int layer, int h, const float *q, float *out,
+                            struct kvcap_thread_scratch *sc, uint64_t *map_bytes)
+{
+    const struct kvcap_model_geometry *g = &c->g;
+    int G = g->n_q_heads / g->n_kv_heads, d = g->head_dim;
+    float scale = 1.0f / sqrtf((float)d);
+    size_t es = kvcap_dtype_size(c->storage);
+    uint64_t bytes = 0;
+    for (int s = 0; s < c->n_seqs; s++) {
+        struct kvcap_partial acc = seq_partial(sc->part, s, G, d);
+        kvcap_partial_reset(acc, G, d);
+        const float *qs = q + ((size_t)s * g->n_q_heads + (size_t)h * G) * d;
+        const struct kvcap_seq_layer *sl = kvcap_cache_seq_layer(c, s, layer);
+        for (int i = 0; i <= sl->n_segs; i++) {
+            const struct kvcap_segment *seg = i < sl->n_segs ? &sl->segs[i] : &sl->gen;
+            if (seg->policy == KVCAP_POLICY_KVCAPSULE || seg->n_rows == 0)
+                continue;
+            struct kvcap_rows rows = {(const char *)seg->k + (size_t)h * seg->cap * d * es,
+                                      (const char *)seg->v + (size_t)h * seg->cap * d * es,
+                                      c->storage, (size_t)d, seg->n_rows};
+            bytes += kvcap_attend_rows(&rows, qs, G, d, scale, acc);
+        }
+    }
+    for (int b = 0; c->artifact && b < c->artifact->n_buckets; b++) {
+        int n = 0;
+        for (int s = 0; s < c->n_seqs; s++) {
+            const struct kvcap_seq_layer *sl = kvcap_cache_seq_layer(c, s, layer);
+            const float *qs = q + ((size_t)s * g->n_q_heads + (size_t)h * G) * d;
+            for (int i = 0; i < sl->n_segs; i++) {
+                const struct kvcap_segment *seg = &sl->segs[i];
+                if (seg->policy != KVCAP_POLICY_KVCAPSULE || seg->bucket != b)
+                    continue;
+                float *qr = sc->qrot + (size_t)n * G * d;
+                memcpy(qr, qs, sizeof(float) * (size_t)G * d);
+                kvcap_rope_rotate(g, qr, (size_t)G, (size_t)d, -(double)seg->p0);
+                size_t per_head_h = (size_t)seg->tiles * seg->h * d;
+                size_t per_head_v = (size_t)seg->tiles * seg->rv * d;
+                struct kvcap_capsule_span span = {
+                    (const char *)seg->hs + (size_t)h * per_head_h * es,
+                    (const char *)seg->vt + (size_t)h * per_head_v * es,
+                    (const char *)seg->mu + (size_t)h * d * es, c->storage, seg->tiles, qr,
+                    seq_partial(sc->part, s, G, d)};
+                sc->spans[n++] = span;
+            }
+        }
+        if (n == 0)
+            continue;
+        const struct kvcap_unit_maps *u = kvcap_artifact_unit(c->artifact, layer, h, b);
+        struct kvcap_capsule_maps m = unit_maps(u);
+        uint64_t got = kvcap_capsule_attend(&m, sc->spans, n, G, d, scale, sc->work, sc->work_cap);
+        uint64_t maps = ((uint64_t)u->h * u->m + (uint64_t)u->m + (uint64_t)u->rv * u->m) * 4;
+        bytes += got;
+        *map_bytes += maps;
+    }
+    for (int s = 0; s < c->n_seqs; s++)
+        kvcap_partial_finish(seq_partial(sc->part, s, G, d), G, d,
+                             out + ((size_t)s * g->n_q_heads + (size_t)h * G) * d, (size_t)d);
+    return bytes;
+}
+
+struct attend_job {
+    struct kvcap_cache *c;
+    int layer;
+    const float *q;
+    float *out;
+    uint64_t bytes[64], map_bytes[64]; /* per thread */
+};
+
+static void attend_task(void *ctx, int h, int thread)
+{
+    struct attend_job *job = ctx;
+    uint64_t maps = 0;
+    job->bytes[thread] += attend_head(job->c, job->layer, h, job->q, job->out,
+                                      &job->c->scratch[thread], &maps);
+    job->map_bytes[thread] += maps;
+}
+
+enum kvcap_status kvcap_cache_attend(struct kvcap_cache *c, int layer, const float *q, float *out)
+{
+    KVCAP_TRY(check_seq_layer(c, 0, layer));
+    KVCAP_RETURN_IF(!q || !out, KVCAP_ERR_INVALID_ARGUMENT, "attend: q and out are required");
+    KVCAP_TRY(prepare_scratch(c, layer));
+    if (c->recorder)
+        KVCAP_TRY(kvcap_recorder_decode_queries(c->recorder, layer, q));
+    struct attend_job job = {c, layer, q, out, {0}, {0}};
+    /* KV heads are independent; BLAS runs single-threaded inside the parallel tasks. */
+    int blas_threads = openblas_get_num_threads();
+    if (c->threads > 1)
+        openblas_set_num_threads(1);
+    kvcap_pool_run(c->pool, c->g.n_kv_heads, attend_task, &job);
+    if (c->threads > 1)
+        openblas_set_num_threads(blas_threads);
+    uint64_t bytes = 0, map_bytes = 0;
+    for (int t = 0; t < c->threads; t++)
+        bytes += job.bytes[t], map_bytes += job.map_bytes[t];
+    c->last_read = bytes;
+    c->last_map_read = map_bytes;
+    return KVCAP_OK;
+}
+
+enum kvcap_status kvcap_cache_stats(const struct kvcap_cache *c, struct kvcap_cache_stats *st)
+{
+    KVCAP_RETURN_IF(!c || !st, KVCAP_ERR_INVALID_ARGUMENT, "stats: NULL argument");
+    memset(st, 0, sizeof *st);
+    uint64_t es = kvcap_dtype_size(c->storage);
+    uint64_t row_pair = 2 * (uint64_t)c->g.n_kv_heads * (uint64_t)c->g.head_dim * es;
+    for (size_t i = 0; i < (size_t)c->n_seqs * c->g.n_layers; i++) {
+        const struct kvcap_seq_layer *sl = &c->layers[i];
+        for (int s = 0; s <= sl->n_segs; s++) {
+            const struct kvcap_segment *seg = s < sl->n_segs ? &sl->segs[s] : &sl->gen;
+            uint64_t b = kvcap_segment_bytes(c, seg);
+            st->bytes_held += b;
+            st->bytes_by_policy[seg->policy] += b;
+            st->bytes_by_kind[seg->kind] += b;
+            st->bytes_full_equivalent +=
+                row_pair * (uint64_t)(s < sl->n_segs ? seg->n_tokens : seg->seen);
+        }
+    }
+    memcpy(st->tokens_by_kind, c->tokens_by_kind, sizeof st->tokens_by_kind);
+    st->bytes_read_last_attend = c->last_read;
+    st->map_bytes_read_last_attend = c->last_map_read;
+    st->spans_fallback = c->spans_fallback;
+    return KVCAP_OK;
+}
+
+enum kvcap_status kvcap_cache_record_flush(struct kvcap_cache *c)
+{
+    KVCAP_RETURN_IF(!c, KVCAP_ERR_INVALID_ARGUMENT, "record flush: NULL cache");
+    KVCAP_RETURN_IF(!c->recorder, KVCAP_ERR_STATE, "record flush: the cache is not in record mode");
+    return kvcap_recorder_flush(c->recorder);
+}

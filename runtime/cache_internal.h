@@ -1,0 +1,118 @@
+/* cache_internal.h — the cache's data structures and the policy interface. A policy turns one
+ * prefill span of one layer (all KV heads) into a segment; at decode the cache attends over
+ * segments of two shapes: plain rows (full, streaming; later eviction policies) and KVCapsule
+ * compressed state. New policies plug in here (one file each: policy_<name>.c). */
+#ifndef KVCAP_CACHE_INTERNAL_H
+#define KVCAP_CACHE_INTERNAL_H
+
+#include <stdint.h>
+
+#include "artifact.h"
+#include "attention.h"
+#include "config.h"
+#include "internal.h"
+
+/* The stored state of one span at one layer, all KV heads. */
+struct kvcap_segment {
+    enum kvcap_span_kind kind;
+    enum kvcap_policy policy;
+    int n_tokens, rows, cols, p0; /* the span as the engine described it */
+    /* plain rows: [kv_heads][cap][head_dim] in the storage dtype, n_rows kept */
+    void *k, *v;
+    int n_rows, cap;
+    int64_t seen; /* generated tail: tokens appended so far (streaming keeps a ring) */
+    /* KVCapsule: [kv_heads][tiles][h][d], [kv_heads][tiles][rv][d], [kv_heads][d] */
+    int bucket, tiles, h, rv;
+    void *hs, *vt, *mu;
+};
+
+struct kvcap_seq_layer {
+    struct kvcap_segment *segs;
+    int n_segs, cap_segs;
+    struct kvcap_segment gen; /* generated tokens */
+};
+
+struct kvcap_recorder;
+struct kvcap_pool;
+
+/* Per-thread scratch of attend, grown before each parallel region. */
+struct kvcap_thread_scratch {
+    float *part;    /* per sequence: mx[G], sum[G], o[G][d] */
+    float *qrot;    /* offset-free queries of the spans of one bucket: [spans][G][d] */
+    struct kvcap_capsule_span *spans;
+    float *work;    /* kvcap_capsule_attend scratch */
+    size_t part_cap, qrot_cap, spans_cap, work_cap;
+};
+
+struct kvcap_cache {
+    struct kvcap_model_geometry g;
+    int n_seqs, threads;
+    enum kvcap_dtype storage;
+    const struct kvcap_artifact *artifact;
+    struct kvcap_runtime_config cfg;
+    struct kvcap_seq_layer *layers; /* [n_seqs][n_layers] */
+    struct kvcap_thread_scratch *scratch; /* [threads] */
+    struct kvcap_recorder *recorder;      /* record mode, else NULL */
+    struct kvcap_pool *pool;              /* threads of attend */
+    int64_t tokens_by_kind[3], spans_fallback;
+    uint64_t last_read, last_map_read;
+};
+
+static inline struct kvcap_seq_layer *kvcap_cache_seq_layer(const struct kvcap_cache *c, int seq,
+                                                            int layer)
+{
+    return &c->layers[(size_t)seq * c->g.n_layers + (size_t)layer];
+}
+
+/* What a policy does with a prefill span of one layer. */
+struct kvcap_policy_impl {
+    enum kvcap_policy id;
+    /* Fill `seg` (kind, geometry and policy already set) from the engine's K/V. */
+    enum kvcap_status (*prefill)(struct kvcap_cache *c, int layer, struct kvcap_segment *seg,
+                                 const struct kvcap_tensor_view *k,
+                                 const struct kvcap_tensor_view *v);
+};
+
+extern const struct kvcap_policy_impl kvcap_policy_full_impl;
+extern const struct kvcap_policy_impl kvcap_policy_streaming_impl;
+extern const struct kvcap_policy_impl kvcap_policy_kvcapsule_impl;
+
+/* ---- Helpers shared by the policies ----------------------------------------------------- */
+
+/* Reads tokens [t0, t0+n) of head h of a view as f32 rows into dst ([n][d]). */
+void kvcap_view_read(const struct kvcap_tensor_view *v, int head, int t0, int n, int d,
+                     float *dst);
+
+/* Checks a view's dtype and strides for n tokens of `heads` heads of d channels. */
+enum kvcap_status kvcap_view_check(const struct kvcap_tensor_view *v, const char *what, int heads,
+                                   int n, int d);
+
+/* Plain-row storage of a segment: (re)allocates room for `cap` rows per head, keeping rows. */
+enum kvcap_status kvcap_segment_reserve(const struct kvcap_cache *c, struct kvcap_segment *seg,
+                                        int cap);
+/* Stores f32 rows ([n][d]) as rows [r0, r0+n) of head h. */
+void kvcap_segment_store(const struct kvcap_cache *c, struct kvcap_segment *seg, int head, int r0,
+                         int n, const float *k, const float *v);
+/* Copies tokens of the view into rows: every token in tokens[0..n) of the span (NULL: 0..n-1). */
+enum kvcap_status kvcap_segment_fill(struct kvcap_cache *c, struct kvcap_segment *seg,
+                                     const struct kvcap_tensor_view *k,
+                                     const struct kvcap_tensor_view *v, const int *tokens, int n);
+
+void kvcap_segment_release(struct kvcap_segment *seg);
+uint64_t kvcap_segment_bytes(const struct kvcap_cache *c, const struct kvcap_segment *seg);
+
+/* ---- Record mode (record.c) -------------------------------------------------------------- */
+enum kvcap_status kvcap_recorder_create(const struct kvcap_model_geometry *g, int n_seqs,
+                                        const char *dir, struct kvcap_recorder **out);
+void kvcap_recorder_free(struct kvcap_recorder *r); /* writes pending spans first */
+enum kvcap_status kvcap_recorder_span(struct kvcap_recorder *r, int seq, int layer,
+                                      const struct kvcap_span_desc *span,
+                                      const struct kvcap_tensor_view *k,
+                                      const struct kvcap_tensor_view *v);
+enum kvcap_status kvcap_recorder_post_queries(struct kvcap_recorder *r, int seq, int layer,
+                                              const float *q, int n);
+enum kvcap_status kvcap_recorder_decode_queries(struct kvcap_recorder *r, int layer,
+                                                const float *q);
+enum kvcap_status kvcap_recorder_flush(struct kvcap_recorder *r);
+
+#endif

@@ -1,0 +1,788 @@
+/* test_runtime.c — libkvcap's cache through its public API: `full` equals naive attention; the
+ * fused KVCapsule path equals materialise-then-attend (K̂, V̂ built explicitly) for dense and
+ * tiled maps, linear and GELU units, several G and d, spans at different p0, batch > 1 with
+ * mixed buckets and text/generated tokens in the same softmax; strided and paged inputs; bytes
+ * held; invalid calls leave the cache usable. */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <dirent.h>
+
+#include <cmocka.h>
+
+#include "activation.h"
+#include "artifact.h"
+#include "calibrate.h"
+#include "convert.h"
+#include "internal.h"
+#include "rng.h"
+#include "rope.h"
+#include "schema.h"
+
+/* fp32 storage: the fused and the materialised paths sum in different orders; both are fp32
+ * with fp32/double accumulation, so they agree to a few ulps of the output's norm. */
+#define FUSED_REL_TOL 1e-5
+
+static struct kvcap_model_geometry geometry(int layers, int q_heads, int kv_heads, int d)
+{
+    struct kvcap_model_geometry g = {.name = "test", .n_layers = layers, .n_q_heads = q_heads,
+                                     .n_kv_heads = kv_heads, .head_dim = d,
+                                     .rope_type = KVCAP_ROPE_ROPE,
+                                     .rope_pairing = KVCAP_ROPE_PAIRING_HALF, .rope_theta = 1e4};
+    return g;
+}
+
+static void fill(struct kvcap_rng *r, float *x, size_t n, double scale)
+{
+    for (size_t i = 0; i < n; i++)
+        x[i] = (float)(scale * kvcap_rng_normal(r));
+}
+
+/* ---- A random artifact written through the real writer ------------------------------------ */
+
+struct test_bucket {
+    int rows, cols, tile_rows, tile_cols; /* tile 0: dense */
+    int rk, h, rv;
+};
+
+static void write_artifact(const char *path, const struct kvcap_model_geometry *g,
+                           const struct test_bucket *tb, int nb, uint64_t seed)
+{
+    struct kvst_writer *w = NULL;
+    assert_int_equal(kvst_writer_create(&w), KVCAP_OK);
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, seed);
+    struct kvcap_bucket buckets[8];
+    char name[96];
+    static const uint8_t act[2] = {0, 1};
+    for (int b = 0; b < nb; b++) {
+        buckets[b].rows = tb[b].rows;
+        buckets[b].cols = tb[b].cols;
+        buckets[b].structure = tb[b].tile_rows ? KVCAP_STRUCTURE_TILED : KVCAP_STRUCTURE_DENSE;
+        buckets[b].tile_rows = tb[b].tile_rows;
+        buckets[b].tile_cols = tb[b].tile_cols;
+    }
+    for (int l = 0; l < g->n_layers; l++)
+        for (int h = 0; h < g->n_kv_heads; h++)
+            for (int b = 0; b < nb; b++) {
+                int m = kvcap_bucket_points(&buckets[b]), rk = tb[b].rk, hh = tb[b].h, rv = tb[b].rv;
+                float *buf = malloc(sizeof(float) * ((size_t)rv * m + (size_t)rk * hh + hh +
+                                                     (size_t)hh * m + m));
+                float *u = buf, *w1 = u + (size_t)rv * m, *b1 = w1 + (size_t)rk * hh;
+                float *w2 = b1 + hh, *b2 = w2 + (size_t)hh * m;
+                fill(&r, u, (size_t)rv * m, 1.0 / sqrt(m));
+                fill(&r, w1, (size_t)rk * hh, 1.0 / sqrt(rk));
+                fill(&r, b1, (size_t)hh, 0.1);
+                fill(&r, w2, (size_t)hh * m, 1.0 / sqrt(hh));
+                fill(&r, b2, (size_t)m, 0.1);
+                int32_t mask[256];
+                for (int i = 0; i < rk; i++)
+                    mask[i] = (int32_t)(i * m / rk);
+                const int64_t su[2] = {rv, m}, sm[1] = {rk}, sw1[2] = {rk, hh}, sb1[1] = {hh};
+                const int64_t sw2[2] = {hh, m}, sb2[1] = {m}, one[1] = {1};
+#define ADD(sfx, dt, nd, shape, data)                                               \
+    snprintf(name, sizeof name, "l%d.h%d.b%d." sfx, l, h, b);                       \
+    assert_int_equal(kvst_writer_add_copy(w, name, dt, nd, shape, data), KVCAP_OK);
+                ADD("U", KVCAP_DTYPE_F32, 2, su, u)
+                ADD("k_mask", KVCAP_DTYPE_I32, 1, sm, mask)
+                ADD("k_w1", KVCAP_DTYPE_F32, 2, sw1, w1)
+                ADD("k_b1", KVCAP_DTYPE_F32, 1, sb1, b1)
+                ADD("k_w2", KVCAP_DTYPE_F32, 2, sw2, w2)
+                ADD("k_b2", KVCAP_DTYPE_F32, 1, sb2, b2)
+                ADD("k_act", KVCAP_DTYPE_U8, 1, one, &act[(l + h + b) % 2]) /* mixed φ */
+#undef ADD
+                free(buf);
+            }
+    cJSON *config = cJSON_CreateObject();
+    cJSON_AddItemToObject(config, "model", kvcap_geometry_to_json(g));
+    cJSON_AddItemToObject(config, "buckets", kvcap_buckets_to_json(buckets, nb));
+    cJSON *art = cJSON_AddObjectToObject(config, "artifact");
+    cJSON_AddStringToObject(art, "storage", "f32");
+    cJSON_AddStringToObject(art, "activation", "gelu");
+    cJSON_AddStringToObject(art, "fallback", "full");
+    cJSON *sched = cJSON_AddObjectToObject(art, "schedule");
+    double *ratios = malloc(sizeof(double) * (size_t)g->n_layers);
+    for (int l = 0; l < g->n_layers; l++)
+        ratios[l] = 0.5;
+    cJSON_AddItemToObject(sched, "keys", cJSON_CreateDoubleArray(ratios, g->n_layers));
+    cJSON_AddItemToObject(sched, "values", cJSON_CreateDoubleArray(ratios, g->n_layers));
+    free(ratios);
+    assert_int_equal(kvcap_schema_set_meta(w, KVCAP_KIND_ARTIFACT, config), KVCAP_OK);
+    assert_int_equal(kvst_writer_commit(w, path), KVCAP_OK);
+    cJSON_Delete(config);
+    kvst_writer_free(w);
+}
+
+/* ---- The references ------------------------------------------------------------------------- */
+
+/* Softmax attention of q over rows k, v (n x d). */
+static void naive_attention(const float *q, const float *k, const float *v, int n, int d,
+                            double *o)
+{
+    double mx = -INFINITY, sum = 0;
+    double *s = malloc(sizeof(double) * (size_t)n);
+    for (int j = 0; j < n; j++) {
+        double dot = 0;
+        for (int c = 0; c < d; c++)
+            dot += (double)q[c] * k[(size_t)j * d + c];
+        s[j] = dot / sqrt((double)d);
+        mx = s[j] > mx ? s[j] : mx;
+    }
+    for (int c = 0; c < d; c++)
+        o[c] = 0;
+    for (int j = 0; j < n; j++) {
+        double e = exp(s[j] - mx);
+        sum += e;
+        for (int c = 0; c < d; c++)
+            o[c] += e * v[(size_t)j * d + c];
+    }
+    for (int c = 0; c < d; c++)
+        o[c] /= sum;
+    free(s);
+}
+
+/* K̂' and V̂ of one head of one span, built explicitly from the artifact's maps. */
+static void materialise(const struct kvcap_artifact *a, const struct kvcap_model_geometry *g,
+                        int layer, int head, int b, int p0, const float *k, const float *v, int n,
+                        float *khat, float *vhat)
+{
+    (void)g;
+    const struct kvcap_unit_maps *u = kvcap_artifact_unit(a, layer, head, b);
+    const struct kvcap_bucket *bk = &a->buckets[b];
+    int d = g->head_dim, m = u->m;
+    float *kf = malloc(sizeof(float) * (size_t)n * d);
+    memcpy(kf, k, sizeof(float) * (size_t)n * d);
+    kvcap_rope_rotate_ref(g, kf, (size_t)n, (size_t)d, -(double)p0);
+    double *mu = calloc((size_t)d, sizeof *mu);
+    for (int j = 0; j < n; j++)
+        for (int c = 0; c < d; c++)
+            mu[c] += v[(size_t)j * d + c] / n;
+    float *hid = malloc(sizeof(float) * (size_t)u->h * d);
+    double *vt = malloc(sizeof(double) * (size_t)u->rv * d);
+    for (int t = 0; t < n / m; t++) {
+        for (int a2 = 0; a2 < u->h; a2++)
+            for (int c = 0; c < d; c++) {
+                double z = u->b1[a2];
+                for (int r = 0; r < u->rk; r++)
+                    z += (double)u->w1[(size_t)r * u->h + a2] *
+                         kf[kvcap_bucket_token(bk, t, u->mask[r]) * (size_t)d + (size_t)c];
+                hid[(size_t)a2 * d + c] = u->gelu ? kvcap_gelu((float)z) : (float)z;
+            }
+        for (int p = 0; p < m; p++) {
+            size_t tok = kvcap_bucket_token(bk, t, p);
+            for (int c = 0; c < d; c++) {
+                double s = u->b2[p];
+                for (int a2 = 0; a2 < u->h; a2++)
+                    s += (double)u->w2[(size_t)a2 * m + p] * hid[(size_t)a2 * d + c];
+                khat[tok * (size_t)d + (size_t)c] = (float)s;
+            }
+        }
+        for (int i = 0; i < u->rv; i++)
+            for (int c = 0; c < d; c++) {
+                double s = 0;
+                for (int p = 0; p < m; p++)
+                    s += (double)u->u[(size_t)i * m + p] *
+                         (v[kvcap_bucket_token(bk, t, p) * (size_t)d + (size_t)c] - mu[c]);
+                vt[(size_t)i * d + c] = s;
+            }
+        for (int p = 0; p < m; p++) {
+            size_t tok = kvcap_bucket_token(bk, t, p);
+            for (int c = 0; c < d; c++) {
+                double s = mu[c];
+                for (int i = 0; i < u->rv; i++)
+                    s += (double)u->u[(size_t)i * m + p] * vt[(size_t)i * d + c];
+                vhat[tok * (size_t)d + (size_t)c] = (float)s;
+            }
+        }
+    }
+    free(kf), free(mu), free(hid), free(vt);
+}
+
+static double rel_err(const float *got, const double *want, int n)
+{
+    double num = 0, den = 0;
+    for (int i = 0; i < n; i++) {
+        num += (got[i] - want[i]) * (got[i] - want[i]);
+        den += want[i] * want[i];
+    }
+    return sqrt(num / (den > 0 ? den : 1));
+}
+
+static void tmp_path(char *out, size_t cap, const char *name)
+{
+    const char *t = getenv("TMPDIR");
+    snprintf(out, cap, "%s/%s-%d", t ? t : "/tmp", name, (int)getpid());
+}
+
+static struct kvcap_tensor_view hnd(const float *x, int n, int d)
+{
+    struct kvcap_tensor_view v = {x, NULL, 0, KVCAP_DTYPE_F32, (int64_t)n * d, d};
+    return v;
+}
+
+/* ---- A scenario: spans and generated tokens of a batch, kept to build the reference ------ */
+
+enum { MAX_LAYERS = 2, MAX_SEQS = 3, MAX_SPANS = 3, MAX_GEN = 4 };
+
+struct scen_span {
+    enum kvcap_span_kind kind;
+    int rows, cols, p0, n;
+    float *kv[MAX_LAYERS]; /* [2][kv_heads][n][d]: keys then values, HND */
+};
+
+struct scenario {
+    struct kvcap_model_geometry g;
+    int n_seqs, n_spans[MAX_SEQS], n_gen[MAX_SEQS];
+    struct scen_span spans[MAX_SEQS][MAX_SPANS];
+    float *gen[MAX_LAYERS][MAX_SEQS]; /* [n_gen][2][kv_heads][d] */
+};
+
+static void scenario_add(struct scenario *sc, int seq, enum kvcap_span_kind kind, int rows,
+                         int cols, int p0, struct kvcap_rng *r)
+{
+    struct scen_span *x = &sc->spans[seq][sc->n_spans[seq]++];
+    x->kind = kind;
+    x->rows = kind == KVCAP_SPAN_VISION ? rows : 0;
+    x->cols = kind == KVCAP_SPAN_VISION ? cols : 0;
+    x->n = rows * cols;
+    x->p0 = p0;
+    size_t count = 2 * (size_t)sc->g.n_kv_heads * x->n * sc->g.head_dim;
+    for (int l = 0; l < sc->g.n_layers; l++) {
+        x->kv[l] = malloc(sizeof(float) * count);
+        fill(r, x->kv[l], count, 1.0);
+    }
+}
+
+static void scenario_gen(struct scenario *sc, int seq, int n, struct kvcap_rng *r)
+{
+    sc->n_gen[seq] = n;
+    size_t count = (size_t)n * 2 * sc->g.n_kv_heads * sc->g.head_dim;
+    for (int l = 0; l < sc->g.n_layers; l++) {
+        sc->gen[l][seq] = malloc(sizeof(float) * (count ? count : 1));
+        fill(r, sc->gen[l][seq], count, 1.0);
+    }
+}
+
+static void scenario_free(struct scenario *sc)
+{
+    for (int s = 0; s < sc->n_seqs; s++) {
+        for (int i = 0; i < sc->n_spans[s]; i++)
+            for (int l = 0; l < sc->g.n_layers; l++)
+                free(sc->spans[s][i].kv[l]);
+        for (int l = 0; l < sc->g.n_layers; l++)
+            free(sc->gen[l][s]);
+    }
+}
+
+/* Hands the scenario to the cache layer by layer, as an engine would. */
+static void scenario_load(const struct scenario *sc, struct kvcap_cache *c)
+{
+    int H = sc->g.n_kv_heads, d = sc->g.head_dim;
+    for (int l = 0; l < sc->g.n_layers; l++)
+        for (int s = 0; s < sc->n_seqs; s++) {
+            for (int i = 0; i < sc->n_spans[s]; i++) {
+                const struct scen_span *x = &sc->spans[s][i];
+                struct kvcap_span_desc desc = {x->kind, x->n, x->rows, x->cols, x->p0};
+                struct kvcap_tensor_view kv = hnd(x->kv[l], x->n, d);
+                struct kvcap_tensor_view vv = hnd(x->kv[l] + (size_t)H * x->n * d, x->n, d);
+                if (kvcap_cache_add_span(c, s, l, &desc, &kv, &vv) != KVCAP_OK)
+                    fail_msg("add_span: %s", kvcap_last_error());
+            }
+            for (int t = 0; t < sc->n_gen[s]; t++) {
+                const float *tok = sc->gen[l][s] + (size_t)t * 2 * H * d;
+                struct kvcap_tensor_view gk = {tok, NULL, 0, KVCAP_DTYPE_F32, d, 0};
+                struct kvcap_tensor_view gv = {tok + (size_t)H * d, NULL, 0, KVCAP_DTYPE_F32, d, 0};
+                if (kvcap_cache_append(c, s, l, &gk, &gv) != KVCAP_OK)
+                    fail_msg("append: %s", kvcap_last_error());
+            }
+        }
+}
+
+/* The reference output of query head hq of sequence s at layer l: naive softmax attention
+ * over every token, vision spans with a bucket replaced by their materialised K̂, V̂. */
+static void scenario_expect(const struct scenario *sc, const struct kvcap_artifact *a, int l,
+                            int s, int hq, const float *q, double *o)
+{
+    int H = sc->g.n_kv_heads, d = sc->g.head_dim, hk = hq / (sc->g.n_q_heads / H);
+    int total = sc->n_gen[s];
+    for (int i = 0; i < sc->n_spans[s]; i++)
+        total += sc->spans[s][i].n;
+    float *K = malloc(sizeof(float) * (size_t)total * d), *V = malloc(sizeof(float) * (size_t)total * d);
+    int at = 0;
+    for (int i = 0; i < sc->n_spans[s]; i++) {
+        const struct scen_span *x = &sc->spans[s][i];
+        const float *xk = x->kv[l] + (size_t)hk * x->n * d;
+        const float *xv = x->kv[l] + ((size_t)H + hk) * x->n * d;
+        int b = x->kind == KVCAP_SPAN_VISION && a ? kvcap_artifact_find_bucket(a, x->rows, x->cols) : -1;
+        if (b >= 0) {
+            materialise(a, &sc->g, l, hk, b, x->p0, xk, xv, x->n, K + (size_t)at * d, V + (size_t)at * d);
+            /* q·R(p0)K̂' = R(-p0)q·K̂': put the offset back on the materialised keys */
+            kvcap_rope_rotate_ref(&sc->g, K + (size_t)at * d, (size_t)x->n, (size_t)d, (double)x->p0);
+        } else {
+            memcpy(K + (size_t)at * d, xk, sizeof(float) * (size_t)x->n * d);
+            memcpy(V + (size_t)at * d, xv, sizeof(float) * (size_t)x->n * d);
+        }
+        at += x->n;
+    }
+    for (int t = 0; t < sc->n_gen[s]; t++, at++) {
+        const float *tok = sc->gen[l][s] + (size_t)t * 2 * H * d;
+        memcpy(K + (size_t)at * d, tok + (size_t)hk * d, sizeof(float) * (size_t)d);
+        memcpy(V + (size_t)at * d, tok + ((size_t)H + hk) * d, sizeof(float) * (size_t)d);
+    }
+    naive_attention(q, K, V, at, d, o);
+    free(K), free(V);
+}
+
+/* Attends every layer and compares every head of every sequence with the reference. */
+static void scenario_check(const struct scenario *sc, const struct kvcap_artifact *a,
+                           struct kvcap_cache *c, double tol, struct kvcap_rng *r)
+{
+    int Hq = sc->g.n_q_heads, d = sc->g.head_dim;
+    float *q = malloc(sizeof(float) * (size_t)sc->n_seqs * Hq * d);
+    float *out = malloc(sizeof(float) * (size_t)sc->n_seqs * Hq * d);
+    double o[256];
+    for (int l = 0; l < sc->g.n_layers; l++) {
+        fill(r, q, (size_t)sc->n_seqs * Hq * d, 1.0);
+        if (kvcap_cache_attend(c, l, q, out) != KVCAP_OK)
+            fail_msg("attend: %s", kvcap_last_error());
+        for (int s = 0; s < sc->n_seqs; s++)
+            for (int hq = 0; hq < Hq; hq++) {
+                scenario_expect(sc, a, l, s, hq, q + ((size_t)s * Hq + hq) * d, o);
+                double e = rel_err(out + ((size_t)s * Hq + hq) * d, o, d);
+                if (!(e <= tol))
+                    fail_msg("G %d, d %d, layer %d, seq %d, head %d: relative error %g > %g",
+                             Hq / sc->g.n_kv_heads, d, l, s, hq, e, tol);
+            }
+    }
+    free(q), free(out);
+}
+
+static struct kvcap_cache *make_cache(const struct kvcap_model_geometry *g, int n_seqs,
+                                      enum kvcap_dtype storage, const struct kvcap_artifact *a,
+                                      const char *config)
+{
+    struct kvcap_cache_params p;
+    kvcap_cache_default_params(&p);
+    p.model = *g;
+    p.n_seqs = n_seqs;
+    p.storage = storage;
+    p.artifact = a;
+    p.config_path = config;
+    struct kvcap_cache *c = NULL;
+    if (kvcap_cache_create(&p, &c) != KVCAP_OK)
+        fail_msg("create: %s", kvcap_last_error());
+    return c;
+}
+
+/* ---- Tests ------------------------------------------------------------------------------------ */
+
+static void test_full_matches_naive(void **state)
+{
+    (void)state;
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 1);
+    struct scenario sc = {.g = geometry(2, 6, 2, 96), .n_seqs = 2};
+    scenario_add(&sc, 0, KVCAP_SPAN_TEXT, 1, 37, 0, &r);
+    scenario_add(&sc, 0, KVCAP_SPAN_VISION, 5, 7, 37, &r);
+    scenario_add(&sc, 1, KVCAP_SPAN_VISION, 3, 3, 2, &r);
+    scenario_gen(&sc, 0, 4, &r);
+    scenario_gen(&sc, 1, 1, &r);
+    struct kvcap_cache *c = make_cache(&sc.g, 2, KVCAP_DTYPE_F32, NULL, NULL);
+    scenario_load(&sc, c);
+    scenario_check(&sc, NULL, c, FUSED_REL_TOL, &r);
+    struct kvcap_cache_stats st;
+    assert_int_equal(kvcap_cache_stats(c, &st), KVCAP_OK);
+    assert_int_equal(st.tokens_by_kind[KVCAP_SPAN_VISION], 35 + 9);
+    assert_int_equal(st.tokens_by_kind[KVCAP_SPAN_GENERATED], 5);
+    assert_true(st.bytes_read_last_attend > 0);
+    kvcap_cache_free(c);
+    scenario_free(&sc);
+}
+
+static void check_fused(int q_heads, int kv_heads, int d)
+{
+    struct kvcap_model_geometry g = geometry(2, q_heads, kv_heads, d);
+    const struct test_bucket tb[2] = {{4, 6, 0, 0, 8, 6, 7}, {8, 8, 4, 4, 5, 4, 6}};
+    char path[512];
+    tmp_path(path, sizeof path, "fused.kvcap");
+    write_artifact(path, &g, tb, 2, (uint64_t)(q_heads * 1000 + d));
+    struct kvcap_artifact *a = NULL;
+    if (kvcap_artifact_open(path, &a) != KVCAP_OK)
+        fail_msg("%s", kvcap_last_error());
+    unlink(path);
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, (uint64_t)d);
+    struct scenario sc = {.g = g, .n_seqs = 3};
+    scenario_add(&sc, 0, KVCAP_SPAN_TEXT, 1, 5, 0, &r);
+    scenario_add(&sc, 0, KVCAP_SPAN_VISION, 4, 6, 5, &r);   /* dense bucket */
+    scenario_add(&sc, 1, KVCAP_SPAN_VISION, 8, 8, 17, &r);  /* tiled bucket */
+    scenario_add(&sc, 1, KVCAP_SPAN_VISION, 4, 6, 801, &r); /* dense again, other p0 */
+    scenario_add(&sc, 2, KVCAP_SPAN_VISION, 3, 5, 9, &r);   /* no bucket: fallback full */
+    scenario_add(&sc, 2, KVCAP_SPAN_VISION, 8, 8, 3000, &r);
+    scenario_gen(&sc, 0, 3, &r);
+    scenario_gen(&sc, 2, 2, &r);
+    struct kvcap_cache *c = make_cache(&g, 3, KVCAP_DTYPE_F32, a, NULL);
+    scenario_load(&sc, c);
+    scenario_check(&sc, a, c, FUSED_REL_TOL, &r);
+    struct kvcap_cache_stats st;
+    assert_int_equal(kvcap_cache_stats(c, &st), KVCAP_OK);
+    assert_int_equal(st.spans_fallback, 1);
+    assert_true(st.map_bytes_read_last_attend > 0);
+    assert_true(st.bytes_by_policy[KVCAP_POLICY_KVCAPSULE] > 0);
+    kvcap_cache_free(c);
+    scenario_free(&sc);
+    kvcap_artifact_free(a);
+}
+
+static void test_fused_matches_materialised(void **state)
+{
+    (void)state;
+    check_fused(4, 2, 64);
+    check_fused(7, 1, 128);
+    check_fused(8, 8, 80);
+    check_fused(2, 1, 256);
+}
+
+/* NHD, HND and paged views of the same data give the same cache. */
+static void test_strided_and_paged_views(void **state)
+{
+    (void)state;
+    struct kvcap_model_geometry g = geometry(1, 4, 2, 64);
+    enum { N = 40, D = 64, H = 2, PAGE = 16 };
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 5);
+    static float hndk[H * N * D], hndv[H * N * D], nhdk[N * H * D], nhdv[N * H * D];
+    fill(&r, hndk, sizeof hndk / 4, 1.0);
+    fill(&r, hndv, sizeof hndv / 4, 1.0);
+    for (int h = 0; h < H; h++)
+        for (int j = 0; j < N; j++)
+            for (int c = 0; c < D; c++) {
+                nhdk[(j * H + h) * D + c] = hndk[(h * N + j) * D + c];
+                nhdv[(j * H + h) * D + c] = hndv[(h * N + j) * D + c];
+            }
+    /* pages of 16 tokens in NHD, scattered in reverse order */
+    static float pool_k[3][PAGE * H * D], pool_v[3][PAGE * H * D];
+    const void *pk[3], *pv[3];
+    for (int pg = 0; pg < 3; pg++) {
+        int slot = 2 - pg;
+        for (int j = 0; j < PAGE && pg * PAGE + j < N; j++) {
+            memcpy(&pool_k[slot][j * H * D], &nhdk[(pg * PAGE + j) * H * D], sizeof(float) * H * D);
+            memcpy(&pool_v[slot][j * H * D], &nhdv[(pg * PAGE + j) * H * D], sizeof(float) * H * D);
+        }
+        pk[pg] = pool_k[slot];
+        pv[pg] = pool_v[slot];
+    }
+    struct kvcap_tensor_view views[3][2] = {
+        {{hndk, NULL, 0, KVCAP_DTYPE_F32, N * D, D}, {hndv, NULL, 0, KVCAP_DTYPE_F32, N * D, D}},
+        {{nhdk, NULL, 0, KVCAP_DTYPE_F32, D, H * D}, {nhdv, NULL, 0, KVCAP_DTYPE_F32, D, H * D}},
+        {{NULL, pk, PAGE, KVCAP_DTYPE_F32, D, H * D}, {NULL, pv, PAGE, KVCAP_DTYPE_F32, D, H * D}}};
+    float q[4 * D], out[3][4 * D];
+    fill(&r, q, 4 * D, 1.0);
+    for (int i = 0; i < 3; i++) {
+        struct kvcap_cache *c = make_cache(&g, 1, KVCAP_DTYPE_F32, NULL, NULL);
+        struct kvcap_span_desc desc = {KVCAP_SPAN_TEXT, N, 0, 0, 0};
+        assert_int_equal(kvcap_cache_add_span(c, 0, 0, &desc, &views[i][0], &views[i][1]), KVCAP_OK);
+        assert_int_equal(kvcap_cache_attend(c, 0, q, out[i]), KVCAP_OK);
+        kvcap_cache_free(c);
+    }
+    assert_memory_equal(out[0], out[1], sizeof out[0]);
+    assert_memory_equal(out[0], out[2], sizeof out[0]);
+}
+
+/* Compressed spans hold only H, Ṽ and μ: (h + rv)/(2n) of full plus μ. */
+static void test_bytes_held(void **state)
+{
+    (void)state;
+    struct kvcap_model_geometry g = geometry(2, 4, 2, 64);
+    /* r = 0.4 on a 16x16 dense grid: rk = h = rv = round(0.4 * 256) = 102 */
+    const struct test_bucket tb[1] = {{16, 16, 0, 0, 102, 102, 102}};
+    char path[512];
+    tmp_path(path, sizeof path, "bytes.kvcap");
+    write_artifact(path, &g, tb, 1, 3);
+    struct kvcap_artifact *a = NULL;
+    assert_int_equal(kvcap_artifact_open(path, &a), KVCAP_OK);
+    unlink(path);
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 8);
+    struct scenario sc = {.g = g, .n_seqs = 2};
+    scenario_add(&sc, 0, KVCAP_SPAN_VISION, 16, 16, 0, &r);
+    scenario_add(&sc, 1, KVCAP_SPAN_VISION, 16, 16, 50, &r);
+    for (int storage = 0; storage < 2; storage++) {
+        struct kvcap_cache *c = make_cache(&g, 2, storage ? KVCAP_DTYPE_F16 : KVCAP_DTYPE_F32, a, NULL);
+        scenario_load(&sc, c);
+        struct kvcap_cache_stats st;
+        assert_int_equal(kvcap_cache_stats(c, &st), KVCAP_OK);
+        double ratio = (double)st.bytes_by_policy[KVCAP_POLICY_KVCAPSULE] /
+                       (double)st.bytes_full_equivalent;
+        double r_target = 102.0 / 256.0;
+        if (!(ratio <= r_target + 0.01))
+            fail_msg("kvcapsule holds %.4f of full, target r %.4f + 1%%", ratio, r_target);
+        assert_int_equal(st.bytes_held, st.bytes_by_policy[KVCAP_POLICY_KVCAPSULE]);
+        kvcap_cache_free(c);
+    }
+    scenario_free(&sc);
+    kvcap_artifact_free(a);
+}
+
+static void expect_status(enum kvcap_status got, enum kvcap_status want, const char *needle)
+{
+    if (got != want || !strstr(kvcap_last_error(), needle))
+        fail_msg("status %s, message \"%s\"; expected %s naming \"%s\"", kvcap_status_str(got),
+                 kvcap_last_error(), kvcap_status_str(want), needle);
+}
+
+static void test_invalid_calls_leave_cache_usable(void **state)
+{
+    (void)state;
+    struct kvcap_model_geometry g = geometry(2, 4, 2, 64);
+    const struct test_bucket tb[1] = {{4, 4, 0, 0, 4, 4, 4}};
+    char path[512];
+    tmp_path(path, sizeof path, "invalid.kvcap");
+    write_artifact(path, &g, tb, 1, 4);
+    struct kvcap_artifact *a = NULL;
+    assert_int_equal(kvcap_artifact_open(path, &a), KVCAP_OK);
+    unlink(path);
+    /* an artifact of another model */
+    struct kvcap_cache_params p;
+    kvcap_cache_default_params(&p);
+    p.model = geometry(2, 8, 2, 64);
+    p.artifact = a;
+    struct kvcap_cache *bad = NULL;
+    expect_status(kvcap_cache_create(&p, &bad), KVCAP_ERR_GEOMETRY, "model.q_heads");
+    assert_null(bad);
+
+    struct kvcap_cache *c = make_cache(&g, 1, KVCAP_DTYPE_F16, a, NULL);
+    static float kv[2 * 2 * 16 * 64];
+    struct kvcap_tensor_view k = hnd(kv, 16, 64), v = hnd(kv + 2 * 16 * 64, 16, 64);
+    struct kvcap_span_desc ok = {KVCAP_SPAN_VISION, 16, 4, 4, 3};
+    struct kvcap_span_desc wrong_grid = {KVCAP_SPAN_VISION, 16, 4, 5, 3};
+    expect_status(kvcap_cache_add_span(c, 0, 2, &ok, &k, &v), KVCAP_ERR_INVALID_ARGUMENT, "layer: 2");
+    expect_status(kvcap_cache_add_span(c, 1, 0, &ok, &k, &v), KVCAP_ERR_INVALID_ARGUMENT, "seq: 1");
+    expect_status(kvcap_cache_add_span(c, 0, 0, &wrong_grid, &k, &v), KVCAP_ERR_INVALID_ARGUMENT,
+                  "grid 4x5");
+    struct kvcap_tensor_view k_i32 = k;
+    k_i32.dtype = KVCAP_DTYPE_I32;
+    expect_status(kvcap_cache_add_span(c, 0, 0, &ok, &k_i32, &v), KVCAP_ERR_INVALID_ARGUMENT,
+                  "k.dtype: I32");
+    expect_status(kvcap_cache_add_span(c, 0, 1, &ok, &k, &v), KVCAP_ERR_INVALID_ARGUMENT,
+                  "not added at layer 0");
+    float q[4 * 64] = {0}, out[4 * 64];
+    expect_status(kvcap_cache_attend(c, 5, q, out), KVCAP_ERR_INVALID_ARGUMENT, "layer: 5");
+    /* still usable */
+    assert_int_equal(kvcap_cache_add_span(c, 0, 0, &ok, &k, &v), KVCAP_OK);
+    assert_int_equal(kvcap_cache_add_span(c, 0, 1, &ok, &k, &v), KVCAP_OK);
+    assert_int_equal(kvcap_cache_attend(c, 1, q, out), KVCAP_OK);
+    kvcap_cache_free(c);
+
+    /* a grid without bucket, with a fallback this build does not have yet */
+    char cfg[512];
+    tmp_path(cfg, sizeof cfg, "runtime.yaml");
+    FILE *f = fopen(cfg, "w");
+    fputs("policies: {vision: kvcapsule}\nfallback: flashcache\n", f);
+    fclose(f);
+    c = make_cache(&g, 1, KVCAP_DTYPE_F16, a, cfg);
+    static float big[2 * 2 * 25 * 64];
+    struct kvcap_tensor_view bk = hnd(big, 25, 64), bv = hnd(big + 2 * 25 * 64, 25, 64);
+    struct kvcap_span_desc nobucket = {KVCAP_SPAN_VISION, 25, 5, 5, 0};
+    expect_status(kvcap_cache_add_span(c, 0, 0, &nobucket, &bk, &bv), KVCAP_ERR_UNSUPPORTED,
+                  "no bucket in the artifact");
+    assert_int_equal(kvcap_cache_add_span(c, 0, 0, &ok, &k, &v), KVCAP_OK);
+    kvcap_cache_free(c);
+    unlink(cfg);
+    /* kvcapsule without an artifact */
+    kvcap_cache_default_params(&p);
+    p.model = g;
+    p.config_path = NULL;
+    f = fopen(cfg, "w");
+    fputs("policies: {vision: streaming}\n", f);
+    fclose(f);
+    p.config_path = cfg;
+    assert_int_equal(kvcap_cache_create(&p, &c), KVCAP_OK);
+    kvcap_cache_free(c);
+    unlink(cfg);
+    kvcap_artifact_free(a);
+    kvcap_cache_free(NULL);
+    kvcap_artifact_free(NULL);
+}
+
+/* One synthetic span (all layers) into the cache of sequence `seq`, as an engine would. */
+static void add_synth_span(struct kvcap_cache *c, const struct kvcap_model_geometry *g,
+                           const struct kvcap_synth_params *sp, int64_t index, int seq,
+                           float *qdec /* [layers][q_heads][t][d] out */)
+{
+    int rows, cols, p0, d = g->head_dim, H = g->n_kv_heads, G = g->n_q_heads / H;
+    kvcap_synth_span_layout(sp, index, &rows, &cols, &p0);
+    int n = rows * cols;
+    float *kf = malloc(sizeof(float) * (size_t)n * d);
+    float *k = malloc(sizeof(float) * (size_t)H * n * d), *v = malloc(sizeof(float) * (size_t)H * n * d);
+    for (int l = 0; l < g->n_layers; l++) {
+        for (int h = 0; h < H; h++)
+            assert_int_equal(kvcap_synth_head(g, sp, index, rows, cols, p0, l, h, kf,
+                                              k + (size_t)h * n * d, v + (size_t)h * n * d, NULL,
+                                              qdec + (((size_t)l * g->n_q_heads + (size_t)h * G) *
+                                                      (size_t)sp->decode_queries) * d),
+                             KVCAP_OK);
+        struct kvcap_span_desc desc = {KVCAP_SPAN_VISION, n, rows, cols, p0};
+        struct kvcap_tensor_view kv = hnd(k, n, d), vv = hnd(v, n, d);
+        if (kvcap_cache_add_span(c, seq, l, &desc, &kv, &vv) != KVCAP_OK)
+            fail_msg("%s", kvcap_last_error());
+    }
+    free(kf), free(k), free(v);
+}
+
+/* Decode query t of every sequence at layer l, [seqs][q_heads][d] from per-seq [L][Hq][T][d]. */
+static void gather_queries(const struct kvcap_model_geometry *g, float *const *qdec, int n_seqs,
+                           int T, int l, int t, float *q)
+{
+    int d = g->head_dim;
+    for (int s = 0; s < n_seqs; s++)
+        for (int hq = 0; hq < g->n_q_heads; hq++)
+            memcpy(q + ((size_t)s * g->n_q_heads + hq) * d,
+                   qdec[s] + (((size_t)l * g->n_q_heads + hq) * T + t) * d, sizeof(float) * d);
+}
+
+static void test_record_calibrate_convert_decode(void **state)
+{
+    (void)state;
+    struct kvcap_model_geometry g = geometry(2, 4, 2, 64);
+    struct kvcap_synth_params sp;
+    kvcap_synth_default_params(&sp);
+    sp.n_grids = 1;
+    sp.grid_rows[0] = sp.grid_cols[0] = 8;
+    sp.rank_k = 10;
+    sp.rank_v = 10;
+    sp.noise = 0.02;
+    sp.outliers = 0;
+    sp.decode_queries = 3;
+    int T = sp.decode_queries, d = g.head_dim, Hq = g.n_q_heads;
+    char dir[512], state_path[600], art_path[600];
+    tmp_path(dir, sizeof dir, "record");
+    snprintf(state_path, sizeof state_path, "%s.kvcs", dir);
+    snprintf(art_path, sizeof art_path, "%s.kvcap", dir);
+
+    /* 1. record: 2 sequences, 12 rounds of (a new image span each, then T decode steps) */
+    struct kvcap_cache_params p;
+    kvcap_cache_default_params(&p);
+    p.model = g;
+    p.n_seqs = 2;
+    p.record_dir = dir;
+    struct kvcap_cache *c = NULL;
+    if (kvcap_cache_create(&p, &c) != KVCAP_OK)
+        fail_msg("%s", kvcap_last_error());
+    float *qdec[2], *q = malloc(sizeof(float) * 2 * Hq * d), *out = malloc(sizeof(float) * 2 * Hq * d);
+    for (int s = 0; s < 2; s++)
+        qdec[s] = malloc(sizeof(float) * (size_t)g.n_layers * Hq * T * d);
+    for (int round = 0; round < 12; round++) {
+        for (int s = 0; s < 2; s++)
+            add_synth_span(c, &g, &sp, 2 * round + s, s, qdec[s]);
+        for (int t = 0; t < T; t++)
+            for (int l = 0; l < g.n_layers; l++) {
+                gather_queries(&g, qdec, 2, T, l, t, q);
+                assert_int_equal(kvcap_cache_attend(c, l, q, out), KVCAP_OK);
+            }
+    }
+    assert_int_equal(kvcap_cache_record_flush(c), KVCAP_OK);
+    kvcap_cache_free(c);
+
+    /* 2. calibrate on the recording, 3. convert */
+    struct kvcap_calib_config cfg;
+    const char *yaml = "model: {name: test, layers: 2, q_heads: 4, kv_heads: 2, head_dim: 64,"
+                       " rope: {type: rope, pairing: half, theta: 10000}}\n"
+                       "buckets: [{rows: 8, cols: 8}]\n"
+                       "schedule: {kind: uniform, ratio: 0.5}\n"
+                       "validation: {fraction: 0.25}\nstorage: f32\n";
+    assert_int_equal(kvcap_calib_config_load_string(yaml, "roundtrip.yaml", &cfg), KVCAP_OK);
+    struct kvcap_calibrate_options o;
+    kvcap_calibrate_default_options(&o);
+    const char *paths[1] = {dir};
+    o.data = paths;
+    o.n_data = 1;
+    struct kvcap_calib_state st;
+    struct kvcap_calibrate_report rep;
+    if (kvcap_calibrate(&cfg, &o, &st, &rep) != KVCAP_OK)
+        fail_msg("%s", kvcap_last_error());
+    assert_int_equal(rep.spans_seen, 24);
+    assert_true(st.val_spans[0] > 0);
+    double promised = 0; /* the report's attention error, worst unit */
+    for (int i = 0; i < g.n_layers * g.n_kv_heads; i++)
+        promised = fmax(promised, st.units[i].metrics[KVCAP_METRIC_ATTN_REL]);
+    assert_true(promised > 0 && promised < 0.2);
+    assert_int_equal(kvcap_calib_state_write(&st, state_path), KVCAP_OK);
+    kvcap_calib_state_free(&st);
+    kvcap_calib_config_free(&cfg);
+    struct kvcap_convert_options co;
+    kvcap_convert_default_options(&co);
+    const char *states[1] = {state_path};
+    co.states = states;
+    co.n_states = 1;
+    co.out = art_path;
+    co.storage = KVCAP_DTYPE_F32;
+    co.storage_set = 1;
+    struct kvcap_convert_report crep;
+    if (kvcap_convert(&co, &crep) != KVCAP_OK)
+        fail_msg("%s", kvcap_last_error());
+
+    /* 4. decode on new spans through the artifact, against full attention on the same data */
+    struct kvcap_artifact *a = NULL;
+    assert_int_equal(kvcap_artifact_open(art_path, &a), KVCAP_OK);
+    struct kvcap_cache *full = make_cache(&g, 2, KVCAP_DTYPE_F32, NULL, NULL);
+    struct kvcap_cache *comp = make_cache(&g, 2, KVCAP_DTYPE_F32, a, NULL);
+    for (int s = 0; s < 2; s++) {
+        add_synth_span(full, &g, &sp, 1000 + s, s, qdec[s]);
+        add_synth_span(comp, &g, &sp, 1000 + s, s, qdec[s]);
+    }
+    float *out_full = malloc(sizeof(float) * 2 * Hq * d);
+    double err = 0, energy = 0;
+    for (int t = 0; t < T; t++)
+        for (int l = 0; l < g.n_layers; l++) {
+            gather_queries(&g, qdec, 2, T, l, t, q);
+            assert_int_equal(kvcap_cache_attend(full, l, q, out_full), KVCAP_OK);
+            assert_int_equal(kvcap_cache_attend(comp, l, q, out), KVCAP_OK);
+            for (int i = 0; i < 2 * Hq * d; i++) {
+                err += (double)(out[i] - out_full[i]) * (out[i] - out_full[i]);
+                energy += (double)out_full[i] * out_full[i];
+            }
+        }
+    double rel = sqrt(err / energy);
+    /* fresh spans and queries, same distribution: within 2x the worst promised unit */
+    if (!(rel <= 2 * promised))
+        fail_msg("decode relative error %g, calibration promised <= %g", rel, promised);
+    struct kvcap_cache_stats cs;
+    assert_int_equal(kvcap_cache_stats(comp, &cs), KVCAP_OK);
+    assert_true(cs.bytes_by_policy[KVCAP_POLICY_KVCAPSULE] < cs.bytes_full_equivalent * 0.52);
+    kvcap_cache_free(full);
+    kvcap_cache_free(comp);
+    kvcap_artifact_free(a);
+    free(out_full), free(q), free(out), free(qdec[0]), free(qdec[1]);
+    unlink(state_path);
+    unlink(art_path);
+    DIR *dd = opendir(dir);
+    struct dirent *e;
+    char f[1100];
+    while (dd && (e = readdir(dd)) != NULL)
+        if (e->d_name[0] != '.') {
+            snprintf(f, sizeof f, "%s/%s", dir, e->d_name);
+            unlink(f);
+        }
+    if (dd)
+        closedir(dd);
+    rmdir(dir);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_full_matches_naive),
+        cmocka_unit_test(test_fused_matches_materialised),
+        cmocka_unit_test(test_strided_and_paged_views),
+        cmocka_unit_test(test_bytes_held),
+        cmocka_unit_test(test_invalid_calls_leave_cache_usable),
+        cmocka_unit_test(test_record_calibrate_convert_decode),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
