@@ -20,7 +20,9 @@ echo "== 3. convert to an artifact (f16 maps, the calibrated schedule)"
 "$bin/kvcap-convert" "$out/smollm2.kvcs" --out "$out/smollm2.kvcap"
 echo "== 4. inspect it"
 "$bin/kvcap-convert" --inspect "$out/smollm2.kvcap"
-echo "== 5. the same with 2 high-norm outlier tokens per span at random positions: a fixed"
+echo "== 5. decode through libkvcap with that artifact: time, bytes read and held per policy"
+"$bin/kvcap-bench" --artifact "$out/smollm2.kvcap" --steps 5
+echo "== 6. the same with 2 high-norm outlier tokens per span at random positions: a fixed"
 echo "      retained set cannot reconstruct them, which the validation metrics show"
 "$bin/kvcap-synth" --out "$out/data-outliers" --spans 32 --rank-k 24 --rank-v 24 --noise 0.02 --outliers 2
 "$bin/kvcap-calibrate" --data "$out/data-outliers" --out "$out/outliers.kvcs" | grep -E "^ +[0-9]+ +mean|bucket  layer"
