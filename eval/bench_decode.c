@@ -37,6 +37,7 @@ static void usage(FILE *out)
             "  -a, --artifact FILE  use this artifact (its geometry and buckets) instead\n"
             "      --storage T      f32, f16 (default) or bf16\n"
             "      --threads N      threads (default: all cores)\n"
+            "  -p, --policy P       run only full and P (streaming or kvcapsule), e.g. to profile\n"
             "  -h, --help           show this help\n");
 }
 
@@ -224,19 +225,21 @@ static enum kvcap_status run_policy(const struct kvcap_model_geometry *g, int ba
 int main(int argc, char **argv)
 {
     enum { STORAGE = 1000, THREADS };
+    const char *only = NULL;
     static const struct option options[] = {
         {"grid", required_argument, NULL, 'g'},  {"tile", required_argument, NULL, 't'},
         {"ratio", required_argument, NULL, 'r'}, {"layers", required_argument, NULL, 'l'},
         {"batch", required_argument, NULL, 'b'}, {"steps", required_argument, NULL, 's'},
         {"artifact", required_argument, NULL, 'a'}, {"storage", required_argument, NULL, STORAGE},
         {"threads", required_argument, NULL, THREADS}, {"help", no_argument, NULL, 'h'},
+        {"policy", required_argument, NULL, 'p'},
         {NULL, 0, NULL, 0}};
     int rows = 64, cols = 128, tr = 4, tc = 4, layers = 4, batch = 1, steps = 20, threads = 0, c;
     double ratio = 0.4;
     const char *artifact_path = NULL;
     enum kvcap_dtype storage = KVCAP_DTYPE_F16;
     cli_init("kvcap-bench", 0);
-    while ((c = getopt_long(argc, argv, "g:t:r:l:b:s:a:h", options, NULL)) != -1) {
+    while ((c = getopt_long(argc, argv, "g:t:r:l:b:s:a:p:h", options, NULL)) != -1) {
         switch (c) {
         case 'g':
             if (sscanf(optarg, "%dx%d", &rows, &cols) != 2 || rows < 1 || cols < 1)
@@ -260,6 +263,11 @@ int main(int argc, char **argv)
             else return cli_usage_error("--storage: '%s' is not f32, f16 or bf16", optarg);
             break;
         case THREADS: threads = atoi(optarg); break;
+        case 'p':
+            if (strcmp(optarg, "streaming") != 0 && strcmp(optarg, "kvcapsule") != 0)
+                return cli_usage_error("--policy: '%s' is not streaming or kvcapsule", optarg);
+            only = optarg;
+            break;
         case 'h': usage(stdout); return 0;
         default: return cli_usage_error("unknown option");
         }
@@ -296,9 +304,14 @@ int main(int argc, char **argv)
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
     int nthreads = threads ? threads : (int)(cores > 0 ? cores : 1);
     double bw = read_bandwidth(nthreads);
-    static const char *const policies[] = {"full", "streaming", "kvcapsule"};
+    const char *policies[3] = {"full", "streaming", "kvcapsule"};
+    int n_policies = 3;
+    if (only) {
+        policies[1] = only;
+        n_policies = 2;
+    }
     struct result res[3];
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < n_policies; i++)
         if ((st = run_policy(&g, batch, rows, cols, storage, nthreads, steps, a, policies[i],
                              &res[i])) != KVCAP_OK)
             return cli_fail(st);
@@ -318,7 +331,7 @@ int main(int argc, char **argv)
     printf("read bandwidth, measured now (%d threads): %.1f GB/s\n\n", nthreads, bw);
     printf("%-10s %10s %12s %9s %7s %12s %9s %9s %9s\n", "policy", "ms/step", "bytes/step",
            "GB/s", "% bw", "bytes held", "time/full", "read/full", "held/full");
-    for (int i = 0; i < 3; i++) {
+    for (int i = 0; i < n_policies; i++) {
         double gbs = res[i].bytes_per_step / (res[i].ms_per_step * 1e-3) * 1e-9;
         printf("%-10s %10.3f %12s %9.1f %6.0f%% %12s %9.3f %9.3f %9.3f\n", res[i].name,
                res[i].ms_per_step, cli_bytes(res[i].bytes_per_step, per, sizeof per), gbs,
@@ -329,7 +342,7 @@ int main(int argc, char **argv)
     }
     printf("(streaming keeps sinks + window of the runtime defaults; kvcapsule bytes include the "
            "maps, %s per step)\n",
-           cli_bytes(res[2].map_bytes_per_step, per, sizeof per));
+           cli_bytes(res[n_policies - 1].map_bytes_per_step, per, sizeof per));
     kvcap_artifact_free(a);
     return 0;
 }
