@@ -9,7 +9,6 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "calibrate.h"
 #include "internal.h"
@@ -21,13 +20,6 @@ void kvcap_calibrate_default_options(struct kvcap_calibrate_options *o)
     memset(o, 0, sizeof *o);
     o->max_train_spans = 64;
     o->max_val_spans = 32;
-}
-
-static double now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
 int kvcap_span_is_validation(const struct kvcap_span_view *span, double fraction, uint64_t seed)
@@ -356,7 +348,7 @@ enum kvcap_status kvcap_calibrate(const struct kvcap_calib_config *cfg,
                             "calibrate: out of memory for Gram batches (%zu units)", n_units);
     }
 
-    double t0 = now();
+    double t0 = kvcap_seconds();
     int64_t total = kvcap_dataset_span_count(ds);
     const struct kvcap_span_view *span;
     while (st == KVCAP_OK && (st = kvcap_dataset_next(ds, &span)) == KVCAP_OK && span) {
@@ -411,7 +403,7 @@ enum kvcap_status kvcap_calibrate(const struct kvcap_calib_config *cfg,
     }
     report->gram_flops += tail_flops;
     openblas_set_num_threads(blas_threads);
-    report->seconds_accumulate = now() - t0;
+    report->seconds_accumulate = kvcap_seconds() - t0;
     for (int b = 0; st == KVCAP_OK && b < B; b++)
         if (state->train_spans[b] == 0)
             st = kvcap_fail(KVCAP_ERR_INVALID_ARGUMENT,
@@ -423,14 +415,14 @@ enum kvcap_status kvcap_calibrate(const struct kvcap_calib_config *cfg,
     kvcap_dataset_close(ds);
     ds = NULL;
 
-    t0 = now();
+    t0 = kvcap_seconds();
     if (st == KVCAP_OK)
         st = kvcap_calib_state_fit(state, 1, &report->fit, NULL, NULL);
     report_progress(o, "fit", 1, 1);
-    report->seconds_fit = now() - t0;
+    report->seconds_fit = kvcap_seconds() - t0;
 
     if (st == KVCAP_OK && trained) {
-        t0 = now();
+        t0 = kvcap_seconds();
         /* Validation columns for the checkpoints: a second, cheap pass over validation spans. */
         float **val = calloc(n_units, sizeof *val);
         size_t *val_cols = calloc(n_units, sizeof *val_cols), *val_cap = calloc(n_units, sizeof *val_cap);
@@ -484,7 +476,7 @@ enum kvcap_status kvcap_calibrate(const struct kvcap_calib_config *cfg,
         for (size_t i = 0; val && i < n_units; i++)
             free(val[i]);
         free(val), free(val_cols), free(val_cap), free(val_spans);
-        report->seconds_train = now() - t0;
+        report->seconds_train = kvcap_seconds() - t0;
     }
     free_accumulators(acc, n_units);
     for (int t = 0; sc && t < threads; t++)
@@ -492,9 +484,9 @@ enum kvcap_status kvcap_calibrate(const struct kvcap_calib_config *cfg,
     free(sc);
 
     if (st == KVCAP_OK) {
-        t0 = now();
+        t0 = kvcap_seconds();
         st = kvcap_calibrate_validate(state, cfg, o);
-        report->seconds_validate = now() - t0;
+        report->seconds_validate = kvcap_seconds() - t0;
     }
     if (st != KVCAP_OK)
         kvcap_calib_state_free(state);

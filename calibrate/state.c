@@ -4,7 +4,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "internal.h"
 #include "linalg.h"
@@ -114,13 +113,6 @@ static int unit_key_size(const struct kvcap_calib_state *s, int l, int m, int *h
     return rk;
 }
 
-static double seconds_now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 /* Value PCA and closed-form keys of one unit (whichever are missing or stale). */
 static enum kvcap_status fit_unit(struct kvcap_calib_state *s, size_t i, int keys, int refit_keys)
 {
@@ -166,7 +158,7 @@ enum kvcap_status kvcap_calib_state_fit(struct kvcap_calib_state *s, int refit_k
     for (int keys = 0; keys < 2 && st == KVCAP_OK; keys++) {
         struct kvcap_parallel_error err = {0};
         int fits = 0;
-        double t0 = seconds_now();
+        double t0 = kvcap_seconds();
 #pragma omp parallel for schedule(dynamic) reduction(+ : fits)
         for (long i = 0; i < n; i++) {
             if (kvcap_parallel_failed(&err))
@@ -176,7 +168,7 @@ enum kvcap_status kvcap_calib_state_fit(struct kvcap_calib_state *s, int refit_k
                 kvcap_parallel_fail(&err, s2);
             fits++;
         }
-        *(keys ? &timing->keys_seconds : &timing->values_seconds) = seconds_now() - t0;
+        *(keys ? &timing->keys_seconds : &timing->values_seconds) = kvcap_seconds() - t0;
         *(keys ? &timing->key_fits : &timing->value_fits) = fits;
         st = kvcap_parallel_status(&err);
         if (st == KVCAP_OK && progress && progress(keys + 1, 2, user))

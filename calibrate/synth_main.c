@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "cli.h"
+#include "internal.h"
 #include "config.h"
 #include "synth.h"
 
@@ -150,11 +151,11 @@ int main(int argc, char **argv)
         }
     struct cli_progress progress;
     cli_progress_begin(&progress, "spans", quiet);
-    double t0 = cli_now();
+    double t0 = kvcap_seconds();
     st = kvcap_synth(&cfg.model, &p, out, cli_progress_callback, &progress);
     if (st == KVCAP_OK && !quiet)
         fprintf(stderr, "kvcap-synth: wrote %d spans for %s to %s in %.1fs\n", p.n_spans,
-                cfg.model.name[0] ? cfg.model.name : "the model", out, cli_now() - t0);
+                cfg.model.name[0] ? cfg.model.name : "the model", out, kvcap_seconds() - t0);
     kvcap_calib_config_free(&cfg);
     return st == KVCAP_OK ? 0 : cli_fail(st);
 }

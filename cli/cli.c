@@ -1,10 +1,10 @@
 /* cli.c — shared helpers of the kvcap tools (see cli.h). */
 #include <stdarg.h>
 #include <stdio.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "cli.h"
+#include "internal.h"
 
 static const char *tool_name = "kvcap";
 
@@ -57,27 +57,20 @@ const char *cli_bytes(uint64_t bytes, char *buf, size_t cap)
     return buf;
 }
 
-double cli_now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
-}
-
 void cli_progress_begin(struct cli_progress *p, const char *label, int quiet)
 {
     p->label = label;
     p->quiet = quiet;
     p->tty = isatty(STDERR_FILENO);
     p->last_decile = -1;
-    p->start = cli_now();
+    p->start = kvcap_seconds();
 }
 
 void cli_progress_update(struct cli_progress *p, int64_t done, int64_t total)
 {
     if (p->quiet || total <= 0)
         return;
-    double frac = (double)done / (double)total, elapsed = cli_now() - p->start;
+    double frac = (double)done / (double)total, elapsed = kvcap_seconds() - p->start;
     double eta = done > 0 ? elapsed * (double)(total - done) / (double)done : 0.0;
     if (p->tty) {
         enum { WIDTH = 30 };

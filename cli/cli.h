@@ -34,7 +34,4 @@ void cli_progress_update(struct cli_progress *p, int64_t done, int64_t total);
 /* The same as a library progress callback (user = struct cli_progress *); never stops. */
 int cli_progress_callback(int64_t done, int64_t total, void *user);
 
-/* Seconds on a monotonic clock. */
-double cli_now(void);
-
 #endif /* KVCAP_CLI_H */

@@ -54,7 +54,7 @@ static double read_bandwidth(int threads)
     double best = 0.0;
     volatile float sink = 0;
     for (int rep = 0; rep < 3; rep++) {
-        double t0 = cli_now(), total = 0.0;
+        double t0 = kvcap_seconds(), total = 0.0;
 #pragma omp parallel for num_threads(threads) reduction(+ : total)
         for (size_t b = 0; b < n; b += 4096) {
             float acc[16] = {0};
@@ -64,7 +64,7 @@ static double read_bandwidth(int threads)
             for (int j = 0; j < 16; j++)
                 total += acc[j];
         }
-        double rate = (double)n * sizeof(float) / (cli_now() - t0) * 1e-9;
+        double rate = (double)n * sizeof(float) / (kvcap_seconds() - t0) * 1e-9;
         sink += (float)total;
         best = rate > best ? rate : best;
     }
@@ -192,7 +192,7 @@ static enum kvcap_status run_policy(const struct kvcap_model_geometry *g, int ba
     double best = 1e30;
     uint64_t bytes = 0, map_bytes = 0;
     for (int rep = -1; st == KVCAP_OK && rep < steps; rep++) { /* rep -1 warms up */
-        double t0 = cli_now();
+        double t0 = kvcap_seconds();
         uint64_t b = 0, mb = 0;
         for (int l = 0; st == KVCAP_OK && l < g->n_layers; l++) {
             st = kvcap_cache_attend(c, l, q, out);
@@ -201,7 +201,7 @@ static enum kvcap_status run_policy(const struct kvcap_model_geometry *g, int ba
             b += cs.bytes_read_last_attend;
             mb += cs.map_bytes_read_last_attend;
         }
-        double t = cli_now() - t0;
+        double t = kvcap_seconds() - t0;
         if (rep >= 0 && t < best)
             best = t;
         bytes = b;

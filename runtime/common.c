@@ -3,6 +3,7 @@
 #include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
+#include <time.h>
 
 #include "internal.h"
 
@@ -167,4 +168,11 @@ enum kvcap_status kvcap_parallel_status(const struct kvcap_parallel_error *e)
     if (__atomic_load_n(&e->failed, __ATOMIC_ACQUIRE) == 0)
         return KVCAP_OK;
     return kvcap_fail(e->status, "%s", e->message);
+}
+
+double kvcap_seconds(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }

@@ -40,6 +40,9 @@ void kvcap_parallel_fail(struct kvcap_parallel_error *e, enum kvcap_status statu
 int kvcap_parallel_failed(const struct kvcap_parallel_error *e);
 enum kvcap_status kvcap_parallel_status(const struct kvcap_parallel_error *e);
 
+/* Seconds on a monotonic clock (timings in reports and benchmarks). */
+double kvcap_seconds(void);
+
 /* Clears this thread's last error (done by API entry points that succeed partially). */
 void kvcap_clear_error(void);
 
