@@ -434,25 +434,20 @@ struct kvcap_dataset {
     const struct kvst_tensor **views; /* 4 * n_layers */
 };
 
-static int same_geometry(const struct kvcap_model_geometry *a, const struct kvcap_model_geometry *b)
-{
-    struct kvcap_model_geometry x = *a, y = *b;
-    memset(x.name, 0, sizeof x.name);
-    memset(y.name, 0, sizeof y.name);
-    return memcmp(&x, &y, sizeof x) == 0;
-}
-
 static enum kvcap_status add_shard(struct kvcap_dataset *ds, const char *path)
 {
     struct kvst_file *f = NULL;
     KVCAP_TRY(kvst_open(path, &f));
     struct kvcap_file_info info;
     enum kvcap_status st = kvcap_schema_check(f, KVCAP_KIND_DATASET, &info);
-    if (st == KVCAP_OK && ds->n_shards > 0 && !same_geometry(&ds->g, &info.model))
+    const char *diff = st == KVCAP_OK && ds->n_shards > 0
+                           ? kvcap_geometry_difference(&ds->g, &info.model)
+                           : NULL;
+    if (diff)
         st = kvcap_fail(KVCAP_ERR_GEOMETRY,
-                        "%s: model geometry differs from the first shard %s (every shard of a "
-                        "dataset must come from the same model)",
-                        path, ds->shards[0].path);
+                        "%s: model geometry differs from the first shard %s in %s (every shard of "
+                        "a dataset must come from the same model)",
+                        path, ds->shards[0].path, diff);
     if (st == KVCAP_OK && ds->n_shards == ds->cap_shards) {
         int cap = ds->cap_shards ? 2 * ds->cap_shards : 16;
         struct shard *grown = realloc(ds->shards, (size_t)cap * sizeof *grown);
@@ -619,7 +614,7 @@ enum kvcap_status kvcap_dataset_next(struct kvcap_dataset *ds, const struct kvca
         KVCAP_TRY(kvst_open(sh->path, &ds->file));
         struct kvcap_file_info info;
         enum kvcap_status st = kvcap_schema_check(ds->file, KVCAP_KIND_DATASET, &info);
-        if (st == KVCAP_OK && (info.n_spans != sh->spans || !same_geometry(&info.model, &ds->g)))
+        if (st == KVCAP_OK && (info.n_spans != sh->spans || kvcap_geometry_difference(&info.model, &ds->g)))
             st = kvcap_fail(KVCAP_ERR_FORMAT, "%s: changed while the dataset was open", sh->path);
         kvcap_file_info_free(&info);
         if (st != KVCAP_OK) {
