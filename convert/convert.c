@@ -5,6 +5,7 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include "artifact.h"
 #include "convert.h"
 #include "internal.h"
 #include "state.h"
@@ -16,46 +17,6 @@ void kvcap_convert_default_options(struct kvcap_convert_options *o)
     o->fallback = KVCAP_POLICY_FLASHCACHE;
 }
 
-/* Owned tensor buffers that must live until the writer commits. */
-struct buffers {
-    void **items;
-    size_t n, cap;
-};
-
-static void *keep(struct buffers *b, size_t bytes)
-{
-    if (b->n == b->cap) {
-        size_t cap = b->cap ? 2 * b->cap : 256;
-        void **grown = realloc(b->items, cap * sizeof *grown);
-        if (!grown)
-            return NULL;
-        b->items = grown;
-        b->cap = cap;
-    }
-    void *p = malloc(bytes ? bytes : 1);
-    if (p)
-        b->items[b->n++] = p;
-    return p;
-}
-
-static void release(struct buffers *b)
-{
-    for (size_t i = 0; i < b->n; i++)
-        free(b->items[i]);
-    free(b->items);
-}
-
-/* Adds rows x cols floats as a tensor in `dtype`. */
-static enum kvcap_status add_floats(struct kvst_writer *w, struct buffers *keep_list,
-                                    const char *name, enum kvcap_dtype dtype, int ndim,
-                                    const int64_t *shape, const float *src, size_t count)
-{
-    void *dst = keep(keep_list, count * kvcap_dtype_size(dtype));
-    KVCAP_RETURN_IF(!dst, KVCAP_ERR_OUT_OF_MEMORY, "convert: out of memory");
-    KVCAP_TRY(kvcap_convert_from_f32(dtype, src, count, dst));
-    return kvst_writer_add(w, name, dtype, ndim, shape, dst);
-}
-
 static double mean(const double *r, int n)
 {
     double s = 0;
@@ -64,81 +25,45 @@ static double mean(const double *r, int n)
     return s / n;
 }
 
-static enum kvcap_status write_artifact(const struct kvcap_calib_state *s,
+/* The state's fitted maps as the artifact writer's units (views, nothing copied): the value
+ * basis is the first R_v eigenvectors, which are the first rows of v_eigvec. */
+static enum kvcap_status write_artifact(struct kvcap_calib_state *s,
                                         const struct kvcap_convert_options *o,
                                         enum kvcap_dtype storage, const char *path)
 {
-    struct kvst_writer *w = NULL;
-    KVCAP_TRY(kvst_writer_create(&w));
-    struct buffers bufs = {0};
-    enum kvcap_status st = KVCAP_OK;
-    char name[96];
-    const struct kvcap_model_geometry *g = &s->model;
-    for (int l = 0; st == KVCAP_OK && l < g->n_layers; l++)
-        for (int h = 0; st == KVCAP_OK && h < g->n_kv_heads; h++)
-            for (int b = 0; st == KVCAP_OK && b < s->n_buckets; b++) {
-                const struct kvcap_calib_unit *u = kvcap_state_unit(s, l, h, b);
-                const struct kvcap_key_maps *k = &u->keys;
-                int rv = kvcap_retained(s->r_values[l], u->m);
-                const int64_t ushape[2] = {rv, u->m}, mask[1] = {k->rk}, w1[2] = {k->rk, k->h};
-                const int64_t b1[1] = {k->h}, w2[2] = {k->h, k->m}, b2[1] = {k->m};
-                snprintf(name, sizeof name, "l%d.h%d.b%d.U", l, h, b);
-                st = add_floats(w, &bufs, name, storage, 2, ushape, u->v_eigvec,
-                                (size_t)rv * (size_t)u->m);
-                snprintf(name, sizeof name, "l%d.h%d.b%d.k_mask", l, h, b);
-                if (st == KVCAP_OK)
-                    st = kvst_writer_add(w, name, KVCAP_DTYPE_I32, 1, mask, k->mask);
-#define MAP(suffix, nd, shape, data, count)                                          \
-    snprintf(name, sizeof name, "l%d.h%d.b%d." suffix, l, h, b);                     \
-    if (st == KVCAP_OK)                                                              \
-        st = add_floats(w, &bufs, name, storage, nd, shape, data, count);
-                MAP("k_w1", 2, w1, k->w1, (size_t)k->rk * (size_t)k->h)
-                MAP("k_b1", 1, b1, k->b1, (size_t)k->h)
-                MAP("k_w2", 2, w2, k->w2, (size_t)k->h * (size_t)k->m)
-                MAP("k_b2", 1, b2, k->b2, (size_t)k->m)
-#undef MAP
-                static const uint8_t act[2] = {0, 1};
-                const int64_t one[1] = {1};
-                snprintf(name, sizeof name, "l%d.h%d.b%d.k_act", l, h, b);
-                if (st == KVCAP_OK)
-                    st = kvst_writer_add(w, name, KVCAP_DTYPE_U8, 1, one, &act[k->gelu ? 1 : 0]);
-            }
-    cJSON *config = cJSON_CreateObject();
-    if (st == KVCAP_OK && config) {
-        cJSON_AddItemToObject(config, "model", kvcap_geometry_to_json(g));
-        cJSON_AddItemToObject(config, "buckets", kvcap_buckets_to_json(s->buckets, s->n_buckets));
-        cJSON *art = cJSON_AddObjectToObject(config, "artifact");
-        char storage_name[8];
-        snprintf(storage_name, sizeof storage_name, "%s", kvcap_dtype_name(storage));
-        for (char *p = storage_name; *p; p++)
-            *p = (char)(*p >= 'A' && *p <= 'Z' ? *p - 'A' + 'a' : *p);
-        cJSON_AddStringToObject(art, "storage", storage_name);
-        cJSON_AddStringToObject(art, "activation", kvcap_activation_name(s->activation));
-        cJSON *sched = cJSON_AddObjectToObject(art, "schedule");
-        cJSON_AddItemToObject(sched, "keys", cJSON_CreateDoubleArray(s->r_keys, g->n_layers));
-        cJSON_AddItemToObject(sched, "values", cJSON_CreateDoubleArray(s->r_values, g->n_layers));
-        cJSON_AddStringToObject(art, "fallback", kvcap_policy_name(o->fallback));
-        cJSON *spans = cJSON_AddArrayToObject(art, "calibration_spans");
-        for (int b = 0; b < s->n_buckets; b++) {
-            double pair[2] = {(double)s->train_spans[b], (double)s->val_spans[b]};
-            cJSON_AddItemToArray(spans, cJSON_CreateDoubleArray(pair, 2));
-        }
-        cJSON *prov = cJSON_AddObjectToObject(config, "provenance");
-        char tool[48];
-        snprintf(tool, sizeof tool, "kvcap-convert %s", kvcap_version());
-        cJSON_AddStringToObject(prov, "tool", tool);
-        cJSON *from = cJSON_AddArrayToObject(prov, "states");
-        for (int i = 0; i < o->n_states; i++)
-            cJSON_AddItemToArray(from, cJSON_CreateString(o->states[i]));
-        st = kvcap_schema_set_meta(w, KVCAP_KIND_ARTIFACT, config);
-    } else if (st == KVCAP_OK) {
-        st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "convert: out of memory");
+    size_t n = (size_t)s->model.n_layers * s->model.n_kv_heads * s->n_buckets;
+    struct kvcap_unit_maps *units = calloc(n, sizeof *units);
+    cJSON *prov = cJSON_CreateObject();
+    if (!units || !prov) {
+        free(units);
+        cJSON_Delete(prov);
+        return kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "convert: out of memory");
     }
-    if (st == KVCAP_OK)
-        st = kvst_writer_commit(w, path);
-    cJSON_Delete(config);
-    kvst_writer_free(w);
-    release(&bufs);
+    for (size_t i = 0; i < n; i++) {
+        struct kvcap_calib_unit *u = &s->units[i];
+        struct kvcap_key_maps *k = &u->keys;
+        int l = (int)(i / ((size_t)s->model.n_kv_heads * s->n_buckets));
+        units[i] = (struct kvcap_unit_maps){u->m, k->rk, k->h, kvcap_retained(s->r_values[l], u->m),
+                                            k->gelu, k->mask, k->w1, k->b1, k->w2, k->b2,
+                                            u->v_eigvec};
+    }
+    char tool[48];
+    snprintf(tool, sizeof tool, "kvcap-convert %s", kvcap_version());
+    cJSON_AddStringToObject(prov, "tool", tool);
+    cJSON *from = cJSON_AddArrayToObject(prov, "states");
+    for (int i = 0; i < o->n_states; i++)
+        cJSON_AddItemToArray(from, cJSON_CreateString(o->states[i]));
+    int64_t spans[KVCAP_MAX_BUCKETS][2];
+    for (int b = 0; b < s->n_buckets; b++) {
+        spans[b][0] = s->train_spans[b];
+        spans[b][1] = s->val_spans[b];
+    }
+    struct kvcap_artifact_desc desc = {s->model, s->n_buckets, s->buckets, storage,
+                                       s->activation == KVCAP_ACTIVATION_GELU, o->fallback,
+                                       s->r_keys, s->r_values, (const int64_t(*)[2])spans, prov};
+    enum kvcap_status st = kvcap_artifact_write(path, &desc, units);
+    cJSON_Delete(prov);
+    free(units);
     return st;
 }
 

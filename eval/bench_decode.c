@@ -73,64 +73,41 @@ static double read_bandwidth(int threads)
     return best;
 }
 
-/* A random artifact for geometry g and one bucket (timing only). */
+/* A random artifact for geometry g and one bucket (timing only): one set of maps shared by
+ * every layer and head. */
 static enum kvcap_status random_artifact(const char *path, const struct kvcap_model_geometry *g,
                                          const struct kvcap_bucket *b, double ratio)
 {
-    struct kvst_writer *w = NULL;
-    KVCAP_TRY(kvst_writer_create(&w));
     int m = kvcap_bucket_points(b), rk = (int)(ratio * m + 0.5);
     rk = rk < 1 ? 1 : rk > m ? m : rk;
     int h = rk, rv = rk;
     size_t count = (size_t)rv * m + (size_t)rk * h + (size_t)h + (size_t)h * m + (size_t)m;
+    size_t n_units = (size_t)g->n_layers * g->n_kv_heads;
     float *buf = malloc(sizeof(float) * count);
     int32_t *mask = malloc(sizeof(int32_t) * (size_t)rk);
-    enum kvcap_status st = buf && mask ? KVCAP_OK : kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "OOM");
-    struct kvcap_rng r;
-    kvcap_rng_seed(&r, 1);
-    for (size_t i = 0; st == KVCAP_OK && i < count; i++)
-        buf[i] = (float)(0.1 * kvcap_rng_normal(&r));
-    for (int i = 0; st == KVCAP_OK && i < rk; i++)
-        mask[i] = i * m / rk;
-    char name[96];
-    const int64_t su[2] = {rv, m}, sm[1] = {rk}, sw1[2] = {rk, h}, sb1[1] = {h}, sw2[2] = {h, m},
-                  sb2[1] = {m};
-    for (int l = 0; st == KVCAP_OK && l < g->n_layers; l++)
-        for (int hh = 0; st == KVCAP_OK && hh < g->n_kv_heads; hh++) {
-            float *u = buf, *w1 = u + (size_t)rv * m, *b1 = w1 + (size_t)rk * h, *w2 = b1 + h,
-                  *b2 = w2 + (size_t)h * m;
-#define ADD(sfx, dt, nd, shape, data)                                      \
-    snprintf(name, sizeof name, "l%d.h%d.b0." sfx, l, hh);                 \
-    if (st == KVCAP_OK)                                                    \
-        st = kvst_writer_add(w, name, dt, nd, shape, data);
-            ADD("U", KVCAP_DTYPE_F32, 2, su, u)
-            ADD("k_mask", KVCAP_DTYPE_I32, 1, sm, mask)
-            ADD("k_w1", KVCAP_DTYPE_F32, 2, sw1, w1)
-            ADD("k_b1", KVCAP_DTYPE_F32, 1, sb1, b1)
-            ADD("k_w2", KVCAP_DTYPE_F32, 2, sw2, w2)
-            ADD("k_b2", KVCAP_DTYPE_F32, 1, sb2, b2)
-#undef ADD
-        }
-    cJSON *config = cJSON_CreateObject();
-    cJSON_AddItemToObject(config, "model", kvcap_geometry_to_json(g));
-    cJSON_AddItemToObject(config, "buckets", kvcap_buckets_to_json(b, 1));
-    cJSON *art = cJSON_AddObjectToObject(config, "artifact");
-    cJSON_AddStringToObject(art, "storage", "f32");
-    cJSON_AddStringToObject(art, "activation", "linear");
-    cJSON *sched = cJSON_AddObjectToObject(art, "schedule");
     double *rs = malloc(sizeof(double) * (size_t)g->n_layers);
-    for (int l = 0; rs && l < g->n_layers; l++)
-        rs[l] = (double)rk / m;
-    cJSON_AddItemToObject(sched, "keys", cJSON_CreateDoubleArray(rs, g->n_layers));
-    cJSON_AddItemToObject(sched, "values", cJSON_CreateDoubleArray(rs, g->n_layers));
-    free(rs);
-    if (st == KVCAP_OK)
-        st = kvcap_schema_set_meta(w, KVCAP_KIND_ARTIFACT, config);
-    if (st == KVCAP_OK)
-        st = kvst_writer_commit(w, path);
-    cJSON_Delete(config);
-    kvst_writer_free(w);
-    free(buf), free(mask);
+    struct kvcap_unit_maps *units = malloc(sizeof *units * n_units);
+    enum kvcap_status st = buf && mask && rs && units
+                               ? KVCAP_OK
+                               : kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "bench: out of memory");
+    if (st == KVCAP_OK) {
+        struct kvcap_rng r;
+        kvcap_rng_seed(&r, 1);
+        for (size_t i = 0; i < count; i++)
+            buf[i] = (float)(0.1 * kvcap_rng_normal(&r));
+        for (int i = 0; i < rk; i++)
+            mask[i] = i * m / rk;
+        for (int l = 0; l < g->n_layers; l++)
+            rs[l] = (double)rk / m;
+        float *u = buf, *w1 = u + (size_t)rv * m, *b1 = w1 + (size_t)rk * h, *w2 = b1 + h,
+              *b2 = w2 + (size_t)h * m;
+        for (size_t i = 0; i < n_units; i++)
+            units[i] = (struct kvcap_unit_maps){m, rk, h, rv, 0, mask, w1, b1, w2, b2, u};
+        struct kvcap_artifact_desc desc = {*g, 1, b, KVCAP_DTYPE_F32, 0, KVCAP_POLICY_FLASHCACHE,
+                                           rs, rs, NULL, NULL};
+        st = kvcap_artifact_write(path, &desc, units);
+    }
+    free(buf), free(mask), free(rs), free(units);
     return st;
 }
 

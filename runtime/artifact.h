@@ -31,6 +31,24 @@ static inline const struct kvcap_unit_maps *kvcap_artifact_unit(const struct kvc
     return &a->units[((size_t)l * a->model.n_kv_heads + (size_t)h) * a->n_buckets + (size_t)b];
 }
 
+/* Everything of an artifact besides its maps (formats/SPEC.md §4.3). */
+struct kvcap_artifact_desc {
+    struct kvcap_model_geometry model;
+    int n_buckets;
+    const struct kvcap_bucket *buckets;
+    enum kvcap_dtype storage;          /* F32, F16 or BF16 */
+    int activation_gelu;               /* default φ; each unit also records its own (k_act) */
+    enum kvcap_policy fallback;
+    const double *r_keys, *r_values;   /* [layers] */
+    const int64_t (*calibration_spans)[2]; /* optional: [train, validation] per bucket */
+    const cJSON *provenance;           /* optional, copied */
+};
+
+/* Writes an artifact atomically: units [layers][kv_heads][buckets] hold the maps in f32 (the
+ * arrays are only read; u may have more than rv rows), stored in desc->storage. */
+enum kvcap_status kvcap_artifact_write(const char *path, const struct kvcap_artifact_desc *desc,
+                                       const struct kvcap_unit_maps *units);
+
 /* Index of the bucket for a grid, or -1. With several buckets of that grid (dense and tiled),
  * the one with the fewest map bytes per step is preferred: tiled. */
 int kvcap_artifact_find_bucket(const struct kvcap_artifact *a, int rows, int cols);

@@ -53,13 +53,9 @@ struct test_bucket {
 static void write_artifact(const char *path, const struct kvcap_model_geometry *g,
                            const struct test_bucket *tb, int nb, uint64_t seed)
 {
-    struct kvst_writer *w = NULL;
-    assert_int_equal(kvst_writer_create(&w), KVCAP_OK);
     struct kvcap_rng r;
     kvcap_rng_seed(&r, seed);
     struct kvcap_bucket buckets[8];
-    char name[96];
-    static const uint8_t act[2] = {0, 1};
     for (int b = 0; b < nb; b++) {
         buckets[b].rows = tb[b].rows;
         buckets[b].cols = tb[b].cols;
@@ -67,55 +63,42 @@ static void write_artifact(const char *path, const struct kvcap_model_geometry *
         buckets[b].tile_rows = tb[b].tile_rows;
         buckets[b].tile_cols = tb[b].tile_cols;
     }
+    size_t n_units = (size_t)g->n_layers * g->n_kv_heads * nb;
+    struct kvcap_unit_maps *units = calloc(n_units, sizeof *units);
+    size_t i = 0;
     for (int l = 0; l < g->n_layers; l++)
         for (int h = 0; h < g->n_kv_heads; h++)
-            for (int b = 0; b < nb; b++) {
+            for (int b = 0; b < nb; b++, i++) {
                 int m = kvcap_bucket_points(&buckets[b]), rk = tb[b].rk, hh = tb[b].h, rv = tb[b].rv;
-                float *buf = malloc(sizeof(float) * ((size_t)rv * m + (size_t)rk * hh + hh +
-                                                     (size_t)hh * m + m));
-                float *u = buf, *w1 = u + (size_t)rv * m, *b1 = w1 + (size_t)rk * hh;
-                float *w2 = b1 + hh, *b2 = w2 + (size_t)hh * m;
-                fill(&r, u, (size_t)rv * m, 1.0 / sqrt(m));
-                fill(&r, w1, (size_t)rk * hh, 1.0 / sqrt(rk));
-                fill(&r, b1, (size_t)hh, 0.1);
-                fill(&r, w2, (size_t)hh * m, 1.0 / sqrt(hh));
-                fill(&r, b2, (size_t)m, 0.1);
-                int32_t mask[256];
-                for (int i = 0; i < rk; i++)
-                    mask[i] = (int32_t)(i * m / rk);
-                const int64_t su[2] = {rv, m}, sm[1] = {rk}, sw1[2] = {rk, hh}, sb1[1] = {hh};
-                const int64_t sw2[2] = {hh, m}, sb2[1] = {m}, one[1] = {1};
-#define ADD(sfx, dt, nd, shape, data)                                               \
-    snprintf(name, sizeof name, "l%d.h%d.b%d." sfx, l, h, b);                       \
-    assert_int_equal(kvst_writer_add_copy(w, name, dt, nd, shape, data), KVCAP_OK);
-                ADD("U", KVCAP_DTYPE_F32, 2, su, u)
-                ADD("k_mask", KVCAP_DTYPE_I32, 1, sm, mask)
-                ADD("k_w1", KVCAP_DTYPE_F32, 2, sw1, w1)
-                ADD("k_b1", KVCAP_DTYPE_F32, 1, sb1, b1)
-                ADD("k_w2", KVCAP_DTYPE_F32, 2, sw2, w2)
-                ADD("k_b2", KVCAP_DTYPE_F32, 1, sb2, b2)
-                ADD("k_act", KVCAP_DTYPE_U8, 1, one, &act[(l + h + b) % 2]) /* mixed φ */
-#undef ADD
-                free(buf);
+                struct kvcap_unit_maps *u = &units[i];
+                u->m = m, u->rk = rk, u->h = hh, u->rv = rv;
+                u->gelu = (l + h + b) % 2; /* mixed φ */
+                u->u = malloc(sizeof(float) * ((size_t)rv * m + (size_t)rk * hh + hh +
+                                                (size_t)hh * m + m));
+                u->w1 = u->u + (size_t)rv * m;
+                u->b1 = u->w1 + (size_t)rk * hh;
+                u->w2 = u->b1 + hh;
+                u->b2 = u->w2 + (size_t)hh * m;
+                fill(&r, u->u, (size_t)rv * m, 1.0 / sqrt(m));
+                fill(&r, u->w1, (size_t)rk * hh, 1.0 / sqrt(rk));
+                fill(&r, u->b1, (size_t)hh, 0.1);
+                fill(&r, u->w2, (size_t)hh * m, 1.0 / sqrt(hh));
+                fill(&r, u->b2, (size_t)m, 0.1);
+                u->mask = malloc(sizeof(int32_t) * (size_t)rk);
+                for (int k = 0; k < rk; k++)
+                    u->mask[k] = (int32_t)(k * m / rk);
             }
-    cJSON *config = cJSON_CreateObject();
-    cJSON_AddItemToObject(config, "model", kvcap_geometry_to_json(g));
-    cJSON_AddItemToObject(config, "buckets", kvcap_buckets_to_json(buckets, nb));
-    cJSON *art = cJSON_AddObjectToObject(config, "artifact");
-    cJSON_AddStringToObject(art, "storage", "f32");
-    cJSON_AddStringToObject(art, "activation", "gelu");
-    cJSON_AddStringToObject(art, "fallback", "full");
-    cJSON *sched = cJSON_AddObjectToObject(art, "schedule");
     double *ratios = malloc(sizeof(double) * (size_t)g->n_layers);
     for (int l = 0; l < g->n_layers; l++)
         ratios[l] = 0.5;
-    cJSON_AddItemToObject(sched, "keys", cJSON_CreateDoubleArray(ratios, g->n_layers));
-    cJSON_AddItemToObject(sched, "values", cJSON_CreateDoubleArray(ratios, g->n_layers));
+    struct kvcap_artifact_desc desc = {*g, nb, buckets, KVCAP_DTYPE_F32, 1, KVCAP_POLICY_FULL,
+                                       ratios, ratios, NULL, NULL};
+    if (kvcap_artifact_write(path, &desc, units) != KVCAP_OK)
+        fail_msg("%s", kvcap_last_error());
+    for (i = 0; i < n_units; i++)
+        free(units[i].u), free(units[i].mask);
+    free(units);
     free(ratios);
-    assert_int_equal(kvcap_schema_set_meta(w, KVCAP_KIND_ARTIFACT, config), KVCAP_OK);
-    assert_int_equal(kvst_writer_commit(w, path), KVCAP_OK);
-    cJSON_Delete(config);
-    kvst_writer_free(w);
 }
 
 /* ---- The references ------------------------------------------------------------------------- */
