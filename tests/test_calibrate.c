@@ -16,6 +16,7 @@
 #include "calibrate.h"
 #include "convert.h"
 #include "internal.h"
+#include "test_util.h"
 
 /* Data are stored in f32: exact-rank structure survives storage up to float rounding. */
 #define EXACT_REL_TOL 1e-4
@@ -54,24 +55,7 @@ static void load_config(struct kvcap_calib_config *cfg, const char *method,
 
 static void tmpdir(char *out, size_t cap, const char *tag)
 {
-    const char *t = getenv("TMPDIR");
-    snprintf(out, cap, "%s/%s-%d-XXXXXX", t ? t : "/tmp", tag, (int)getpid());
-    assert_non_null(mkdtemp(out));
-}
-
-static void rm_tree(const char *dir)
-{
-    DIR *d = opendir(dir);
-    struct dirent *e;
-    char p[1024];
-    while (d && (e = readdir(d)) != NULL)
-        if (e->d_name[0] != '.') {
-            snprintf(p, sizeof p, "%s/%s", dir, e->d_name);
-            unlink(p);
-        }
-    if (d)
-        closedir(d);
-    rmdir(dir);
+    assert_true(test_tmpdir(out, cap, tag));
 }
 
 static void synth_noisy(const struct kvcap_calib_config *cfg, const char *dir, int spans,
@@ -162,7 +146,7 @@ static void test_exact_recovery(void **state)
     kvcap_calib_state_free(&back);
     kvcap_calib_state_free(&s);
     kvcap_calib_config_free(&cfg);
-    rm_tree(dir);
+    test_rm_tree(dir);
 }
 
 static double rel_diff(const double *a, const double *b, size_t n)
@@ -201,8 +185,8 @@ static void test_start_position_invariance(void **state)
     kvcap_calib_state_free(&s0);
     kvcap_calib_state_free(&s1);
     kvcap_calib_config_free(&cfg);
-    rm_tree(d0);
-    rm_tree(d1);
+    test_rm_tree(d0);
+    test_rm_tree(d1);
 }
 
 static void test_merge_equals_one_run(void **state)
@@ -261,8 +245,8 @@ static void test_merge_equals_one_run(void **state)
     kvcap_calib_state_free(&sb);
     kvcap_calib_state_free(&sab);
     kvcap_calib_config_free(&cfg);
-    rm_tree(da);
-    rm_tree(db);
+    test_rm_tree(da);
+    test_rm_tree(db);
 }
 
 static void test_trained_never_worse(void **state)
@@ -299,7 +283,7 @@ static void test_trained_never_worse(void **state)
     kvcap_calib_state_free(&st);
     kvcap_calib_config_free(&closed);
     kvcap_calib_config_free(&trained);
-    rm_tree(dir);
+    test_rm_tree(dir);
 }
 
 static void expect_failure(const struct kvcap_calib_config *cfg, const char *const *dirs, int n,
@@ -337,7 +321,7 @@ static void test_bad_inputs_named(void **state)
     p.rank_k = p.rank_v = 4;
     assert_int_equal(kvcap_synth(&cfg.model, &p, dir, NULL, NULL), KVCAP_OK);
     expect_failure(&cfg, dirs, 1, KVCAP_ERR_GEOMETRY, "5x7 grid (n = 35), which matches no bucket");
-    rm_tree(dir);
+    test_rm_tree(dir);
     /* data recorded from another model */
     tmpdir(dir, sizeof dir, "cal-bad2");
     struct kvcap_model_geometry other = cfg.model;
@@ -346,7 +330,7 @@ static void test_bad_inputs_named(void **state)
     p.grid_rows[0] = p.grid_cols[0] = 8;
     assert_int_equal(kvcap_synth(&other, &p, dir, NULL, NULL), KVCAP_OK);
     expect_failure(&cfg, dirs, 1, KVCAP_ERR_GEOMETRY, "model.q_heads");
-    rm_tree(dir);
+    test_rm_tree(dir);
     /* NaN in the data */
     tmpdir(dir, sizeof dir, "cal-bad3");
     struct kvcap_dataset_writer_params wp;
@@ -367,7 +351,7 @@ static void test_bad_inputs_named(void **state)
     kvcap_dataset_writer_free(w);
     cfg.validation_fraction = 0;
     expect_failure(&cfg, dirs, 1, KVCAP_ERR_NUMERIC, "tensor 's0.l1.k': non-finite value");
-    rm_tree(dir);
+    test_rm_tree(dir);
     /* a shard with a missing tensor (handcrafted: tests/data/schema) */
     struct kvcap_calib_config tiny;
     const char *tiny_yaml = "model: {name: tiny, layers: 2, q_heads: 2, kv_heads: 1, head_dim: 64,"

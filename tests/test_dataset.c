@@ -17,6 +17,7 @@
 #include "internal.h"
 #include "rope.h"
 #include "synth.h"
+#include "test_util.h"
 
 /* f32 rotations by positions up to ~5000: angle rounding in float costs ~1e-6 relative. */
 #define ROPE_TOL 2e-5
@@ -34,26 +35,7 @@ static struct kvcap_model_geometry tiny(enum kvcap_rope_pairing pairing)
 
 static void make_tmpdir(char *out, size_t cap, const char *tag)
 {
-    const char *tmp = getenv("TMPDIR");
-    snprintf(out, cap, "%s/%s-%d-XXXXXX", tmp ? tmp : "/tmp", tag, (int)getpid());
-    assert_non_null(mkdtemp(out));
-}
-
-static void remove_tree(const char *dir)
-{
-    DIR *d = opendir(dir);
-    if (!d)
-        return;
-    struct dirent *e;
-    char path[1024];
-    while ((e = readdir(d)) != NULL) {
-        if (e->d_name[0] == '.')
-            continue;
-        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
-        unlink(path);
-    }
-    closedir(d);
-    rmdir(dir);
+    assert_true(test_tmpdir(out, cap, tag));
 }
 
 static void test_rope_fast_matches_ref_and_inverts(void **state)
@@ -276,7 +258,7 @@ static void test_synth_round_trip_through_shards(void **state)
     assert_int_equal(kvcap_dataset_open(paths, 1, &ds), KVCAP_ERR_GEOMETRY);
     assert_null(ds);
     assert_non_null(strstr(kvcap_last_error(), "model geometry differs"));
-    remove_tree(dir);
+    test_rm_tree(dir);
 }
 
 static void test_dataset_rejects_empty_and_incomplete(void **state)
@@ -311,7 +293,7 @@ static void test_dataset_rejects_empty_and_incomplete(void **state)
     assert_int_equal(kvcap_dataset_writer_end_span(w), KVCAP_OK);
     kvcap_dataset_writer_free(w); /* not flushed: nothing may appear on disk */
     assert_int_equal(count_files(dir), 0);
-    remove_tree(dir);
+    test_rm_tree(dir);
 }
 
 int main(void)

@@ -23,6 +23,7 @@
 #include "rng.h"
 #include "rope.h"
 #include "schema.h"
+#include "test_util.h"
 
 /* fp32 storage: the fused and the materialised paths sum in different orders; both are fp32
  * with fp32/double accumulation, so they agree to a few ulps of the output's norm. */
@@ -744,17 +745,7 @@ static void test_record_calibrate_convert_decode(void **state)
     free(out_full), free(q), free(out), free(qdec[0]), free(qdec[1]);
     unlink(state_path);
     unlink(art_path);
-    DIR *dd = opendir(dir);
-    struct dirent *e;
-    char f[1100];
-    while (dd && (e = readdir(dd)) != NULL)
-        if (e->d_name[0] != '.') {
-            snprintf(f, sizeof f, "%s/%s", dir, e->d_name);
-            unlink(f);
-        }
-    if (dd)
-        closedir(dd);
-    rmdir(dir);
+    test_rm_tree(dir);
 }
 
 int main(void)
