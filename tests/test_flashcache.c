@@ -1,0 +1,717 @@
+/* test_flashcache.c — FlashCache's numerical core: the FFT DCT against its O(n²) oracle (many
+ * lengths, primes and Bluestein ones included), round trips, Parseval, the low-pass inverse,
+ * deviations and energies against brute force, a planted outlier, layer weights, and the
+ * water-filled integer layer budgets against a bisection oracle. */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "dct.h"
+#include "flashcache.h"
+#include "rng.h"
+#include "select.h"
+
+/* Fast DCT (f32 KissFFT, twiddles in double) vs the double oracle, as ‖fast − ref‖/‖ref‖:
+ * a float FFT carries a few ulps (6e-8) times log2 n of relative error, Bluestein lengths
+ * (prime, 7·k) run two FFTs of length m ≈ 2n–4n; measured ≤ 2.5e-7 for n <= 1009. */
+#define DCT_REL_TOL 1e-6
+/* forward → inverse: two transforms' worth of the error above (measured ≤ 3.5e-7). */
+#define ROUND_TRIP_REL_TOL 1.5e-6
+/* |‖C‖² − ‖x‖²| / ‖x‖² with both sums in double: at most twice the coefficients' relative
+ * error, mostly cancelling (measured ≤ 1.5e-7). */
+#define PARSEVAL_REL_TOL 1e-6
+/* n = 8191 (Bluestein, m = 16384) and 8192: log2 n grows the float FFT error a little
+ * (measured ≤ 4e-7 for the round trip). */
+#define LARGE_REL_TOL 2e-6
+/* Fast deviation vs brute force, per token, divided by the mean of k² + v² over the head: the
+ * fast Base is off by ~1e-7·|x| (f32 DCT both ways), which moves (x − base)² by ~2e-7·x²
+ * (measured ≤ 7e-7 at d = 1, where nothing averages out). */
+#define DEV_ABS_TOL 2e-6
+/* Low-band energy from f32 coefficients vs double ones: twice their relative error
+ * (measured ≤ 2.5e-7). */
+#define ENERGY_REL_TOL 1e-6
+/* Σ_j d·dev_ref[j] vs the high-band energy, both from the double oracle: only the f32
+ * rounding of each stored deviation (2^-24 relative) separates them. */
+#define DEV_SUM_REL_TOL 1e-6
+/* Total energy: the same float inputs squared and summed in double, in another order. */
+#define TOTAL_REL_TOL 1e-12
+/* Integer budget vs the exact continuous share: largest-remainder rounding moves each layer by
+ * less than one token; the margin covers the oracle's bisection (relative 1e-15). */
+#define BUDGET_SHARE_TOL (1.0 + 1e-6)
+/* Hand-computed values: the oracle's f32 output is within half an ulp (< 5e-7 below 8) of the
+ * exact value; exact-ratio layer weights differ from the closed form by double rounding only. */
+#define HAND_F32_TOL 1e-6
+#define HAND_F64_TOL 1e-15
+/* Signals built from only low or only high DCT modes, stored in f32: the rounding of the
+ * signal leaks ~1e-7 of its amplitude (1e-14 of its energy) into the other band, the f32
+ * transform adds ~2e-7 relative to the energy split. */
+#define BAND_SPLIT_TOL 1e-6
+
+/* ---- helpers -------------------------------------------------------------------------------- */
+
+static void fill_normal(struct kvcap_rng *r, float *x, size_t n, double mean, double sd)
+{
+    for (size_t i = 0; i < n; i++)
+        x[i] = (float)(mean + sd * kvcap_rng_normal(r));
+}
+
+static float *alloc_f(size_t n)
+{
+    float *p = calloc(n ? n : 1, sizeof(float));
+    assert_non_null(p);
+    return p;
+}
+
+/* ‖a − b‖ / ‖b‖ over an n × cols block with row strides lda, ldb (‖b‖ = 0: absolute). */
+static double rel_err(const float *a, size_t lda, const float *b, size_t ldb, int n, int cols)
+{
+    double num = 0, den = 0;
+    for (int j = 0; j < n; j++)
+        for (int c = 0; c < cols; c++) {
+            double x = a[(size_t)j * lda + c], y = b[(size_t)j * ldb + c];
+            if (!isfinite(x))
+                fail_msg("element (%d, %d) is %g", j, c, x);
+            num += (x - y) * (x - y);
+            den += y * y;
+        }
+    return den > 0 ? sqrt(num / den) : sqrt(num);
+}
+
+static void check_close(const float *a, size_t lda, const float *b, size_t ldb, int n, int cols,
+                        double tol, const char *what, int len)
+{
+    double e = rel_err(a, lda, b, ldb, n, cols);
+    if (!(e <= tol))
+        fail_msg("%s, n = %d: relative error %.3g > %.3g", what, len, e, tol);
+}
+
+static struct kvcap_dct *plan_new(int n)
+{
+    struct kvcap_dct *p = NULL;
+    assert_int_equal(kvcap_dct_create(n, &p), KVCAP_OK);
+    assert_non_null(p);
+    assert_int_equal(kvcap_dct_length(p), n);
+    return p;
+}
+
+/* Scratch with a NaN guard after it: a kernel writing past its stated size shows up. */
+static float *scratch_new(size_t floats)
+{
+    float *s = alloc_f(floats + 8);
+    for (int i = 0; i < 8; i++)
+        s[floats + i] = NAN;
+    return s;
+}
+
+static void scratch_check(const float *s, size_t floats)
+{
+    for (int i = 0; i < 8; i++)
+        assert_true(isnan(s[floats + i]));
+}
+
+static const int lengths[] = {1,  2,  3,  4,  5,   6,   7,   8,   9,   11,  13,  16,
+                              30, 49, 64, 97, 100, 127, 128, 210, 243, 257, 1000};
+#define N_LENGTHS ((int)(sizeof lengths / sizeof lengths[0]))
+
+/* ---- DCT ------------------------------------------------------------------------------------ */
+
+/* Forward vs oracle, 3 channels (one pair + a lone channel) in rows of stride 5 whose gap
+ * holds NaN (a read past cols poisons the result) and an output whose gap must stay intact. */
+static void test_dct_forward_vs_ref(void **state)
+{
+    (void)state;
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 1);
+    const int cols = 3;
+    const size_t ld = 5, ld_out = 4;
+    for (int t = 0; t < N_LENGTHS; t++) {
+        const int n = lengths[t];
+        struct kvcap_dct *p = plan_new(n);
+        size_t ns = kvcap_dct_scratch_floats(p);
+        float *x = alloc_f((size_t)n * ld), *got = alloc_f((size_t)n * ld_out),
+              *want = alloc_f((size_t)n * cols), *s = scratch_new(ns);
+        for (int j = 0; j < n; j++)
+            for (size_t c = 0; c < ld; c++)
+                x[j * ld + c] = c < (size_t)cols ? (float)(0.5 + kvcap_rng_normal(&r)) : NAN;
+        for (size_t i = 0; i < (size_t)n * ld_out; i++)
+            got[i] = -7.0f;
+        kvcap_dct_forward(p, x, ld, cols, got, ld_out, s);
+        kvcap_dct_forward_ref(n, x, ld, cols, want, (size_t)cols);
+        check_close(got, ld_out, want, (size_t)cols, n, cols, DCT_REL_TOL, "forward", n);
+        for (int j = 0; j < n; j++)
+            assert_true(got[j * ld_out + 3] == -7.0f);
+        scratch_check(s, ns);
+        /* In place (out = x, same stride) gives the same coefficients. */
+        kvcap_dct_forward(p, x, ld, cols, x, ld, s);
+        check_close(x, ld, want, (size_t)cols, n, cols, DCT_REL_TOL, "forward in place", n);
+        free(x);
+        free(got);
+        free(want);
+        free(s);
+        kvcap_dct_free(p);
+    }
+}
+
+/* The oracle itself on tiny cases by hand: n = 1 is the identity, n = 2 is the Haar pair. */
+static void test_dct_ref_by_hand(void **state)
+{
+    (void)state;
+    float x1 = 3.5f, c1 = 0;
+    kvcap_dct_forward_ref(1, &x1, 1, 1, &c1, 1);
+    assert_float_equal(c1, 3.5f, 0);
+    float x2[2] = {1.0f, 3.0f}, c2[2];
+    kvcap_dct_forward_ref(2, x2, 1, 1, c2, 1);
+    assert_float_equal(c2[0], 4.0 / sqrt(2.0), HAND_F32_TOL);
+    assert_float_equal(c2[1], -2.0 / sqrt(2.0), HAND_F32_TOL);
+    /* A constant has only the DC coefficient, √n times the constant. */
+    float x7[7], c7[7];
+    for (int j = 0; j < 7; j++)
+        x7[j] = 2.0f;
+    kvcap_dct_forward_ref(7, x7, 1, 1, c7, 1);
+    assert_float_equal(c7[0], 2.0 * sqrt(7.0), HAND_F32_TOL);
+    for (int k = 1; k < 7; k++)
+        assert_float_equal(c7[k], 0.0, HAND_F32_TOL);
+}
+
+/* Inverse vs oracle with keep = n, ω and 0/1/n−1; rows >= keep hold NaN (must not be read). */
+static void test_dct_inverse_vs_ref(void **state)
+{
+    (void)state;
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 2);
+    const int cols = 5;
+    for (int t = 0; t < N_LENGTHS; t++) {
+        const int n = lengths[t];
+        struct kvcap_dct *p = plan_new(n);
+        size_t ns = kvcap_dct_scratch_floats(p);
+        float *c = alloc_f((size_t)n * cols), *cz = alloc_f((size_t)n * cols),
+              *got = alloc_f((size_t)n * cols), *want = alloc_f((size_t)n * cols),
+              *s = scratch_new(ns);
+        int keeps[5] = {n, kvcap_flashcache_omega(0.1, n), 0, 1, n - 1};
+        for (int q = 0; q < 5; q++) {
+            int keep = keeps[q];
+            fill_normal(&r, c, (size_t)n * cols, 0.0, 1.0);
+            memcpy(cz, c, sizeof(float) * (size_t)n * cols);
+            for (size_t i = (size_t)keep * cols; i < (size_t)n * cols; i++) {
+                c[i] = NAN;
+                cz[i] = 0.0f;
+            }
+            kvcap_dct_inverse(p, c, (size_t)cols, cols, keep, got, (size_t)cols, s);
+            kvcap_dct_inverse_ref(n, cz, (size_t)cols, cols, n, want, (size_t)cols);
+            check_close(got, (size_t)cols, want, (size_t)cols, n, cols, DCT_REL_TOL, "inverse", n);
+            scratch_check(s, ns);
+            /* The oracle's own keep agrees with zeroed rows. */
+            float *want2 = alloc_f((size_t)n * cols);
+            kvcap_dct_inverse_ref(n, cz, (size_t)cols, cols, keep, want2, (size_t)cols);
+            assert_memory_equal(want, want2, sizeof(float) * (size_t)n * cols);
+            free(want2);
+        }
+        free(c);
+        free(cz);
+        free(got);
+        free(want);
+        free(s);
+        kvcap_dct_free(p);
+    }
+}
+
+/* forward → inverse(keep = n) is the identity, out of place and in place; ‖C‖ = ‖x‖. */
+static void test_dct_round_trip_parseval(void **state)
+{
+    (void)state;
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 3);
+    const int cols = 4;
+    for (int t = 0; t < N_LENGTHS; t++) {
+        const int n = lengths[t];
+        struct kvcap_dct *p = plan_new(n);
+        float *x = alloc_f((size_t)n * cols), *c = alloc_f((size_t)n * cols),
+              *y = alloc_f((size_t)n * cols), *s = alloc_f(kvcap_dct_scratch_floats(p));
+        fill_normal(&r, x, (size_t)n * cols, -1.0, 2.0);
+        kvcap_dct_forward(p, x, (size_t)cols, cols, c, (size_t)cols, s);
+        double ex = 0, ec = 0;
+        for (size_t i = 0; i < (size_t)n * cols; i++) {
+            ex += (double)x[i] * x[i];
+            ec += (double)c[i] * c[i];
+        }
+        if (!(fabs(ec - ex) <= PARSEVAL_REL_TOL * ex))
+            fail_msg("Parseval, n = %d: %.9g vs %.9g", n, ec, ex);
+        kvcap_dct_inverse(p, c, (size_t)cols, cols, n, y, (size_t)cols, s);
+        check_close(y, (size_t)cols, x, (size_t)cols, n, cols, ROUND_TRIP_REL_TOL, "round trip", n);
+        kvcap_dct_inverse(p, c, (size_t)cols, cols, n, c, (size_t)cols, s);
+        check_close(c, (size_t)cols, x, (size_t)cols, n, cols, ROUND_TRIP_REL_TOL,
+                    "round trip in place", n);
+        free(x);
+        free(c);
+        free(y);
+        free(s);
+        kvcap_dct_free(p);
+    }
+}
+
+/* Long spans: 8192 (2^13, direct) and 8191 (prime, Bluestein) round-trip and keep Parseval;
+ * a few coefficients are checked against the basis formula (the full oracle is O(n²)). */
+static void test_dct_large(void **state)
+{
+    (void)state;
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 4);
+    const int ns[2] = {8192, 8191}, cols = 2;
+    for (int t = 0; t < 2; t++) {
+        const int n = ns[t];
+        struct kvcap_dct *p = plan_new(n);
+        float *x = alloc_f((size_t)n * cols), *c = alloc_f((size_t)n * cols),
+              *y = alloc_f((size_t)n * cols), *s = alloc_f(kvcap_dct_scratch_floats(p));
+        fill_normal(&r, x, (size_t)n * cols, 0.3, 1.0);
+        kvcap_dct_forward(p, x, (size_t)cols, cols, c, (size_t)cols, s);
+        const int ks[5] = {0, 1, 17, n / 2, n - 1};
+        double num = 0, den = 0;
+        for (int q = 0; q < 5; q++)
+            for (int ch = 0; ch < cols; ch++) {
+                double want = 0;
+                for (int j = 0; j < n; j++)
+                    want += kvcap_dct_basis(n, ks[q], j) * x[(size_t)j * cols + ch];
+                double e = c[(size_t)ks[q] * cols + ch] - want;
+                num += e * e;
+                den += want * want;
+            }
+        /* Absolute errors of single coefficients scale with ‖x‖/√n, not with the coefficient. */
+        double ex = 0, ec = 0;
+        for (size_t i = 0; i < (size_t)n * cols; i++) {
+            ex += (double)x[i] * x[i];
+            ec += (double)c[i] * c[i];
+        }
+        if (!(sqrt(num) <= LARGE_REL_TOL * sqrt(ex)))
+            fail_msg("n = %d: coefficient error %.3g vs ‖x‖ %.3g", n, sqrt(num), sqrt(ex));
+        if (!(fabs(ec - ex) <= LARGE_REL_TOL * ex))
+            fail_msg("Parseval, n = %d: %.9g vs %.9g", n, ec, ex);
+        kvcap_dct_inverse(p, c, (size_t)cols, cols, n, y, (size_t)cols, s);
+        check_close(y, (size_t)cols, x, (size_t)cols, n, cols, LARGE_REL_TOL, "large round trip", n);
+        free(x);
+        free(c);
+        free(y);
+        free(s);
+        kvcap_dct_free(p);
+    }
+}
+
+static void test_dct_errors(void **state)
+{
+    (void)state;
+    struct kvcap_dct *p = (struct kvcap_dct *)&p; /* must be reset to NULL on failure */
+    assert_int_equal(kvcap_dct_create(0, &p), KVCAP_ERR_INVALID_ARGUMENT);
+    assert_null(p);
+    assert_non_null(strstr(kvcap_last_error(), "n = 0"));
+    assert_int_equal(kvcap_dct_create(-5, &p), KVCAP_ERR_INVALID_ARGUMENT);
+    assert_int_equal(kvcap_dct_create(7, NULL), KVCAP_ERR_INVALID_ARGUMENT);
+    assert_non_null(strstr(kvcap_last_error(), "out"));
+    kvcap_dct_free(NULL);
+    assert_int_equal(kvcap_dct_length(NULL), 0);
+    assert_int_equal((int)kvcap_dct_scratch_floats(NULL), 0);
+}
+
+/* ---- deviation, energies, layer weight ------------------------------------------------------ */
+
+static void test_omega(void **state)
+{
+    (void)state;
+    assert_int_equal(kvcap_flashcache_omega(0.1, 30), 3);
+    assert_int_equal(kvcap_flashcache_omega(0.07, 100), 7);  /* 7.000000000000001 in double */
+    assert_int_equal(kvcap_flashcache_omega(0.55, 100), 55); /* 55.00000000000001 */
+    assert_int_equal(kvcap_flashcache_omega(0.07, 101), 8);
+    assert_int_equal(kvcap_flashcache_omega(0.1, 31), 4);
+    assert_int_equal(kvcap_flashcache_omega(0.1, 10), 1);
+    assert_int_equal(kvcap_flashcache_omega(0.1, 5), 1);
+    assert_int_equal(kvcap_flashcache_omega(0.25, 7), 2);
+    assert_int_equal(kvcap_flashcache_omega(0.1, 576), 58);
+    assert_int_equal(kvcap_flashcache_omega(1.0, 7), 7);
+    assert_int_equal(kvcap_flashcache_omega(3.0, 7), 7);
+    assert_int_equal(kvcap_flashcache_omega(0.0, 7), 1);
+    assert_int_equal(kvcap_flashcache_omega(-1.0, 7), 1);
+    assert_int_equal(kvcap_flashcache_omega(NAN, 7), 1);
+    assert_int_equal(kvcap_flashcache_omega(0.1, 1), 1);
+    assert_int_equal(kvcap_flashcache_omega(0.5, 0), 0);
+}
+
+static void check_energy(double got, double want, double tol, const char *what)
+{
+    if (!(fabs(got - want) <= tol * fabs(want) + 1e-30))
+        fail_msg("%s: %.12g vs %.12g", what, got, want);
+}
+
+static void test_deviation_vs_ref(void **state)
+{
+    (void)state;
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 5);
+    const int ns[] = {1, 2, 7, 64, 97, 300}, ds[] = {1, 5, 40};
+    for (size_t a = 0; a < sizeof ns / sizeof ns[0]; a++)
+        for (size_t b = 0; b < sizeof ds / sizeof ds[0]; b++) {
+            const int n = ns[a], d = ds[b], omega = kvcap_flashcache_omega(0.1, n);
+            struct kvcap_dct *p = plan_new(n);
+            size_t nsc = kvcap_flashcache_scratch_floats(p, d);
+            float *k = alloc_f((size_t)n * d), *v = alloc_f((size_t)n * d),
+                  *dev = alloc_f((size_t)n), *ref = alloc_f((size_t)n), *s = scratch_new(nsc);
+            fill_normal(&r, k, (size_t)n * d, 0.7, 1.5);
+            fill_normal(&r, v, (size_t)n * d, -0.2, 0.5);
+            /* Energies accumulate: start from a non-zero value in both. */
+            struct kvcap_energy e = {1, 1, 1, 1}, er = {1, 1, 1, 1};
+            kvcap_flashcache_deviation(p, k, v, d, omega, dev, &e, s);
+            kvcap_flashcache_deviation_ref(n, k, v, d, omega, ref, &er);
+            scratch_check(s, nsc);
+            double scale = (er.k_total + er.v_total - 2) / ((double)n * d);
+            for (int j = 0; j < n; j++)
+                if (!(fabs(dev[j] - ref[j]) <= DEV_ABS_TOL * scale))
+                    fail_msg("n = %d d = %d token %d: dev %.9g vs %.9g", n, d, j, dev[j], ref[j]);
+            check_energy(e.k_total, er.k_total, TOTAL_REL_TOL, "k_total");
+            check_energy(e.v_total, er.v_total, TOTAL_REL_TOL, "v_total");
+            check_energy(e.k_low, er.k_low, ENERGY_REL_TOL, "k_low");
+            check_energy(e.v_low, er.v_low, ENERGY_REL_TOL, "v_low");
+            /* Deviation is the energy above ω: Σ_j dev·d = high K + high V (Parseval). */
+            double sum = 0;
+            for (int j = 0; j < n; j++)
+                sum += ref[j] * (double)d;
+            check_energy(sum, (er.k_total - er.k_low) + (er.v_total - er.v_low), DEV_SUM_REL_TOL,
+                         "Σ dev vs high-band energy");
+            free(k);
+            free(v);
+            free(dev);
+            free(ref);
+            free(s);
+            kvcap_dct_free(p);
+        }
+}
+
+/* Smooth K and V (a few low DCT modes plus faint noise) with a spike on token 37 in K and on
+ * token 150 in V: those two must be the two largest deviations, far above the rest. */
+static void test_deviation_outlier(void **state)
+{
+    (void)state;
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 6);
+    const int n = 200, d = 16, omega = kvcap_flashcache_omega(0.1, n);
+    struct kvcap_dct *p = plan_new(n);
+    float *k = alloc_f((size_t)n * d), *v = alloc_f((size_t)n * d), *dev = alloc_f(n),
+          *ref = alloc_f(n), *s = alloc_f(kvcap_flashcache_scratch_floats(p, d));
+    for (int c = 0; c < d; c++) {
+        double ak[4], av[4];
+        for (int q = 0; q < 4; q++) {
+            ak[q] = 3 * kvcap_rng_normal(&r);
+            av[q] = 3 * kvcap_rng_normal(&r);
+        }
+        for (int j = 0; j < n; j++) {
+            double sk = 0.01 * kvcap_rng_normal(&r), sv = 0.01 * kvcap_rng_normal(&r);
+            for (int q = 0; q < 4; q++) {
+                sk += ak[q] * kvcap_dct_basis(n, q, j) * sqrt((double)n);
+                sv += av[q] * kvcap_dct_basis(n, q, j) * sqrt((double)n);
+            }
+            k[(size_t)j * d + c] = (float)sk;
+            v[(size_t)j * d + c] = (float)sv;
+        }
+        k[(size_t)37 * d + c] += (c & 1) ? 4.0f : -4.0f;
+        v[(size_t)150 * d + c] += 3.0f;
+    }
+    kvcap_flashcache_deviation(p, k, v, d, omega, dev, NULL, s);
+    kvcap_flashcache_deviation_ref(n, k, v, d, omega, ref, NULL);
+    /* kvcap_topk_indices lists the kept indices in ascending order. */
+    int idx[2], work[200];
+    assert_int_equal(kvcap_topk_indices(dev, n, 2, idx, work), 2);
+    assert_int_equal(idx[0], 37);
+    assert_int_equal(idx[1], 150);
+    assert_int_equal(kvcap_topk_indices(ref, n, 2, idx, work), 2);
+    assert_int_equal(idx[0], 37);
+    assert_int_equal(idx[1], 150);
+    float rest = 0;
+    for (int j = 0; j < n; j++)
+        if (j != 37 && j != 150 && dev[j] > rest)
+            rest = dev[j];
+    if (!(fminf(dev[37], dev[150]) > 4 * rest))
+        fail_msg("outliers %.4g, %.4g not clear of the next %.4g", dev[37], dev[150], rest);
+    free(k);
+    free(v);
+    free(dev);
+    free(ref);
+    free(s);
+    kvcap_dct_free(p);
+}
+
+static void test_layer_weight(void **state)
+{
+    (void)state;
+    struct kvcap_energy e = {.k_total = 4, .k_low = 1, .v_total = 2, .v_low = 2};
+    assert_float_equal(kvcap_flashcache_layer_weight(&e), 0.75, HAND_F64_TOL);
+    e = (struct kvcap_energy){.k_total = 10, .k_low = 5, .v_total = 8, .v_low = 2};
+    assert_float_equal(kvcap_flashcache_layer_weight(&e), 0.5 + 0.75, HAND_F64_TOL);
+    e = (struct kvcap_energy){0, 0, 0, 0}; /* empty layer */
+    assert_float_equal(kvcap_flashcache_layer_weight(&e), 0.0, 0);
+    e = (struct kvcap_energy){.k_total = 1, .k_low = 1 + 1e-15, .v_total = 1, .v_low = 0};
+    assert_float_equal(kvcap_flashcache_layer_weight(&e), 1.0, 0); /* rounding clamps R_k to 0 */
+    assert_true(isnan(kvcap_flashcache_layer_weight(NULL)));
+
+    /* From real energies: K made of modes < ω only has R_k ≈ 0; V made of modes >= ω only
+     * has R_v ≈ 1. */
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 7);
+    const int n = 50, d = 3, omega = kvcap_flashcache_omega(0.1, n);
+    struct kvcap_dct *p = plan_new(n);
+    float *k = alloc_f((size_t)n * d), *v = alloc_f((size_t)n * d), *dev = alloc_f(n),
+          *s = alloc_f(kvcap_flashcache_scratch_floats(p, d));
+    for (int c = 0; c < d; c++)
+        for (int q = 0; q < n; q++) {
+            double a = kvcap_rng_normal(&r);
+            for (int j = 0; j < n; j++) {
+                float b = (float)(a * kvcap_dct_basis(n, q, j));
+                if (q < omega)
+                    k[(size_t)j * d + c] += b;
+                else
+                    v[(size_t)j * d + c] += b;
+            }
+        }
+    e = (struct kvcap_energy){0, 0, 0, 0};
+    kvcap_flashcache_deviation(p, k, v, d, omega, dev, &e, s);
+    assert_float_equal(1.0 - e.k_low / e.k_total, 0.0, BAND_SPLIT_TOL);
+    assert_float_equal(e.v_low / e.v_total, 0.0, BAND_SPLIT_TOL);
+    assert_float_equal(kvcap_flashcache_layer_weight(&e), 1.0, BAND_SPLIT_TOL);
+    /* The low-mode K is its own Base: its deviation is V's alone, the high V energy per token. */
+    double vsum = 0;
+    for (int j = 0; j < n; j++)
+        vsum += dev[j] * (double)d;
+    assert_float_equal(vsum / e.v_total, 1.0, BAND_SPLIT_TOL);
+    free(k);
+    free(v);
+    free(dev);
+    free(s);
+    kvcap_dct_free(p);
+}
+
+/* ---- layer budgets -------------------------------------------------------------------------- */
+
+static int lo_of(const int *cap, int lo, int l)
+{
+    return lo < cap[l] ? lo : cap[l];
+}
+
+/* Oracle, one stage: the active layers get clip(t·wt, floor, cap) with t found by bisection so
+ * that everything sums to T (or all sit at cap when even that is short). */
+static void oracle_stage(const double *wt, const unsigned char *act, const int *cap, int lo,
+                         int L, double T, double *x)
+{
+    double rest = T;
+    int any = 0;
+    for (int l = 0; l < L; l++) {
+        if (act[l])
+            any = 1;
+        else
+            rest -= x[l];
+    }
+    if (!any)
+        return;
+    double hi = 1;
+    for (;;) {
+        double f = 0;
+        for (int l = 0; l < L; l++)
+            if (act[l])
+                f += fmin(fmax(hi * wt[l], lo_of(cap, lo, l)), cap[l]);
+        if (f >= rest || hi > 1e300)
+            break;
+        hi *= 2;
+    }
+    double a = 0, b = hi;
+    for (int it = 0; it < 2100; it++) {
+        double mid = 0.5 * (a + b), f = 0;
+        if (mid <= a || mid >= b)
+            break;
+        for (int l = 0; l < L; l++)
+            if (act[l])
+                f += fmin(fmax(mid * wt[l], lo_of(cap, lo, l)), cap[l]);
+        if (f < rest)
+            a = mid;
+        else
+            b = mid;
+    }
+    for (int l = 0; l < L; l++)
+        if (act[l])
+            x[l] = fmin(fmax(b * wt[l], lo_of(cap, lo, l)), cap[l]);
+}
+
+/* The exact continuous shares the integer budgets must stay within one token of. */
+static void oracle_budget(const double *w, const int *cap, int L, int lo, int64_t T, double *x)
+{
+    unsigned char act[64];
+    double capw[64], sum = 0;
+    int positive = 0;
+    for (int l = 0; l < L; l++) {
+        act[l] = w[l] > 0;
+        positive |= act[l];
+        x[l] = lo_of(cap, lo, l);
+        capw[l] = cap[l];
+    }
+    oracle_stage(w, act, cap, lo, L, (double)T, x);
+    for (int l = 0; l < L; l++)
+        sum += x[l];
+    if (!positive || sum < (double)T - 0.5) {
+        for (int l = 0; l < L; l++)
+            act[l] = w[l] == 0 && cap[l] > 0;
+        oracle_stage(capw, act, cap, lo, L, (double)T, x);
+    }
+}
+
+static void expect_budget(const double *w, const int *cap, int L, int lo, int64_t total,
+                          const int *want)
+{
+    int got[16];
+    assert_int_equal(kvcap_budget_allocate(w, cap, L, lo, total, got), KVCAP_OK);
+    for (int l = 0; l < L; l++)
+        if (got[l] != want[l])
+            fail_msg("layer %d: budget %d, expected %d", l, got[l], want[l]);
+}
+
+static void test_budget_by_hand(void **state)
+{
+    (void)state;
+    const int cap100[3] = {100, 100, 100};
+    /* Plain proportion. */
+    expect_budget((const double[]){1, 1, 2}, cap100, 3, 0, 100, (const int[]){25, 25, 50});
+    /* Layer 2 would get 80 > cap 40: clipped, its excess split 30/30. */
+    expect_budget((const double[]){1, 1, 8}, (const int[]){100, 100, 40}, 3, 0, 100,
+                  (const int[]){30, 30, 40});
+    /* Layer 0 would get 0.3 < lo 10: raised, the others give back 50 → 25/25. */
+    expect_budget((const double[]){0.01, 1, 1}, cap100, 3, 10, 60, (const int[]){10, 25, 25});
+    /* Both ends at once: 2·2.5 > cap 4 on layer 3, 0.025 < lo 2 on layer 0. */
+    expect_budget((const double[]){0.01, 1, 1, 4}, (const int[]){50, 50, 50, 4}, 4, 2, 16,
+                  (const int[]){2, 5, 5, 4});
+    /* 10/3 each: one leftover unit, remainders tie, the lower index gets it. */
+    expect_budget((const double[]){1, 1, 1}, (const int[]){10, 10, 10}, 3, 0, 10,
+                  (const int[]){4, 3, 3});
+    /* Largest remainder: shares 2.6, 3.9, 6.5 → floors 2, 3, 6 (11), the two units go to the
+     * remainders .9 and .6. */
+    expect_budget((const double[]){2, 3, 5}, cap100, 3, 0, 13, (const int[]){3, 4, 6});
+    /* All weights zero: proportional to cap. */
+    expect_budget((const double[]){0, 0}, (const int[]){10, 30}, 2, 0, 20, (const int[]){5, 15});
+    /* Total above Σ cap is clamped to it; below Σ min(lo, cap) clamped up to that. */
+    expect_budget((const double[]){1, 3}, (const int[]){10, 30}, 2, 0, 1000, (const int[]){10, 30});
+    expect_budget((const double[]){1, 3}, (const int[]){10, 3}, 2, 5, -7, (const int[]){5, 3});
+    expect_budget((const double[]){1, 3}, (const int[]){10, 3}, 2, 5, INT64_MIN,
+                  (const int[]){5, 3});
+    /* The only positive-weight layer fills its cap; the zero-weight one takes the rest. */
+    expect_budget((const double[]){1, 0}, (const int[]){10, 50}, 2, 2, 30, (const int[]){10, 20});
+    /* lo above a cap: that layer's floor is its cap. */
+    expect_budget((const double[]){1, 1}, (const int[]){3, 100}, 2, 5, 50, (const int[]){3, 47});
+    /* One layer takes everything it can. */
+    expect_budget((const double[]){0.5}, (const int[]){70}, 1, 4, 33, (const int[]){33});
+    /* Weights near DBL_MAX do not overflow their sum. */
+    expect_budget((const double[]){1e308, 1e308}, (const int[]){100, 100}, 2, 0, 100,
+                  (const int[]){50, 50});
+    /* A weight that underflows next to the largest counts as zero: it only takes the rest. */
+    expect_budget((const double[]){1e308, 5e-324}, (const int[]){10, 50}, 2, 0, 30,
+                  (const int[]){10, 20});
+}
+
+static void test_budget_random(void **state)
+{
+    (void)state;
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 8);
+    double w[64], x[64];
+    int cap[64], b[64];
+    int clipped_low = 0, clipped_high = 0;
+    for (int it = 0; it < 3000; it++) {
+        const int L = 1 + (int)kvcap_rng_below(&r, 40);
+        const int wmode = (int)kvcap_rng_below(&r, 4);
+        for (int l = 0; l < L; l++) {
+            switch (wmode) {
+            case 0: w[l] = kvcap_rng_uniform(&r); break;
+            case 1: w[l] = kvcap_rng_below(&r, 3) ? kvcap_rng_uniform(&r) : 0.0; break;
+            case 2: w[l] = 0.0; break;
+            default: w[l] = exp(-30 + 35 * kvcap_rng_uniform(&r)); break; /* skewed */
+            }
+            cap[l] = kvcap_rng_below(&r, 10) ? (int)kvcap_rng_below(&r, 500) : 0;
+        }
+        const int lo = kvcap_rng_below(&r, 4) ? (int)kvcap_rng_below(&r, 60) : 0;
+        int64_t sum_lo = 0, sum_cap = 0;
+        for (int l = 0; l < L; l++) {
+            sum_lo += lo_of(cap, lo, l);
+            sum_cap += cap[l];
+        }
+        int64_t total;
+        switch (kvcap_rng_below(&r, 5)) {
+        case 0: total = sum_lo - (int64_t)kvcap_rng_below(&r, 20); break;
+        case 1: total = sum_cap + (int64_t)kvcap_rng_below(&r, 20); break;
+        case 2: total = sum_lo + (int64_t)kvcap_rng_below(&r, 5); break;
+        case 3: total = sum_cap - (int64_t)kvcap_rng_below(&r, 5); break;
+        default: total = (int64_t)kvcap_rng_below(&r, (uint64_t)sum_cap + 1); break;
+        }
+        int64_t T = total < sum_lo ? sum_lo : total > sum_cap ? sum_cap : total;
+        assert_int_equal(kvcap_budget_allocate(w, cap, L, lo, total, b), KVCAP_OK);
+        oracle_budget(w, cap, L, lo, T, x);
+        int64_t sum = 0;
+        for (int l = 0; l < L; l++) {
+            sum += b[l];
+            if (b[l] < lo_of(cap, lo, l) || b[l] > cap[l])
+                fail_msg("case %d layer %d: %d outside [%d, %d]", it, l, b[l], lo_of(cap, lo, l),
+                         cap[l]);
+            if (!(fabs(b[l] - x[l]) < BUDGET_SHARE_TOL))
+                fail_msg("case %d layer %d: budget %d, exact share %.6f", it, l, b[l], x[l]);
+            clipped_low += w[l] > 0 && b[l] == lo && lo > 0 && b[l] < cap[l];
+            clipped_high += w[l] > 0 && b[l] == cap[l] && cap[l] > 0 && T < sum_cap;
+        }
+        if (sum != T)
+            fail_msg("case %d: Σ budget %lld, target %lld", it, (long long)sum, (long long)T);
+    }
+    /* The generator must actually exercise both clips. */
+    assert_true(clipped_low > 100);
+    assert_true(clipped_high > 100);
+}
+
+static void test_budget_errors(void **state)
+{
+    (void)state;
+    double w[3] = {1, 2, 3};
+    int cap[3] = {10, 10, 10}, b[3];
+    assert_int_equal(kvcap_budget_allocate(NULL, cap, 3, 0, 10, b), KVCAP_ERR_INVALID_ARGUMENT);
+    assert_int_equal(kvcap_budget_allocate(w, NULL, 3, 0, 10, b), KVCAP_ERR_INVALID_ARGUMENT);
+    assert_int_equal(kvcap_budget_allocate(w, cap, 3, 0, 10, NULL), KVCAP_ERR_INVALID_ARGUMENT);
+    assert_int_equal(kvcap_budget_allocate(w, cap, 0, 0, 10, b), KVCAP_ERR_INVALID_ARGUMENT);
+    assert_non_null(strstr(kvcap_last_error(), "L = 0"));
+    assert_int_equal(kvcap_budget_allocate(w, cap, 3, -1, 10, b), KVCAP_ERR_INVALID_ARGUMENT);
+    assert_non_null(strstr(kvcap_last_error(), "lo = -1"));
+    const double bad[3] = {-1.0, NAN, INFINITY};
+    for (int i = 0; i < 3; i++) {
+        w[1] = bad[i];
+        assert_int_equal(kvcap_budget_allocate(w, cap, 3, 0, 10, b), KVCAP_ERR_INVALID_ARGUMENT);
+        assert_non_null(strstr(kvcap_last_error(), "w[1]"));
+    }
+    w[1] = 2;
+    cap[2] = -3;
+    assert_int_equal(kvcap_budget_allocate(w, cap, 3, 0, 10, b), KVCAP_ERR_INVALID_ARGUMENT);
+    assert_non_null(strstr(kvcap_last_error(), "cap[2]"));
+    cap[2] = 10;
+    assert_int_equal(kvcap_budget_allocate(w, cap, 3, 0, 10, b), KVCAP_OK);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_dct_ref_by_hand),
+        cmocka_unit_test(test_dct_forward_vs_ref),
+        cmocka_unit_test(test_dct_inverse_vs_ref),
+        cmocka_unit_test(test_dct_round_trip_parseval),
+        cmocka_unit_test(test_dct_large),
+        cmocka_unit_test(test_dct_errors),
+        cmocka_unit_test(test_omega),
+        cmocka_unit_test(test_deviation_vs_ref),
+        cmocka_unit_test(test_deviation_outlier),
+        cmocka_unit_test(test_layer_weight),
+        cmocka_unit_test(test_budget_by_hand),
+        cmocka_unit_test(test_budget_random),
+        cmocka_unit_test(test_budget_errors),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
