@@ -1,0 +1,315 @@
+/* vlcache.c — VL-Cache's numerical core (see vlcache.h, DESIGN §6): post-vision attention
+ * column sums and sparsity per KV head, and the layer budgets of the paper's Algorithm 1.
+ *
+ * The fast version never holds more than one block of keys: keys stream in blocks of
+ * VL_BLOCK rows (gathered across chunks, converted to f32), one sgemm gives the scores of all
+ * τ·G queries for the block, and two passes over the keys replace the τ×m score matrix:
+ *   pass 1  per query row, the running max and the sum of exp(s − max), rescaled when the max
+ *           grows (online softmax);
+ *   pass 2  the scores again; A' = exp(s − max) / sum goes into the block's column sums, and
+ *           entries with exp(s − max) < p are counted: the row max of A' is exp(0)/sum, so
+ *           "A' < p · rowmax" is the same test without the division.
+ * Recomputing the block's sgemm costs as much as pass 1 did, which is cheaper than keeping
+ * τ·m scores (the point of the method is that m is large). */
+#include <limits.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cblas.h>
+
+#include "internal.h"
+#include "safetensors.h"
+#include "vlcache.h"
+
+#define VL_BLOCK 256 /* key rows per block: τ·G × 256 scores stay in L2 for typical τ·G */
+
+static int float_dtype(enum kvcap_dtype t)
+{
+    return t == KVCAP_DTYPE_F32 || t == KVCAP_DTYPE_F16 || t == KVCAP_DTYPE_BF16;
+}
+
+/* The checks both versions share; *m_out receives the number of keys. */
+static enum kvcap_status check_args(const char *fn, const float *q, int tau, int G, int d,
+                                    float scale, const struct kvcap_rows *keys, int n_chunks,
+                                    float p, const float *score, const int64_t *below,
+                                    const int64_t *entries, int *m_out)
+{
+    KVCAP_RETURN_IF(!q, KVCAP_ERR_INVALID_ARGUMENT, "%s: q is NULL", fn);
+    KVCAP_RETURN_IF(!keys, KVCAP_ERR_INVALID_ARGUMENT, "%s: keys is NULL", fn);
+    KVCAP_RETURN_IF(!score, KVCAP_ERR_INVALID_ARGUMENT, "%s: score is NULL", fn);
+    KVCAP_RETURN_IF(!below, KVCAP_ERR_INVALID_ARGUMENT, "%s: below is NULL", fn);
+    KVCAP_RETURN_IF(!entries, KVCAP_ERR_INVALID_ARGUMENT, "%s: entries is NULL", fn);
+    KVCAP_RETURN_IF(tau < 1, KVCAP_ERR_INVALID_ARGUMENT, "%s: tau = %d, must be >= 1", fn, tau);
+    KVCAP_RETURN_IF(G < 1, KVCAP_ERR_INVALID_ARGUMENT, "%s: G = %d, must be >= 1", fn, G);
+    KVCAP_RETURN_IF(d < 1, KVCAP_ERR_INVALID_ARGUMENT, "%s: d = %d, must be >= 1", fn, d);
+    KVCAP_RETURN_IF((int64_t)tau * G > INT_MAX || (int64_t)tau * G * d > INT_MAX,
+                    KVCAP_ERR_INVALID_ARGUMENT, "%s: tau * G * d = %d * %d * %d is too large",
+                    fn, tau, G, d);
+    KVCAP_RETURN_IF(!isfinite(scale), KVCAP_ERR_INVALID_ARGUMENT, "%s: scale = %g is not finite",
+                    fn, (double)scale);
+    KVCAP_RETURN_IF(!isfinite(p), KVCAP_ERR_INVALID_ARGUMENT, "%s: p = %g is not finite", fn,
+                    (double)p);
+    KVCAP_RETURN_IF(n_chunks < 1, KVCAP_ERR_INVALID_ARGUMENT, "%s: n_chunks = %d, must be >= 1",
+                    fn, n_chunks);
+    int64_t m = 0;
+    for (int c = 0; c < n_chunks; c++) {
+        const struct kvcap_rows *k = &keys[c];
+        KVCAP_RETURN_IF(k->n < 0, KVCAP_ERR_INVALID_ARGUMENT, "%s: keys[%d].n = %d is negative",
+                        fn, c, k->n);
+        if (k->n == 0)
+            continue;
+        KVCAP_RETURN_IF(!float_dtype(k->dtype), KVCAP_ERR_INVALID_ARGUMENT,
+                        "%s: keys[%d].dtype = %s is not F32, F16 or BF16", fn, c,
+                        kvcap_dtype_name(k->dtype));
+        KVCAP_RETURN_IF(!k->k, KVCAP_ERR_INVALID_ARGUMENT, "%s: keys[%d].k is NULL", fn, c);
+        KVCAP_RETURN_IF(k->row_stride < (size_t)d, KVCAP_ERR_INVALID_ARGUMENT,
+                        "%s: keys[%d].row_stride = %zu is less than d = %d", fn, c,
+                        k->row_stride, d);
+        m += k->n;
+        KVCAP_RETURN_IF(m > INT_MAX, KVCAP_ERR_INVALID_ARGUMENT,
+                        "%s: keys hold more than INT_MAX tokens", fn);
+    }
+    KVCAP_RETURN_IF(m < tau, KVCAP_ERR_INVALID_ARGUMENT,
+                    "%s: keys hold %d tokens, fewer than tau = %d", fn, (int)m, tau);
+    *m_out = (int)m;
+    return KVCAP_OK;
+}
+
+/* ---- Oracle -------------------------------------------------------------------------------- */
+
+/* Element c of row r of a chunk, in double. */
+static double key_elem(const struct kvcap_rows *k, int r, int c)
+{
+    const unsigned char *b = k->k;
+    size_t i = (size_t)r * k->row_stride + (size_t)c;
+    uint16_t h;
+    float f;
+    switch (k->dtype) {
+    case KVCAP_DTYPE_F16:
+        memcpy(&h, b + 2 * i, 2);
+        return kvcap_f16_to_f32(h);
+    case KVCAP_DTYPE_BF16:
+        memcpy(&h, b + 2 * i, 2);
+        return kvcap_bf16_to_f32(h);
+    default:
+        memcpy(&f, b + 4 * i, 4);
+        return f;
+    }
+}
+
+enum kvcap_status kvcap_vlcache_head_ref(const float *q, size_t q_stride, int tau, int G, int d,
+                                         float scale, const struct kvcap_rows *keys,
+                                         int n_chunks, float p, float *score, int64_t *below,
+                                         int64_t *entries)
+{
+    const char *fn = "kvcap_vlcache_head_ref";
+    int m;
+    KVCAP_TRY(check_args(fn, q, tau, G, d, scale, keys, n_chunks, p, score, below, entries, &m));
+    double *s = malloc(sizeof(double) * (size_t)m);
+    double *col = calloc((size_t)m, sizeof(double));
+    if (!s || !col) {
+        free(s);
+        free(col);
+        return kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "%s: out of memory for %d keys", fn, m);
+    }
+    int64_t nb = 0, ne = 0;
+    for (int i = 0; i < tau; i++) {
+        int n = m - tau + i + 1; /* keys 0 .. m−τ+i are visible to post-vision token i */
+        for (int g = 0; g < G; g++) {
+            const float *qv = q + (size_t)i * q_stride + (size_t)g * d;
+            int j = 0;
+            for (int c = 0; c < n_chunks && j < n; c++)
+                for (int r = 0; r < keys[c].n && j < n; r++, j++) {
+                    double a = 0;
+                    for (int e = 0; e < d; e++)
+                        a += (double)qv[e] * key_elem(&keys[c], r, e);
+                    s[j] = a * scale;
+                }
+            double mx = -INFINITY, z = 0;
+            for (j = 0; j < n; j++)
+                mx = s[j] > mx ? s[j] : mx;
+            for (j = 0; j < n; j++)
+                z += exp(s[j] - mx);
+            double rowmax = 0;
+            for (j = 0; j < n; j++) {
+                s[j] = exp(s[j] - mx) / z; /* A'_g[i][j] */
+                rowmax = s[j] > rowmax ? s[j] : rowmax;
+            }
+            for (j = 0; j < n; j++) {
+                col[j] += s[j];
+                nb += s[j] < (double)p * rowmax;
+                ne++;
+            }
+        }
+    }
+    for (int j = 0; j < m; j++)
+        score[j] += (float)col[j];
+    *below += nb;
+    *entries += ne;
+    free(s);
+    free(col);
+    return KVCAP_OK;
+}
+
+/* ---- Fast version -------------------------------------------------------------------------- */
+
+size_t kvcap_vlcache_scratch_floats(int tau, int G, int d)
+{
+    if (tau < 1 || G < 1 || d < 1)
+        return 0;
+    size_t nq, qd, sb, kb, total;
+    if (!kvcap_mul_size((size_t)tau, (size_t)G, &nq) || !kvcap_mul_size(nq, (size_t)d, &qd) ||
+        !kvcap_mul_size(nq, VL_BLOCK + 2, &sb) || !kvcap_mul_size(VL_BLOCK, (size_t)d, &kb) ||
+        !kvcap_add_size(qd, sb, &total) || !kvcap_add_size(total, kb, &total) ||
+        !kvcap_add_size(total, VL_BLOCK, &total))
+        return SIZE_MAX;
+    return total;
+}
+
+/* Where the next key row comes from: row `row` of chunk `chunk`. */
+struct key_cursor {
+    int chunk, row;
+};
+
+/* Up to VL_BLOCK next key rows as f32 into kb [nb][d] (chunk boundaries do not end a block,
+ * so many small chunks still make full-width sgemms); returns nb. */
+static int load_block(const struct kvcap_rows *keys, int n_chunks, struct key_cursor *cur, int d,
+                      float *kb)
+{
+    int nb = 0;
+    while (nb < VL_BLOCK && cur->chunk < n_chunks) {
+        const struct kvcap_rows *k = &keys[cur->chunk];
+        int take = k->n - cur->row < VL_BLOCK - nb ? k->n - cur->row : VL_BLOCK - nb;
+        if (take <= 0) {
+            cur->chunk++;
+            cur->row = 0;
+            continue;
+        }
+        size_t es = kvcap_dtype_size(k->dtype);
+        const unsigned char *src =
+            (const unsigned char *)k->k + (size_t)cur->row * k->row_stride * es;
+        if (k->row_stride == (size_t)d)
+            kvcap_load_f32(k->dtype, src, (size_t)take * d, kb + (size_t)nb * d);
+        else
+            for (int t = 0; t < take; t++)
+                kvcap_load_f32(k->dtype, src + (size_t)t * k->row_stride * es, (size_t)d,
+                               kb + (size_t)(nb + t) * d);
+        nb += take;
+        cur->row += take;
+    }
+    return nb;
+}
+
+/* Scratch layout (floats), nq = τ·G query rows, row r = i·G + g:
+ *   qs  [nq][d]          queries times scale
+ *   sc  [nq][VL_BLOCK]   one block's scores
+ *   mx  [nq], sum [nq]   running row max and Σ exp(s − mx); after pass 1 sum holds 1/sum
+ *   kb  [VL_BLOCK][d]    one block of keys in f32
+ *   col [VL_BLOCK]       the block's column sums of A' */
+enum kvcap_status kvcap_vlcache_head(const float *q, size_t q_stride, int tau, int G, int d,
+                                     float scale, const struct kvcap_rows *keys, int n_chunks,
+                                     float p, float *score, int64_t *below, int64_t *entries,
+                                     float *scratch)
+{
+    const char *fn = "kvcap_vlcache_head";
+    int m;
+    KVCAP_TRY(check_args(fn, q, tau, G, d, scale, keys, n_chunks, p, score, below, entries, &m));
+    KVCAP_RETURN_IF(!scratch, KVCAP_ERR_INVALID_ARGUMENT, "%s: scratch is NULL", fn);
+    int nq = tau * G;
+    float *qs = scratch, *sc = qs + (size_t)nq * d, *mx = sc + (size_t)nq * VL_BLOCK;
+    float *sum = mx + nq, *kb = sum + nq, *col = kb + (size_t)VL_BLOCK * d;
+
+    for (int i = 0; i < tau; i++)
+        for (int g = 0; g < G; g++) {
+            const float *src = q + (size_t)i * q_stride + (size_t)g * d;
+            float *dst = qs + ((size_t)i * G + g) * d;
+            for (int e = 0; e < d; e++)
+                dst[e] = src[e] * scale;
+        }
+    for (int r = 0; r < nq; r++) {
+        mx[r] = -INFINITY;
+        sum[r] = 0.0f;
+    }
+
+    /* Row r = (i, g) sees keys j <= m − τ + i: only blocks holding one of the last τ keys are
+     * cut short, by `visible`. */
+    int64_t nbelow = 0;
+    for (int pass = 1; pass <= 2; pass++) {
+        struct key_cursor cur = {0, 0};
+        for (int j0 = 0; j0 < m;) {
+            int nb = load_block(keys, n_chunks, &cur, d, kb);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nq, nb, d, 1.0f, qs, d, kb, d,
+                        0.0f, sc, VL_BLOCK);
+            if (pass == 2)
+                memset(col, 0, sizeof(float) * (size_t)nb);
+            for (int r = 0; r < nq; r++) {
+                int last = m - tau + r / G; /* the last key row r sees */
+                int visible = last - j0 + 1 < nb ? last - j0 + 1 : nb;
+                const float *s = sc + (size_t)r * VL_BLOCK;
+                if (visible <= 0)
+                    continue;
+                if (pass == 1) {
+                    float bm = mx[r];
+                    for (int jj = 0; jj < visible; jj++)
+                        bm = s[jj] > bm ? s[jj] : bm;
+                    float add = 0.0f;
+                    for (int jj = 0; jj < visible; jj++)
+                        add += expf(s[jj] - bm);
+                    /* a row that had seen nothing has sum 0, and exp(-inf) = 0 keeps it so */
+                    sum[r] = sum[r] * expf(mx[r] - bm) + add;
+                    mx[r] = bm;
+                } else {
+                    float rm = mx[r], inv = sum[r];
+                    int nbr = 0;
+                    for (int jj = 0; jj < visible; jj++) {
+                        float e = expf(s[jj] - rm);
+                        nbr += e < p;
+                        col[jj] += e * inv;
+                    }
+                    nbelow += nbr;
+                }
+            }
+            if (pass == 2)
+                for (int jj = 0; jj < nb; jj++)
+                    score[j0 + jj] += col[jj];
+            j0 += nb;
+        }
+        if (pass == 1)
+            for (int r = 0; r < nq; r++)
+                sum[r] = 1.0f / sum[r]; /* sum >= 1: the max term is exp(0) */
+    }
+    *below += nbelow;
+    /* Row i has m − τ + i + 1 causal entries, for each of the G heads. */
+    *entries += (int64_t)G * ((int64_t)tau * (m - tau + 1) + (int64_t)tau * (tau - 1) / 2);
+    return KVCAP_OK;
+}
+
+/* ---- Layer budgets (Algorithm 1) ----------------------------------------------------------- */
+
+static double clip(double x, double lo, double hi)
+{
+    return x < lo ? lo : x > hi ? hi : x;
+}
+
+enum kvcap_status kvcap_vlcache_budgets(const double *gamma, int L, double alpha, double lo,
+                                        double *beta)
+{
+    const char *fn = "kvcap_vlcache_budgets";
+    KVCAP_RETURN_IF(!gamma, KVCAP_ERR_INVALID_ARGUMENT, "%s: gamma is NULL", fn);
+    KVCAP_RETURN_IF(!beta, KVCAP_ERR_INVALID_ARGUMENT, "%s: beta is NULL", fn);
+    KVCAP_RETURN_IF(L < 1, KVCAP_ERR_INVALID_ARGUMENT, "%s: L = %d, must be >= 1", fn, L);
+    KVCAP_RETURN_IF(!(alpha >= 0) || !isfinite(alpha), KVCAP_ERR_INVALID_ARGUMENT,
+                    "%s: alpha = %g, must be finite and >= 0", fn, alpha);
+    KVCAP_RETURN_IF(!(lo >= 0 && lo <= 1), KVCAP_ERR_INVALID_ARGUMENT,
+                    "%s: lo = %g is outside [0, 1]", fn, lo);
+    double dense = 0; /* Σ (1 − γ) */
+    for (int l = 0; l < L; l++) {
+        KVCAP_RETURN_IF(!(gamma[l] >= 0 && gamma[l] <= 1), KVCAP_ERR_INVALID_ARGUMENT,
+                        "%s: gamma[%d] = %g is outside [0, 1]", fn, l, gamma[l]);
+        dense += 1.0 - gamma[l];
+    }
+    for (int l = 0; l < L; l++)
+        beta[l] = clip(dense > 0 ? (1.0 - gamma[l]) / dense * alpha * L : alpha, lo, 1.0);
+    return KVCAP_OK;
+}
