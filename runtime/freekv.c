@@ -1,0 +1,813 @@
+/* freekv.c — FreeKV (DESIGN §7): a paged store with per-page key digests, a two-buffer page
+ * pool filled by a speculative top-k selection on a worker thread, and a correction on the
+ * critical path for the KV heads whose queries moved. The _ref selection oracle comes first. */
+#include <limits.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "freekv.h"
+#include "internal.h"
+#include "safetensors.h"
+#include "select.h"
+
+#define FREEKV_MAX_D 4096 /* the attention kernels' limit */
+
+struct kvcap_freekv_params kvcap_freekv_default_params(void)
+{
+    struct kvcap_freekv_params p = {32, 2048, 1, 2, 0.9f};
+    return p;
+}
+
+/* ---- the oracle ----------------------------------------------------------------------------- */
+
+int kvcap_freekv_select_ref(const float *kmax, const float *kmin, int n_pages, const float *q,
+                            int G, int d, int sink_pages, int window_pages, int k, int *sel,
+                            double *score)
+{
+    if (n_pages <= 0 || G <= 0 || d <= 0)
+        return 0;
+    for (int p = 0; score && p < n_pages; p++)
+        score[p] = NAN;
+    int lo = sink_pages < n_pages ? (sink_pages > 0 ? sink_pages : 0) : n_pages;
+    int hi = n_pages - (window_pages > 0 ? window_pages : 0);
+    if (hi < lo)
+        hi = lo;
+    int nc = hi - lo;
+    if (nc == 0 || k <= 0)
+        return 0;
+    double *raw = malloc(sizeof(double) * 2 * (size_t)nc);
+    float *key = malloc(sizeof(float) * (size_t)nc);
+    if (!raw || !key) {
+        free(raw);
+        free(key);
+        return -1;
+    }
+    double *mean = raw + nc;
+    for (int i = 0; i < nc; i++)
+        mean[i] = 0;
+    for (int g = 0; g < G; g++) {
+        const float *qg = q + (size_t)g * d;
+        double mx = -INFINITY, sum = 0;
+        for (int i = 0; i < nc; i++) {
+            const float *hi_k = kmax + (size_t)(lo + i) * d, *lo_k = kmin + (size_t)(lo + i) * d;
+            double r = 0;
+            for (int c = 0; c < d; c++)
+                r += fmax((double)qg[c] * hi_k[c], (double)qg[c] * lo_k[c]);
+            raw[i] = r;
+            mx = r > mx ? r : mx;
+        }
+        for (int i = 0; i < nc; i++)
+            sum += exp(raw[i] - mx);
+        for (int i = 0; i < nc; i++)
+            mean[i] += exp(raw[i] - mx) / sum / G;
+    }
+    /* The shared top-k ranks floats: the log keeps pages far below the best apart instead of
+     * rounding their tiny scores to equal floats. */
+    for (int i = 0; i < nc; i++) {
+        key[i] = (float)log(mean[i]);
+        if (score)
+            score[lo + i] = mean[i];
+    }
+    int n = kvcap_topk_indices_ref(key, nc, k, sel);
+    for (int i = 0; i < n; i++)
+        sel[i] += lo;
+    free(raw);
+    free(key);
+    return n;
+}
+
+/* ---- state ---------------------------------------------------------------------------------- */
+
+struct kvcap_freekv_worker {
+    pthread_t thread;
+    pthread_mutex_t lock;
+    pthread_cond_t wake; /* a job was queued, or stopping */
+    pthread_cond_t done; /* a job finished */
+    struct kvcap_freekv *first, *last; /* FIFO of states with a queued job (intrusive) */
+    int stopping;
+};
+
+/* Everything one KV head owns. attend(h) touches only its head (and reads the shared store),
+ * which is what lets the runtime attend different heads from different threads. */
+struct head {
+    float *dig;    /* [cap_pages][2][d]: per-channel max then min of each page's stored keys */
+    int *where[2]; /* [cap_pages]: a slot of pool buffer b holding page p, or -1 */
+    int *slot[2];  /* [pool_slots]: the page slot s of buffer b holds, or -1 */
+    int n_sel[2];  /* slots 0..n_sel[b)-1 of buffer b hold the selection made for it */
+    int cur;       /* the buffer the latest attend used */
+    int spec_valid;      /* buffer 1-cur holds a speculative selection ... */
+    int64_t spec_tokens; /* ... made for a store of this many tokens */
+    float *q_cur, *q_prev;        /* [G][d] the queries of two consecutive steps */
+    int64_t q_step, prev_step;    /* the steps they came from (-1: none) */
+    int todo;                     /* attended in the step being closed: select for the next */
+    /* scratch of the selection, sized at append */
+    float *score;   /* [3][cap_pages] */
+    int *work;      /* [cap_pages] */
+    int *pick;      /* [pool_slots] */
+    float *qsplit;  /* [2][d] */
+    /* this step's critical-path counts, folded into the stats by step_done */
+    int corrections, resyncs, recalled;
+};
+
+struct kvcap_freekv {
+    struct kvcap_freekv_params p;
+    int kvh, G, d, k;
+    enum kvcap_dtype dt;
+    size_t es, page_bytes, row_bytes;
+    struct kvcap_freekv_worker *worker;
+    struct kvcap_freekv *next_job; /* the worker's queue link */
+    atomic_int pending;            /* a job of this state is queued or running */
+    int64_t tokens, step;
+    /* store: pages allocated one by one (never moved once written), HND within a page */
+    unsigned char **pages;
+    int n_alloc, cap_pages; /* pages allocated; capacity of `pages` and of per-head arrays */
+    /* pool, NHD: [pool_slots][page_size][kvh][d] for K and V, two buffers */
+    unsigned char *pool_k[2], *pool_v[2];
+    int pool_slots;
+    struct head *heads;
+    float *row; /* [d] append's scratch */
+    struct kvcap_freekv_stats stats;
+};
+
+static int64_t pages_for(const struct kvcap_freekv *f, int64_t tokens)
+{
+    return (tokens + f->p.page_size - 1) / f->p.page_size;
+}
+
+/* Candidates of a store of np pages: [*lo, *hi). Sinks win over the window when they overlap. */
+static void candidates(const struct kvcap_freekv *f, int np, int *lo, int *hi)
+{
+    *lo = f->p.sink_pages < np ? f->p.sink_pages : np;
+    *hi = np - f->p.window_pages > *lo ? np - f->p.window_pages : *lo;
+}
+
+/* Top-k slots a store of np pages (and the next step's, np + 1) can need. */
+static int slots_needed(const struct kvcap_freekv *f, int np)
+{
+    int lo, hi;
+    candidates(f, np + 1, &lo, &hi);
+    return hi - lo < f->k ? hi - lo : f->k;
+}
+
+/* ---- the worker ----------------------------------------------------------------------------- */
+
+static void run_job(struct kvcap_freekv *f);
+
+static void *worker_main(void *arg)
+{
+    struct kvcap_freekv_worker *w = arg;
+    pthread_mutex_lock(&w->lock);
+    for (;;) {
+        while (!w->first && !w->stopping)
+            pthread_cond_wait(&w->wake, &w->lock);
+        if (!w->first) /* stopping with the queue drained */
+            break;
+        struct kvcap_freekv *f = w->first;
+        w->first = f->next_job;
+        if (!w->first)
+            w->last = NULL;
+        pthread_mutex_unlock(&w->lock);
+        run_job(f);
+        pthread_mutex_lock(&w->lock);
+        atomic_store(&f->pending, 0);
+        pthread_cond_broadcast(&w->done);
+    }
+    pthread_mutex_unlock(&w->lock);
+    return NULL;
+}
+
+enum kvcap_status kvcap_freekv_worker_create(struct kvcap_freekv_worker **out)
+{
+    KVCAP_RETURN_IF(!out, KVCAP_ERR_INVALID_ARGUMENT, "freekv worker: NULL out");
+    struct kvcap_freekv_worker *w = calloc(1, sizeof *w);
+    KVCAP_RETURN_IF(!w, KVCAP_ERR_OUT_OF_MEMORY, "freekv worker: out of memory");
+    pthread_mutex_init(&w->lock, NULL);
+    pthread_cond_init(&w->wake, NULL);
+    pthread_cond_init(&w->done, NULL);
+    if (pthread_create(&w->thread, NULL, worker_main, w) != 0) {
+        pthread_cond_destroy(&w->wake);
+        pthread_cond_destroy(&w->done);
+        pthread_mutex_destroy(&w->lock);
+        free(w);
+        return kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "freekv worker: cannot start its thread");
+    }
+    *out = w;
+    return KVCAP_OK;
+}
+
+void kvcap_freekv_worker_free(struct kvcap_freekv_worker *w)
+{
+    if (!w)
+        return;
+    pthread_mutex_lock(&w->lock);
+    w->stopping = 1;
+    pthread_cond_broadcast(&w->wake);
+    pthread_mutex_unlock(&w->lock);
+    pthread_join(w->thread, NULL);
+    pthread_cond_destroy(&w->wake);
+    pthread_cond_destroy(&w->done);
+    pthread_mutex_destroy(&w->lock);
+    free(w);
+}
+
+/* Returns once no job of f is queued or running. The unlocked check keeps attend lock-free in
+ * the common case (the job finished long ago); the atomic orders the job's writes before it. */
+static void wait_idle(struct kvcap_freekv *f)
+{
+    if (!f->worker || !atomic_load(&f->pending))
+        return;
+    pthread_mutex_lock(&f->worker->lock);
+    while (atomic_load(&f->pending))
+        pthread_cond_wait(&f->worker->done, &f->worker->lock);
+    pthread_mutex_unlock(&f->worker->lock);
+}
+
+static void enqueue(struct kvcap_freekv *f)
+{
+    struct kvcap_freekv_worker *w = f->worker;
+    pthread_mutex_lock(&w->lock);
+    atomic_store(&f->pending, 1);
+    f->next_job = NULL;
+    if (w->last)
+        w->last->next_job = f;
+    else
+        w->first = f;
+    w->last = f;
+    pthread_cond_signal(&w->wake);
+    pthread_mutex_unlock(&w->lock);
+}
+
+/* ---- create / free / grow ------------------------------------------------------------------- */
+
+void kvcap_freekv_free(struct kvcap_freekv *f)
+{
+    if (!f)
+        return;
+    wait_idle(f);
+    for (int i = 0; i < f->n_alloc; i++)
+        free(f->pages[i]);
+    free(f->pages);
+    for (int b = 0; b < 2; b++) {
+        free(f->pool_k[b]);
+        free(f->pool_v[b]);
+    }
+    for (int h = 0; f->heads && h < f->kvh; h++) {
+        struct head *hd = &f->heads[h];
+        free(hd->dig);
+        for (int b = 0; b < 2; b++) {
+            free(hd->where[b]);
+            free(hd->slot[b]);
+        }
+        free(hd->q_cur);
+        free(hd->q_prev);
+        free(hd->score);
+        free(hd->work);
+        free(hd->pick);
+        free(hd->qsplit);
+    }
+    free(f->heads);
+    free(f->row);
+    free(f);
+}
+
+static int is_storage(enum kvcap_dtype t)
+{
+    return t == KVCAP_DTYPE_F32 || t == KVCAP_DTYPE_F16 || t == KVCAP_DTYPE_BF16;
+}
+
+enum kvcap_status kvcap_freekv_create(const struct kvcap_freekv_params *p, int kv_heads, int G,
+                                      int d, enum kvcap_dtype storage,
+                                      struct kvcap_freekv_worker *worker,
+                                      struct kvcap_freekv **out)
+{
+    if (out)
+        *out = NULL;
+    KVCAP_RETURN_IF(!p || !out, KVCAP_ERR_INVALID_ARGUMENT, "freekv: NULL %s",
+                    !p ? "params" : "out");
+    KVCAP_RETURN_IF(p->page_size < 1, KVCAP_ERR_INVALID_ARGUMENT,
+                    "freekv: page_size = %d, must be >= 1", p->page_size);
+    KVCAP_RETURN_IF(p->sink_pages < 0, KVCAP_ERR_INVALID_ARGUMENT,
+                    "freekv: sink_pages = %d, must be >= 0", p->sink_pages);
+    KVCAP_RETURN_IF(p->window_pages < 1, KVCAP_ERR_INVALID_ARGUMENT,
+                    "freekv: window_pages = %d, must be >= 1 (the page being written)",
+                    p->window_pages);
+    int64_t fixed = (int64_t)p->sink_pages + p->window_pages;
+    KVCAP_RETURN_IF((int64_t)p->budget_tokens < (fixed + 1) * p->page_size,
+                    KVCAP_ERR_INVALID_ARGUMENT,
+                    "freekv: budget_tokens = %d is below (sink_pages + window_pages + 1) pages "
+                    "= %lld tokens",
+                    p->budget_tokens, (long long)((fixed + 1) * p->page_size));
+    KVCAP_RETURN_IF(!(p->tau == p->tau), KVCAP_ERR_INVALID_ARGUMENT, "freekv: tau is NaN");
+    KVCAP_RETURN_IF(kv_heads < 1, KVCAP_ERR_INVALID_ARGUMENT,
+                    "freekv: kv_heads = %d, must be >= 1", kv_heads);
+    KVCAP_RETURN_IF(G < 1, KVCAP_ERR_INVALID_ARGUMENT, "freekv: G = %d, must be >= 1", G);
+    KVCAP_RETURN_IF(d < 1 || d > FREEKV_MAX_D, KVCAP_ERR_INVALID_ARGUMENT,
+                    "freekv: d = %d, must be in 1..%d", d, FREEKV_MAX_D);
+    KVCAP_RETURN_IF(!is_storage(storage), KVCAP_ERR_INVALID_ARGUMENT,
+                    "freekv: storage %s, must be F32, F16 or BF16", kvcap_dtype_name(storage));
+    size_t row, page;
+    KVCAP_RETURN_IF(!kvcap_mul_size((size_t)d, kvcap_dtype_size(storage), &row) ||
+                        !kvcap_mul_size(row, (size_t)p->page_size, &page) ||
+                        !kvcap_mul_size(page, 2 * (size_t)kv_heads, &page),
+                    KVCAP_ERR_INVALID_ARGUMENT, "freekv: page of %d tokens too large",
+                    p->page_size);
+
+    struct kvcap_freekv *f = calloc(1, sizeof *f);
+    KVCAP_RETURN_IF(!f, KVCAP_ERR_OUT_OF_MEMORY, "freekv: out of memory");
+    f->p = *p;
+    f->kvh = kv_heads;
+    f->G = G;
+    f->d = d;
+    f->k = (int)(p->budget_tokens / p->page_size - fixed);
+    f->dt = storage;
+    f->es = kvcap_dtype_size(storage);
+    f->row_bytes = row;
+    f->page_bytes = page;
+    f->worker = worker;
+    atomic_init(&f->pending, 0);
+    f->heads = calloc((size_t)kv_heads, sizeof *f->heads);
+    f->row = malloc(sizeof(float) * (size_t)d);
+    int ok = f->heads && f->row;
+    for (int h = 0; ok && h < kv_heads; h++) {
+        struct head *hd = &f->heads[h];
+        hd->q_cur = malloc(sizeof(float) * (size_t)G * d);
+        hd->q_prev = malloc(sizeof(float) * (size_t)G * d);
+        hd->qsplit = malloc(sizeof(float) * 2 * (size_t)d);
+        hd->q_step = hd->prev_step = -1;
+        ok = hd->q_cur && hd->q_prev && hd->qsplit;
+    }
+    if (!ok) {
+        kvcap_freekv_free(f);
+        return kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "freekv: out of memory");
+    }
+    *out = f;
+    return KVCAP_OK;
+}
+
+/* realloc that keeps p (and clears *ok) on failure, and does nothing once *ok is clear, so a
+ * run of them needs one check at the end. */
+static void *grow(void *p, size_t bytes, int *ok)
+{
+    if (!*ok)
+        return p;
+    void *n = realloc(p, bytes ? bytes : 1);
+    if (!n) {
+        *ok = 0;
+        return p;
+    }
+    return n;
+}
+
+/* Room for np pages: page pointers, the pages themselves, per-head digests, maps and scratch
+ * (np + 1 pages: the next step's selection may see one page more), and the pool slots the
+ * selections can need. Called only from append, when nothing else runs on the state. */
+static enum kvcap_status reserve(struct kvcap_freekv *f, int np)
+{
+    if (np + 1 > f->cap_pages) {
+        int cap = f->cap_pages * 2 > np + 1 ? f->cap_pages * 2 : np + 1;
+        if (f->cap_pages > INT_MAX / 2)
+            cap = np + 1;
+        size_t c = (size_t)cap, d = (size_t)f->d;
+        int ok = 1;
+        f->pages = grow(f->pages, sizeof *f->pages * c, &ok);
+        for (int h = 0; h < f->kvh; h++) {
+            struct head *hd = &f->heads[h];
+            hd->dig = grow(hd->dig, sizeof(float) * 2 * d * c, &ok);
+            hd->score = grow(hd->score, sizeof(float) * 3 * c, &ok);
+            hd->work = grow(hd->work, sizeof(int) * c, &ok);
+            for (int b = 0; b < 2; b++) {
+                hd->where[b] = grow(hd->where[b], sizeof(int) * c, &ok);
+                for (int i = f->cap_pages; ok && i < cap; i++)
+                    hd->where[b][i] = -1;
+            }
+        }
+        /* what did grow stays grown; cap_pages only moves once every array did */
+        KVCAP_RETURN_IF(!ok, KVCAP_ERR_OUT_OF_MEMORY, "freekv: out of memory for %d pages", cap);
+        f->cap_pages = cap;
+    }
+    while (f->n_alloc < np) {
+        f->pages[f->n_alloc] = malloc(f->page_bytes);
+        KVCAP_RETURN_IF(!f->pages[f->n_alloc], KVCAP_ERR_OUT_OF_MEMORY,
+                        "freekv: out of memory for page %d", f->n_alloc);
+        f->n_alloc++;
+    }
+    int need = slots_needed(f, np);
+    if (need > f->pool_slots) {
+        int slots = f->pool_slots * 2 > need ? f->pool_slots * 2 : need;
+        if (slots > f->k || f->pool_slots > INT_MAX / 2)
+            slots = f->k > need ? f->k : need;
+        /* NHD with the slot outermost: growing appends slots, realloc keeps those filled */
+        size_t bytes;
+        KVCAP_RETURN_IF(!kvcap_mul_size((size_t)slots * f->p.page_size, f->row_bytes, &bytes) ||
+                            !kvcap_mul_size(bytes, (size_t)f->kvh, &bytes),
+                        KVCAP_ERR_OUT_OF_MEMORY, "freekv: pool of %d pages too large", slots);
+        int ok = 1;
+        for (int b = 0; b < 2; b++) {
+            f->pool_k[b] = grow(f->pool_k[b], bytes, &ok);
+            f->pool_v[b] = grow(f->pool_v[b], bytes, &ok);
+        }
+        for (int h = 0; h < f->kvh; h++) {
+            struct head *hd = &f->heads[h];
+            hd->pick = grow(hd->pick, sizeof(int) * (size_t)slots, &ok);
+            for (int b = 0; b < 2; b++) {
+                hd->slot[b] = grow(hd->slot[b], sizeof(int) * (size_t)slots, &ok);
+                for (int s = f->pool_slots; ok && s < slots; s++)
+                    hd->slot[b][s] = -1;
+            }
+        }
+        KVCAP_RETURN_IF(!ok, KVCAP_ERR_OUT_OF_MEMORY, "freekv: out of memory for %d pool pages",
+                        slots);
+        f->pool_slots = slots;
+    }
+    return KVCAP_OK;
+}
+
+/* ---- store ---------------------------------------------------------------------------------- */
+
+/* Page p of head h: its K rows [page_size][d], its V rows right after. */
+static unsigned char *store_k(const struct kvcap_freekv *f, int p, int h)
+{
+    return f->pages[p] + (size_t)h * 2 * f->p.page_size * f->row_bytes;
+}
+
+static unsigned char *store_v(const struct kvcap_freekv *f, int p, int h)
+{
+    return store_k(f, p, h) + (size_t)f->p.page_size * f->row_bytes;
+}
+
+enum kvcap_status kvcap_freekv_append(struct kvcap_freekv *f, const float *k, const float *v,
+                                      int n)
+{
+    KVCAP_RETURN_IF(!f, KVCAP_ERR_INVALID_ARGUMENT, "freekv_append: NULL state");
+    KVCAP_RETURN_IF(n < 0 || (n > 0 && (!k || !v)), KVCAP_ERR_INVALID_ARGUMENT,
+                    "freekv_append: n = %d with %s", n, !k ? "k NULL" : !v ? "v NULL" : "k, v");
+    wait_idle(f);
+    if (n == 0)
+        return KVCAP_OK;
+    int ps = f->p.page_size, d = f->d;
+    int64_t total = f->tokens + n, np = pages_for(f, total);
+    KVCAP_RETURN_IF(np > INT_MAX / 2, KVCAP_ERR_INVALID_ARGUMENT,
+                    "freekv_append: %lld tokens exceed the page count limit", (long long)total);
+    KVCAP_TRY(reserve(f, (int)np));
+    for (int h = 0; h < f->kvh; h++) {
+        float *dig = f->heads[h].dig;
+        for (int i = 0; i < n;) {
+            int64_t t = f->tokens + i;
+            int p = (int)(t / ps), r = (int)(t % ps), m = ps - r < n - i ? ps - r : n - i;
+            size_t src = ((size_t)h * n + i) * d;
+            unsigned char *kd = store_k(f, p, h) + (size_t)r * f->row_bytes;
+            KVCAP_TRY(kvcap_convert_from_f32(f->dt, k + src, (size_t)m * d, kd));
+            KVCAP_TRY(kvcap_convert_from_f32(f->dt, v + src, (size_t)m * d,
+                                             store_v(f, p, h) + (size_t)r * f->row_bytes));
+            /* the digest bounds the keys as stored, so it holds for what attention reads */
+            float *kmax = dig + (size_t)p * 2 * d, *kmin = kmax + d;
+            for (int j = 0; j < m; j++) {
+                kvcap_load_f32(f->dt, kd + (size_t)j * f->row_bytes, (size_t)d, f->row);
+                for (int c = 0; c < d; c++) {
+                    float x = f->row[c];
+                    if (r + j == 0 || x > kmax[c])
+                        kmax[c] = x;
+                    if (r + j == 0 || x < kmin[c])
+                        kmin[c] = x;
+                }
+            }
+            i += m;
+        }
+    }
+    f->tokens = total;
+    return KVCAP_OK;
+}
+
+int64_t kvcap_freekv_tokens(const struct kvcap_freekv *f)
+{
+    return f ? f->tokens : 0;
+}
+
+/* ---- selection and recall ------------------------------------------------------------------- */
+
+/* Σ_c max(q_c·kmax_c, q_c·kmin_c) = qpos·kmax + qneg·kmin (qpos = max(q, 0), qneg = min(q, 0),
+ * as kmax >= kmin): two plain dot products, eight partial sums so the compiler can vectorise. */
+static float digest_score(const float *qpos, const float *qneg, const float *kmax,
+                          const float *kmin, int d)
+{
+    float acc[8] = {0};
+    int c = 0;
+    for (; c + 8 <= d; c += 8)
+        for (int j = 0; j < 8; j++)
+            acc[j] += qpos[c + j] * kmax[c + j] + qneg[c + j] * kmin[c + j];
+    for (; c < d; c++)
+        acc[0] += qpos[c] * kmax[c] + qneg[c] * kmin[c];
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+/* The top-k pages of head h for a store of `tokens` tokens by the queries q [G][d], ascending,
+ * into hd->pick; returns their count and adds the digest bytes read to *bytes. Ranks by the
+ * log of the mean over g of the per-g softmax (the _ref's order), accumulated in log space so
+ * that far-below pages keep their order instead of underflowing to equal zeros. */
+static int select_pages(const struct kvcap_freekv *f, struct head *hd, const float *q,
+                        int64_t tokens, uint64_t *bytes)
+{
+    int lo, hi, d = f->d;
+    candidates(f, (int)pages_for(f, tokens), &lo, &hi);
+    int nc = hi - lo;
+    if (nc <= f->k) { /* everything fits: no scores needed */
+        for (int i = 0; i < nc; i++)
+            hd->pick[i] = lo + i;
+        return nc;
+    }
+    size_t cap = (size_t)f->cap_pages;
+    float *raw = hd->score, *m = raw + cap, *s = m + cap;
+    float *qpos = hd->qsplit, *qneg = qpos + d;
+    for (int g = 0; g < f->G; g++) {
+        for (int c = 0; c < d; c++) {
+            float x = q[(size_t)g * d + c];
+            qpos[c] = x > 0 ? x : 0;
+            qneg[c] = x < 0 ? x : 0;
+        }
+        float mx = -INFINITY;
+        for (int i = 0; i < nc; i++) {
+            const float *kmax = hd->dig + (size_t)(lo + i) * 2 * d;
+            raw[i] = digest_score(qpos, qneg, kmax, kmax + d, d);
+            mx = raw[i] > mx ? raw[i] : mx;
+        }
+        float sum = 0;
+        for (int i = 0; i < nc; i++)
+            sum += expf(raw[i] - mx);
+        float lse = mx + logf(sum);
+        for (int i = 0; i < nc; i++) {
+            float lp = raw[i] - lse; /* log softmax of page i for query g */
+            if (g == 0) {
+                m[i] = lp;
+                s[i] = 1;
+            } else if (lp > m[i]) {
+                s[i] = s[i] * expf(m[i] - lp) + 1;
+                m[i] = lp;
+            } else {
+                s[i] += expf(lp - m[i]);
+            }
+        }
+    }
+    for (int i = 0; i < nc; i++)
+        raw[i] = m[i] + logf(s[i]); /* log Σ_g softmax: the mean up to the constant log G */
+    int n = kvcap_topk_indices(raw, nc, f->k, hd->pick, hd->work);
+    for (int i = 0; i < n; i++)
+        hd->pick[i] += lo;
+    *bytes += (uint64_t)nc * 2 * d * sizeof(float);
+    return n;
+}
+
+/* Row r of slot s in pool buffer b (K or V), head h. */
+static unsigned char *pool_row(const struct kvcap_freekv *f, unsigned char *buf, int s, int r,
+                               int h)
+{
+    return buf + (((size_t)s * f->p.page_size + r) * f->kvh + h) * f->row_bytes;
+}
+
+/* Puts head h's pages pick[0..n) into slots 0..n-1 of buffer b. A page already there stays; one
+ * held by a pool slot (either buffer) is copied within the pool — on a GPU, a device copy; the
+ * rest is recalled from the store (HND page rows scattered to NHD slot rows), counted in
+ * *recalled. Candidate pages are always full (the window holds the page being written). */
+static void fill(struct kvcap_freekv *f, int h, int b, int n, int *recalled)
+{
+    struct head *hd = &f->heads[h];
+    int ps = f->p.page_size;
+    for (int s = 0; s < n; s++) {
+        int p = hd->pick[s];
+        if (hd->slot[b][s] == p)
+            continue;
+        int fb = hd->where[1 - b][p] >= 0 ? 1 - b : hd->where[b][p] >= 0 ? b : -1;
+        if (fb >= 0) {
+            int fs = hd->where[fb][p];
+            for (int r = 0; r < ps; r++) {
+                memcpy(pool_row(f, f->pool_k[b], s, r, h), pool_row(f, f->pool_k[fb], fs, r, h),
+                       f->row_bytes);
+                memcpy(pool_row(f, f->pool_v[b], s, r, h), pool_row(f, f->pool_v[fb], fs, r, h),
+                       f->row_bytes);
+            }
+        } else {
+            const unsigned char *ks = store_k(f, p, h), *vs = store_v(f, p, h);
+            for (int r = 0; r < ps; r++) {
+                memcpy(pool_row(f, f->pool_k[b], s, r, h), ks + (size_t)r * f->row_bytes,
+                       f->row_bytes);
+                memcpy(pool_row(f, f->pool_v[b], s, r, h), vs + (size_t)r * f->row_bytes,
+                       f->row_bytes);
+            }
+            (*recalled)++;
+        }
+        int old = hd->slot[b][s];
+        if (old >= 0 && hd->where[b][old] == s) /* another slot may hold a copy: keep that */
+            hd->where[b][old] = -1;
+        hd->slot[b][s] = p;
+        hd->where[b][p] = s;
+    }
+    hd->n_sel[b] = n;
+}
+
+static uint64_t recall_bytes(const struct kvcap_freekv *f, int pages)
+{
+    return (uint64_t)pages * 2 * f->p.page_size * f->row_bytes;
+}
+
+/* The next step's selection of every head that attended in the step just closed, with its
+ * queries, for one token more than stored, into the buffer that step did not use. */
+static void run_job(struct kvcap_freekv *f)
+{
+    int recalled = 0;
+    uint64_t digest_bytes = 0; /* read off the critical path: not reported by attend */
+    for (int h = 0; h < f->kvh; h++) {
+        struct head *hd = &f->heads[h];
+        if (!hd->todo)
+            continue;
+        hd->todo = 0;
+        int n = select_pages(f, hd, hd->q_cur, f->tokens + 1, &digest_bytes);
+        fill(f, h, 1 - hd->cur, n, &recalled);
+        hd->spec_valid = 1;
+        hd->spec_tokens = f->tokens + 1;
+    }
+    f->stats.pages_recalled += recalled;
+    f->stats.bytes_recalled += recall_bytes(f, recalled);
+    f->stats.last_pages_recalled += recalled;
+    f->stats.last_bytes_recalled += recall_bytes(f, recalled);
+}
+
+/* ---- decode --------------------------------------------------------------------------------- */
+
+/* Mean over g of cos(q_g, p_g), clamped to [-1, 1]; a zero vector is at cosine 0 from anything
+ * but another zero vector (a head whose query vanished has moved). */
+static double group_cosine(const float *q, const float *p, int G, int d)
+{
+    double total = 0;
+    for (int g = 0; g < G; g++) {
+        double qq = 0, pp = 0, qp = 0;
+        for (int c = 0; c < d; c++) {
+            double a = q[(size_t)g * d + c], b = p[(size_t)g * d + c];
+            qq += a * a;
+            pp += b * b;
+            qp += a * b;
+        }
+        total += qq > 0 && pp > 0 ? qp / sqrt(qq * pp) : (qq == 0 && pp == 0 ? 1.0 : 0.0);
+    }
+    double c = total / G;
+    return c > 1 ? 1 : c < -1 ? -1 : c;
+}
+
+static int must_correct(const struct kvcap_freekv *f, const struct head *hd)
+{
+    if (f->p.tau >= 1)
+        return 1;
+    if (f->p.tau <= -1)
+        return 0;
+    if (hd->prev_step != f->step - 1 || hd->prev_step < 0) /* nothing to compare with */
+        return 1;
+    return group_cosine(hd->q_cur, hd->q_prev, f->G, f->d) < f->p.tau;
+}
+
+static uint64_t attend_store_page(const struct kvcap_freekv *f, int p, int h, const float *q,
+                                  float scale, struct kvcap_partial acc)
+{
+    int64_t filled = f->tokens - (int64_t)p * f->p.page_size;
+    struct kvcap_rows rows = {store_k(f, p, h), store_v(f, p, h), f->dt, (size_t)f->d,
+                              filled < f->p.page_size ? (int)filled : f->p.page_size};
+    return kvcap_attend_rows(&rows, q, f->G, f->d, scale, acc);
+}
+
+uint64_t kvcap_freekv_attend(struct kvcap_freekv *f, int h, const float *q, float scale,
+                             struct kvcap_partial acc)
+{
+    if (!f || h < 0 || h >= f->kvh || !q) {
+        kvcap_fail(KVCAP_ERR_INVALID_ARGUMENT, "freekv_attend: %s", !f ? "NULL state"
+                   : !q ? "NULL q" : "h out of range");
+        return 0;
+    }
+    wait_idle(f);
+    struct head *hd = &f->heads[h];
+    size_t qn = (size_t)f->G * f->d;
+    if (hd->q_step != f->step) { /* first attend of this step: this q becomes the previous */
+        float *t = hd->q_prev;
+        hd->q_prev = hd->q_cur;
+        hd->q_cur = t;
+        hd->prev_step = hd->q_step;
+    }
+    memcpy(hd->q_cur, q, sizeof(float) * qn);
+    hd->q_step = f->step;
+    if (f->tokens == 0)
+        return 0;
+
+    uint64_t bytes = 0;
+    int sync;
+    if (hd->spec_valid && hd->spec_tokens == f->tokens) {
+        hd->cur ^= 1; /* the speculative buffer becomes current */
+        sync = must_correct(f, hd);
+        hd->corrections += sync;
+    } else {
+        sync = 1;
+        hd->resyncs++;
+    }
+    hd->spec_valid = 0;
+    if (sync) { /* on the critical path: select with this q, recall into the other buffer */
+        int n = select_pages(f, hd, hd->q_cur, f->tokens, &bytes);
+        fill(f, h, 1 - hd->cur, n, &hd->recalled);
+        hd->cur ^= 1;
+    }
+
+    /* Sinks and window come straight from the store: on a GPU they stay device-resident (the
+     * window is where appends land), only top-k pages go through the pool. */
+    int np = (int)pages_for(f, f->tokens), lo, hi;
+    candidates(f, np, &lo, &hi);
+    for (int p = 0; p < lo; p++)
+        bytes += attend_store_page(f, p, h, q, scale, acc);
+    int b = hd->cur;
+    for (int s = 0; s < hd->n_sel[b]; s++) {
+        struct kvcap_rows rows = {pool_row(f, f->pool_k[b], s, 0, h),
+                                  pool_row(f, f->pool_v[b], s, 0, h), f->dt,
+                                  (size_t)f->kvh * f->d, f->p.page_size};
+        bytes += kvcap_attend_rows(&rows, q, f->G, f->d, scale, acc);
+    }
+    for (int p = hi; p < np; p++)
+        bytes += attend_store_page(f, p, h, q, scale, acc);
+    return bytes;
+}
+
+enum kvcap_status kvcap_freekv_step_done(struct kvcap_freekv *f)
+{
+    KVCAP_RETURN_IF(!f, KVCAP_ERR_INVALID_ARGUMENT, "freekv_step_done: NULL state");
+    wait_idle(f);
+    struct kvcap_freekv_stats *st = &f->stats;
+    st->steps++;
+    st->last_corrections = st->last_resyncs = st->last_pages_recalled = 0;
+    st->last_bytes_recalled = 0;
+    for (int h = 0; h < f->kvh; h++) {
+        struct head *hd = &f->heads[h];
+        st->last_corrections += hd->corrections;
+        st->last_resyncs += hd->resyncs;
+        st->last_pages_recalled += hd->recalled;
+        hd->corrections = hd->resyncs = hd->recalled = 0;
+        hd->todo = hd->q_step == f->step;
+    }
+    st->corrections += st->last_corrections;
+    st->resyncs += st->last_resyncs;
+    st->pages_recalled += st->last_pages_recalled;
+    st->last_bytes_recalled = recall_bytes(f, st->last_pages_recalled);
+    st->bytes_recalled += st->last_bytes_recalled;
+    f->step++;
+    if (f->worker)
+        enqueue(f);
+    else
+        run_job(f);
+    return KVCAP_OK;
+}
+
+/* ---- accounting and inspection -------------------------------------------------------------- */
+
+uint64_t kvcap_freekv_bytes_held(const struct kvcap_freekv *f)
+{
+    if (!f)
+        return 0;
+    uint64_t store = (uint64_t)f->n_alloc * f->page_bytes;
+    uint64_t pool = 4 * (uint64_t)f->pool_slots * f->p.page_size * f->kvh * f->row_bytes;
+    uint64_t digests = (uint64_t)f->kvh * f->cap_pages * 2 * f->d * sizeof(float);
+    return store + pool + digests;
+}
+
+/* Waiting changes no observable state: the const is the caller's view, the object is not const. */
+void kvcap_freekv_stats(const struct kvcap_freekv *f, struct kvcap_freekv_stats *out)
+{
+    if (!out)
+        return;
+    memset(out, 0, sizeof *out);
+    if (!f)
+        return;
+    wait_idle((struct kvcap_freekv *)f);
+    *out = f->stats;
+}
+
+enum kvcap_status kvcap_freekv_digest(const struct kvcap_freekv *f, int h, int page, float *kmax,
+                                      float *kmin)
+{
+    KVCAP_RETURN_IF(!f || !kmax || !kmin, KVCAP_ERR_INVALID_ARGUMENT,
+                    "freekv_digest: NULL argument");
+    KVCAP_RETURN_IF(h < 0 || h >= f->kvh, KVCAP_ERR_INVALID_ARGUMENT,
+                    "freekv_digest: h = %d out of range", h);
+    KVCAP_RETURN_IF(page < 0 || page >= pages_for(f, f->tokens), KVCAP_ERR_INVALID_ARGUMENT,
+                    "freekv_digest: page = %d out of range", page);
+    wait_idle((struct kvcap_freekv *)f);
+    const float *dg = f->heads[h].dig + (size_t)page * 2 * f->d;
+    memcpy(kmax, dg, sizeof(float) * (size_t)f->d);
+    memcpy(kmin, dg + f->d, sizeof(float) * (size_t)f->d);
+    return KVCAP_OK;
+}
+
+int kvcap_freekv_selection(const struct kvcap_freekv *f, int h, int *pages, int cap)
+{
+    if (!f || h < 0 || h >= f->kvh || (cap > 0 && !pages))
+        return -1;
+    wait_idle((struct kvcap_freekv *)f);
+    const struct head *hd = &f->heads[h];
+    int n = hd->n_sel[hd->cur];
+    for (int s = 0; s < n && s < cap; s++)
+        pages[s] = hd->slot[hd->cur][s];
+    return n;
+}

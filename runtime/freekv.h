@@ -1,0 +1,116 @@
+/* freekv.h — FreeKV (DESIGN §7) for one (sequence, layer): every token the cache routes to
+ * FreeKV lives in a paged host store (HND pages: [kv_heads][2][page_size][d], so one page of
+ * one head is one contiguous copy); each step attends, per KV head, over its sink pages, its
+ * recent window pages and its top-k pages by group-consistent digest score, held in a page
+ * pool (NHD: [slot][page_size][kv_heads][d] for K and for V) within a token budget.
+ * Selection is speculative: step t uses the pages selected with q_{t−1}; selection with q_t
+ * and the recall of missing pages for step t+1 run off the critical path (a worker thread,
+ * two pool buffers alternating). A KV head whose group-mean query cosine between steps is
+ * below τ is corrected: selected and recalled before its attention. On CPU "device" and
+ * "host" are both host memory; the logic is the one a GPU build follows. */
+#ifndef KVCAP_FREEKV_H
+#define KVCAP_FREEKV_H
+
+#include <stdint.h>
+
+#include "attention.h"
+
+struct kvcap_freekv_params {
+    int page_size;     /* tokens per page, >= 1 (32) */
+    int budget_tokens; /* tokens attended per KV head per step, sinks + window + top-k (2048);
+                        * at least (sink_pages + window_pages + 1) pages */
+    int sink_pages;    /* first pages, always attended, >= 0 (1) */
+    int window_pages;  /* last pages (the newest, partial one included), always attended, >= 1:
+                        * the page being written is never a top-k candidate (2) */
+    float tau;         /* correction threshold on the group-mean query cosine (0.9);
+                        * tau >= 1: every step corrects; tau <= -1: no step does */
+};
+
+/* The defaults written in parentheses above. */
+struct kvcap_freekv_params kvcap_freekv_default_params(void);
+
+/* Counts over (step, KV head) pairs since creation; last_*: the most recent step only (its
+ * attends and the recall its step_done queued). A resync is a head-step whose speculative
+ * selection was missing (the first step) or made for another store size (more or fewer than
+ * one token appended since): it is selected with the current queries on the critical path,
+ * like a correction, but is not counted as one. */
+struct kvcap_freekv_stats {
+    int64_t steps;          /* kvcap_freekv_step_done calls */
+    int64_t corrections;    /* head-steps selected and recalled on the critical path */
+    int64_t pages_recalled; /* pages copied store → pool (speculative, corrective, resync);
+                             * pages found in a pool buffer are moved there, not counted */
+    uint64_t bytes_recalled;
+    int last_corrections, last_pages_recalled;
+    uint64_t last_bytes_recalled;
+    int64_t resyncs;
+    int last_resyncs;
+};
+
+/* One background thread shared by every FreeKV state of a cache; runs queued next-step
+ * selections in submission order. Free it after the states that use it. */
+struct kvcap_freekv_worker;
+enum kvcap_status kvcap_freekv_worker_create(struct kvcap_freekv_worker **out);
+void kvcap_freekv_worker_free(struct kvcap_freekv_worker *w); /* drains its queue first */
+
+struct kvcap_freekv;
+
+/* A state for kv_heads KV heads of G query heads each, head_dim d (1..4096), rows stored in
+ * `storage` (F32/F16/BF16). worker NULL: the next-step selection runs inline in step_done
+ * (tests). The worker is borrowed and must outlive the state. Every call on a state other than
+ * attend (which may run concurrently for different heads) must not overlap another call on it. */
+enum kvcap_status kvcap_freekv_create(const struct kvcap_freekv_params *p, int kv_heads, int G,
+                                      int d, enum kvcap_dtype storage,
+                                      struct kvcap_freekv_worker *worker,
+                                      struct kvcap_freekv **out);
+void kvcap_freekv_free(struct kvcap_freekv *f); /* waits for its background work; NULL ok */
+
+/* Appends n tokens after those held: k, v [kv_heads][n][d] f32. Waits for this state's
+ * background work first (the store may grow). */
+enum kvcap_status kvcap_freekv_append(struct kvcap_freekv *f, const float *k, const float *v,
+                                      int n);
+int64_t kvcap_freekv_tokens(const struct kvcap_freekv *f);
+
+/* Decode attention of KV head h: its G queries q [G][d] f32 (rotated at their position),
+ * scores (q·k)·scale, folded into acc. The first step (or a store that changed unexpectedly
+ * since the speculative selection) selects with q; a head whose group-mean cosine with the
+ * previous step's queries is below τ is corrected; otherwise the speculative selection is
+ * used. With budget >= all tokens, every token is attended (equal to `full`). May be called
+ * concurrently for different h of the same state, never twice for one h in a step. Returns the
+ * bytes of K/V read by attention plus those of the digests read by a selection made here
+ * (recall copies are counted in the stats); 0 with nothing stored or a bad argument (the
+ * error is then recorded for kvcap_last_error). */
+uint64_t kvcap_freekv_attend(struct kvcap_freekv *f, int h, const float *q, float scale,
+                             struct kvcap_partial acc);
+
+/* After every KV head of this step attended: selection with this step's queries for the next
+ * step and recall of its missing pages into the other pool buffer, queued on the worker (or
+ * run inline). */
+enum kvcap_status kvcap_freekv_step_done(struct kvcap_freekv *f);
+
+/* Bytes allocated: store + pool buffers + digests. The pool grows with the store, up to the
+ * k = budget/page_size − sinks − window pages per head and buffer it can ever need. */
+uint64_t kvcap_freekv_bytes_held(const struct kvcap_freekv *f);
+/* Waits for the state's background work, so the counts include the last queued recall. */
+void kvcap_freekv_stats(const struct kvcap_freekv *f, struct kvcap_freekv_stats *out);
+
+/* Inspection (tests, reports); wait for background work, not concurrent with attend. The
+ * digest of `page` for KV head h (kmax, kmin [d]: per-channel max and min of its stored keys,
+ * the filled rows only); and the top-k pages, ascending, that head h attended from the pool at
+ * its latest attend (sinks and window not included), at most `cap` of them written, returns
+ * their count (-1 on a bad argument). */
+enum kvcap_status kvcap_freekv_digest(const struct kvcap_freekv *f, int h, int page, float *kmax,
+                                      float *kmin);
+int kvcap_freekv_selection(const struct kvcap_freekv *f, int h, int *pages, int cap);
+
+/* Oracle of the selection for one KV head over `n_pages` pages: digests kmax, kmin
+ * [n_pages][d]; q [G][d]. Page score = mean over g of softmax over pages of
+ * Σ_c max(q_gc·kmax_c, q_gc·kmin_c); the top `k` pages among those that are neither sinks
+ * (the first sink_pages) nor window (the last window_pages) go to sel (ascending), returns
+ * their count (all candidates when there are at most k; -1 when out of memory). Double
+ * precision, no shortcuts. score (NULL: not wanted) receives [n_pages] the page scores, NaN for
+ * sinks and window: tests use them to accept a different pick between near-equal pages. */
+int kvcap_freekv_select_ref(const float *kmax, const float *kmin, int n_pages, const float *q,
+                            int G, int d, int sink_pages, int window_pages, int k, int *sel,
+                            double *score);
+
+#endif
