@@ -930,7 +930,9 @@ static enum kvcap_status parse_runtime(struct ctx *c, yaml_node_t *root, void *o
         }
     }
     n = lookup(c, root, "fallback");
-    if (n) {
+    if (n && n->type == YAML_SCALAR_NODE && strcmp(scalar(n), "none") == 0)
+        cfg->fallback = KVCAP_FALLBACK_NONE;
+    else if (n) {
         GET_NAMED(c, root, "", "fallback", &policy_set, &cfg->fallback);
         if (cfg->fallback == KVCAP_POLICY_KVCAPSULE)
             return fail_at(c, n->start_mark,
@@ -964,7 +966,7 @@ static enum kvcap_status parse_runtime(struct ctx *c, yaml_node_t *root, void *o
         KVCAP_TRY(check_mapping(c, n, f, freekv_keys, NULL));
         KVCAP_TRY(get_int(c, n, f, "page_size", 1, 65536, &p->page_size));
         KVCAP_TRY(get_int(c, n, f, "budget", 1, 1 << 30, &p->budget));
-        KVCAP_TRY(get_double(c, n, f, "tau", (struct drange){0.0, 1.0, 0, 0}, &p->tau));
+        KVCAP_TRY(get_double(c, n, f, "tau", (struct drange){-1.0, 1.0, 0, 0}, &p->tau));
         KVCAP_TRY(get_int(c, n, f, "sink_pages", 0, 1 << 20, &p->sink_pages));
         KVCAP_TRY(get_int(c, n, f, "window_pages", 1, 1 << 20, &p->window_pages));
         /* At least one page beyond sinks and window must be selectable, or FreeKV is

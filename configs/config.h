@@ -122,7 +122,8 @@ void kvcap_calib_config_free(struct kvcap_calib_config *cfg);
 /* FlashCache (DESIGN §5). */
 struct kvcap_flashcache_config {
     double gamma;     /* low-pass fraction of DCT coefficients, (0, 1], default 0.1 */
-    double retention; /* global retention rho, (0, 1], default 0.4 */
+    double retention; /* global retention rho (kept / span tokens, protected ones
+                       * included), (0, 1], default 0.4 */
     int min_tokens;   /* per-layer budget floor in tokens, default 16 */
     int sinks;        /* first tokens always kept, default 4 */
     int window;       /* most recent tokens always kept, default 32 */
@@ -131,7 +132,8 @@ struct kvcap_flashcache_config {
 /* VL-Cache (DESIGN §6). */
 struct kvcap_vlcache_config {
     double p;            /* sparsity threshold relative to the row max, (0, 1), default 0.01 */
-    double budget;       /* global budget alpha, (0, 1], default 0.4 */
+    double budget;       /* global budget alpha (mean kept fraction of a span over
+                          * layers, protected tokens included), (0, 1], default 0.4 */
     double min_fraction; /* lower clip of beta_l, (0, 1], default 0.01 */
     int sinks;           /* default 4 */
     int window;          /* default 32 */
@@ -141,7 +143,8 @@ struct kvcap_vlcache_config {
 struct kvcap_freekv_config {
     int page_size;    /* tokens per page, 1..65536, default 32 */
     int budget;       /* device-side tokens per KV head, default 2048 */
-    double tau;       /* correction threshold on the query cosine, [0, 1], default 0.9 */
+    double tau;       /* correction threshold on the query cosine, [-1, 1], default 0.9;
+                       * 1: every step corrects, -1: none does */
     int sink_pages;   /* default 1 */
     int window_pages; /* >= 1, default 2 */
 };
@@ -152,6 +155,8 @@ struct kvcap_streaming_config {
     int window; /* >= 1, default 1024 */
 };
 
+#define KVCAP_FALLBACK_NONE ((enum kvcap_policy)-1)
+
 struct kvcap_runtime_config {
     /* Path of the compressor artifact, "" for none. A relative path in a file is resolved
      * against the directory of that file; from a string it is kept as written. */
@@ -161,7 +166,8 @@ struct kvcap_runtime_config {
      * needs an artifact and applies to vision spans only. */
     enum kvcap_policy policy[3];
     /* Policy for vision spans whose grid has no bucket in the artifact; not kvcapsule.
-     * Default flashcache (DESIGN §3). */
+     * Default flashcache (DESIGN §3). KVCAP_FALLBACK_NONE (`fallback: none`): such a span is
+     * an error (KVCAP_ERR_NOT_FOUND). */
     enum kvcap_policy fallback;
     struct kvcap_flashcache_config flashcache;
     struct kvcap_vlcache_config vlcache;

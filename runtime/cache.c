@@ -1,7 +1,8 @@
 /* cache.c — libkvcap's cache: sequences × layers of segments (one per prefill span, plus the
- * generated tail), the policy chosen per span kind, and decode attention that merges every
- * segment's partial softmax. KVCapsule segments of one bucket are attended together across the
- * whole batch so the maps are read once per step. */
+ * generated tail and the FreeKV store), the policy chosen per span kind, the end of prefill
+ * (cross-layer compression), and decode attention that merges every segment's partial softmax.
+ * KVCapsule segments of one bucket are attended together across the whole batch so the maps
+ * are read once per step. */
 #include <cblas.h>
 #include <math.h>
 #include <stdlib.h>
@@ -18,7 +19,10 @@ static const struct kvcap_policy_impl *policy_impl(enum kvcap_policy p)
     case KVCAP_POLICY_FULL: return &kvcap_policy_full_impl;
     case KVCAP_POLICY_STREAMING: return &kvcap_policy_streaming_impl;
     case KVCAP_POLICY_KVCAPSULE: return &kvcap_policy_kvcapsule_impl;
-    default: return NULL; /* flashcache, vlcache, freekv: not in this build yet */
+    case KVCAP_POLICY_FLASHCACHE: return &kvcap_policy_flashcache_impl;
+    case KVCAP_POLICY_VLCACHE: return &kvcap_policy_vlcache_impl;
+    case KVCAP_POLICY_FREEKV: return &kvcap_policy_freekv_impl;
+    default: return NULL;
     }
 }
 
@@ -63,21 +67,9 @@ enum kvcap_status kvcap_cache_create(const struct kvcap_cache_params *p, struct 
     enum kvcap_status st =
         p->config_path ? kvcap_runtime_config_load_file(p->config_path, &c->cfg)
                        : (kvcap_runtime_config_default(&c->cfg), KVCAP_OK);
-    if (st == KVCAP_OK && !p->config_path) {
-        /* Defaults that work in this build: kvcapsule when an artifact is given; a default
-         * policy this build does not have yet is replaced by full (an explicit config asking
-         * for it fails below instead). */
-        if (p->artifact)
-            c->cfg.policy[KVCAP_SPAN_VISION] = KVCAP_POLICY_KVCAPSULE;
-        for (int k = 0; k < 3; k++)
-            if (!policy_impl(c->cfg.policy[k]))
-                c->cfg.policy[k] = KVCAP_POLICY_FULL;
-        if (!policy_impl(c->cfg.fallback)) {
-            kvcap_log(KVCAP_LOG_INFO, "cache: fallback '%s' is not in this build; spans without "
-                      "a bucket are kept in full", kvcap_policy_name(c->cfg.fallback));
-            c->cfg.fallback = KVCAP_POLICY_FULL;
-        }
-    }
+    /* Defaults: vision spans go to kvcapsule when an artifact is given (flashcache else). */
+    if (st == KVCAP_OK && !p->config_path && p->artifact)
+        c->cfg.policy[KVCAP_SPAN_VISION] = KVCAP_POLICY_KVCAPSULE;
     if (st == KVCAP_OK && c->cfg.policy[KVCAP_SPAN_VISION] == KVCAP_POLICY_KVCAPSULE &&
         !p->artifact)
         st = kvcap_fail(KVCAP_ERR_INVALID_ARGUMENT,
@@ -86,11 +78,21 @@ enum kvcap_status kvcap_cache_create(const struct kvcap_cache_params *p, struct 
     for (int k = 0; st == KVCAP_OK && k < 3; k++) {
         enum kvcap_policy pol = c->cfg.policy[k];
         if (!policy_impl(pol))
-            st = kvcap_fail(KVCAP_ERR_UNSUPPORTED,
-                            "runtime config: policy '%s' is not available in this build yet "
-                            "(available: full, streaming, kvcapsule)",
-                            kvcap_policy_name(pol));
+            st = kvcap_fail(KVCAP_ERR_CONFIG, "runtime config: policy %d is unknown",
+                            (int)pol);
     }
+    /* Generated tokens arrive one at a time: only policies that work token by token. */
+    enum kvcap_policy gen = c->cfg.policy[KVCAP_SPAN_GENERATED];
+    if (st == KVCAP_OK && gen != KVCAP_POLICY_FULL && gen != KVCAP_POLICY_STREAMING &&
+        gen != KVCAP_POLICY_FREEKV)
+        st = kvcap_fail(KVCAP_ERR_INVALID_ARGUMENT,
+                        "runtime config: policies.generated is '%s'; generated tokens take full, "
+                        "streaming or freekv (the others compress a whole span after prefill)",
+                        kvcap_policy_name(gen));
+    if (st == KVCAP_OK && c->cfg.fallback != KVCAP_FALLBACK_NONE &&
+        (!policy_impl(c->cfg.fallback) || c->cfg.fallback == KVCAP_POLICY_KVCAPSULE))
+        st = kvcap_fail(KVCAP_ERR_INVALID_ARGUMENT, "runtime config: fallback '%s' is not a "
+                        "policy for spans without a bucket", kvcap_policy_name(c->cfg.fallback));
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
     c->threads = p->n_threads ? p->n_threads : (int)(cores > 0 ? (cores < 64 ? cores : 64) : 1);
     if (st == KVCAP_OK)
@@ -127,7 +129,10 @@ void kvcap_cache_free(struct kvcap_cache *c)
             kvcap_segment_release(&sl->segs[s]);
         free(sl->segs);
         kvcap_segment_release(&sl->gen);
+        free(sl->post_q);
+        kvcap_freekv_free(sl->freekv);
     }
+    kvcap_freekv_worker_free(c->freekv_worker);
     for (int t = 0; c->scratch && t < c->threads; t++) {
         struct kvcap_thread_scratch *s = &c->scratch[t];
         free(s->part), free(s->qrot), free(s->spans), free(s->work);
@@ -232,10 +237,53 @@ enum kvcap_status kvcap_segment_fill(struct kvcap_cache *c, struct kvcap_segment
     return KVCAP_OK;
 }
 
+enum kvcap_status kvcap_segment_compact(const struct kvcap_cache *c, struct kvcap_segment *seg,
+                                        const int *keep, int n_keep)
+{
+    size_t d = (size_t)c->g.head_dim, H = (size_t)c->g.n_kv_heads;
+    size_t es = kvcap_dtype_size(c->storage), row = d * es;
+    size_t cap = n_keep > 0 ? (size_t)n_keep : 1;
+    char *k = malloc(H * cap * row), *v = malloc(H * cap * row);
+    if (!k || !v) {
+        free(k), free(v);
+        return kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "cache: out of memory compacting a span");
+    }
+    for (size_t h = 0; h < H; h++)
+        for (int i = 0; i < n_keep; i++) {
+            size_t from = (h * (size_t)seg->cap + (size_t)keep[h * (size_t)n_keep + i]) * row;
+            memcpy(k + (h * cap + (size_t)i) * row, (const char *)seg->k + from, row);
+            memcpy(v + (h * cap + (size_t)i) * row, (const char *)seg->v + from, row);
+        }
+    free(seg->k), free(seg->v);
+    seg->k = k;
+    seg->v = v;
+    seg->cap = (int)cap;
+    seg->n_rows = n_keep;
+    return KVCAP_OK;
+}
+
+enum kvcap_status kvcap_cache_freekv(struct kvcap_cache *c, struct kvcap_seq_layer *sl,
+                                     struct kvcap_freekv **out)
+{
+    if (!sl->freekv) {
+        if (!c->freekv_worker)
+            KVCAP_TRY(kvcap_freekv_worker_create(&c->freekv_worker));
+        const struct kvcap_freekv_config *f = &c->cfg.freekv;
+        struct kvcap_freekv_params p = {f->page_size, f->budget, f->sink_pages,
+                                        f->window_pages, (float)f->tau};
+        KVCAP_TRY(kvcap_freekv_create(&p, c->g.n_kv_heads, c->g.n_q_heads / c->g.n_kv_heads,
+                                      c->g.head_dim, c->storage, c->freekv_worker,
+                                      &sl->freekv));
+    }
+    *out = sl->freekv;
+    return KVCAP_OK;
+}
+
 void kvcap_segment_release(struct kvcap_segment *seg)
 {
-    free(seg->k), free(seg->v), free(seg->hs), free(seg->vt), free(seg->mu);
+    free(seg->k), free(seg->v), free(seg->hs), free(seg->vt), free(seg->mu), free(seg->score);
     seg->k = seg->v = seg->hs = seg->vt = seg->mu = NULL;
+    seg->score = NULL;
     seg->n_rows = seg->cap = 0;
 }
 
@@ -325,18 +373,17 @@ enum kvcap_status kvcap_cache_add_span(struct kvcap_cache *c, int seq, int layer
     if (seg.policy == KVCAP_POLICY_KVCAPSULE) {
         seg.bucket = kvcap_artifact_find_bucket(c->artifact, seg.rows, seg.cols);
         if (seg.bucket < 0) {
+            KVCAP_RETURN_IF(c->cfg.fallback == KVCAP_FALLBACK_NONE, KVCAP_ERR_NOT_FOUND,
+                            "seq %d: vision span %dx%d has no bucket in the artifact and the "
+                            "runtime config has fallback: none",
+                            seq, seg.rows, seg.cols);
             seg.policy = c->cfg.fallback;
             fallback = 1;
-            KVCAP_RETURN_IF(!policy_impl(seg.policy), KVCAP_ERR_UNSUPPORTED,
-                            "seq %d: vision span %dx%d has no bucket in the artifact and the "
-                            "fallback policy '%s' is not available in this build yet (set "
-                            "fallback: full or streaming)",
-                            seq, seg.rows, seg.cols, kvcap_policy_name(seg.policy));
         }
     }
     if (c->recorder && span->kind == KVCAP_SPAN_VISION)
         KVCAP_TRY(kvcap_recorder_span(c->recorder, seq, layer, span, k, v));
-    enum kvcap_status st = policy_impl(seg.policy)->prefill(c, layer, &seg, k, v);
+    enum kvcap_status st = policy_impl(seg.policy)->prefill(c, seq, layer, &seg, k, v);
     if (st != KVCAP_OK) {
         kvcap_segment_release(&seg);
         return st;
@@ -353,10 +400,71 @@ enum kvcap_status kvcap_cache_add_post_queries(struct kvcap_cache *c, int seq, i
                                                const float *q, int n)
 {
     KVCAP_TRY(check_seq_layer(c, seq, layer));
-    KVCAP_RETURN_IF(!q || n < 1, KVCAP_ERR_INVALID_ARGUMENT, "post queries: q NULL or n %d < 1",
-                    n);
-    if (c->recorder)
-        KVCAP_TRY(kvcap_recorder_post_queries(c->recorder, seq, layer, q, n));
+    KVCAP_RETURN_IF(!q || n < 1 || n > (1 << 20), KVCAP_ERR_INVALID_ARGUMENT,
+                    "post queries: q NULL or n %d outside 1..2^20", n);
+    struct kvcap_seq_layer *sl = kvcap_cache_seq_layer(c, seq, layer);
+    KVCAP_RETURN_IF(sl->gen.seen > 0,
+                    KVCAP_ERR_STATE, "seq %d layer %d: post-vision queries come before decoding",
+                    seq, layer);
+    /* Kept token-major ([n][q_heads][d]) so later calls extend the same block. */
+    size_t qd = (size_t)c->g.n_q_heads * c->g.head_dim;
+    float *grown = realloc(sl->post_q, sizeof(float) * qd * (size_t)(sl->n_post + n));
+    KVCAP_RETURN_IF(!grown, KVCAP_ERR_OUT_OF_MEMORY, "post queries: out of memory");
+    sl->post_q = grown;
+    for (int i = 0; i < n; i++)
+        for (int hq = 0; hq < c->g.n_q_heads; hq++)
+            memcpy(grown + (size_t)(sl->n_post + i) * qd + (size_t)hq * c->g.head_dim,
+                   q + ((size_t)hq * n + (size_t)i) * c->g.head_dim,
+                   sizeof(float) * (size_t)c->g.head_dim);
+    if (c->recorder) {
+        enum kvcap_status st = kvcap_recorder_post_queries(c->recorder, seq, layer, q, n);
+        if (st != KVCAP_OK)
+            return st; /* the copy above stays: the next call would extend it */
+    }
+    sl->n_post += n;
+    return KVCAP_OK;
+}
+
+/* ---- End of prefill ----------------------------------------------------------------------- */
+
+static int seq_pending(const struct kvcap_cache *c, int seq)
+{
+    for (int l = 0; l < c->g.n_layers; l++) {
+        const struct kvcap_seq_layer *sl = kvcap_cache_seq_layer(c, seq, l);
+        for (int i = 0; i < sl->n_segs; i++)
+            if (sl->segs[i].pending)
+                return 1;
+    }
+    return 0;
+}
+
+enum kvcap_status kvcap_cache_end_prefill(struct kvcap_cache *c, int seq)
+{
+    KVCAP_TRY(check_seq_layer(c, seq, 0));
+    if (!seq_pending(c, seq))
+        return KVCAP_OK;
+    int n_spans = kvcap_cache_seq_layer(c, seq, 0)->n_segs;
+    for (int l = 1; l < c->g.n_layers; l++) {
+        int got = kvcap_cache_seq_layer(c, seq, l)->n_segs;
+        KVCAP_RETURN_IF(got != n_spans, KVCAP_ERR_STATE,
+                        "seq %d: prefill is incomplete (layer %d has %d spans, layer 0 has %d)",
+                        seq, l, got, n_spans);
+    }
+    for (int i = 0; i < n_spans; i++) {
+        int pending = 0;
+        for (int l = 0; l < c->g.n_layers; l++)
+            pending |= kvcap_cache_seq_layer(c, seq, l)->segs[i].pending;
+        const struct kvcap_policy_impl *impl =
+            policy_impl(kvcap_cache_seq_layer(c, seq, 0)->segs[i].policy);
+        if (pending && impl->finish)
+            KVCAP_TRY(impl->finish(c, seq, i));
+    }
+    for (int l = 0; l < c->g.n_layers; l++) { /* consumed */
+        struct kvcap_seq_layer *sl = kvcap_cache_seq_layer(c, seq, l);
+        free(sl->post_q);
+        sl->post_q = NULL;
+        sl->n_post = 0;
+    }
     return KVCAP_OK;
 }
 
@@ -369,7 +477,28 @@ enum kvcap_status kvcap_cache_append(struct kvcap_cache *c, int seq, int layer,
     KVCAP_TRY(check_seq_layer(c, seq, layer));
     KVCAP_TRY(kvcap_view_check(k, "k", c->g.n_kv_heads, 1, c->g.head_dim));
     KVCAP_TRY(kvcap_view_check(v, "v", c->g.n_kv_heads, 1, c->g.head_dim));
-    struct kvcap_segment *gen = &kvcap_cache_seq_layer(c, seq, layer)->gen;
+    KVCAP_TRY(kvcap_cache_end_prefill(c, seq));
+    struct kvcap_seq_layer *sl = kvcap_cache_seq_layer(c, seq, layer);
+    struct kvcap_segment *gen = &sl->gen;
+    int d = c->g.head_dim, H = c->g.n_kv_heads;
+    if (gen->policy == KVCAP_POLICY_FREEKV) {
+        struct kvcap_freekv *f;
+        KVCAP_TRY(kvcap_cache_freekv(c, sl, &f));
+        float *buf = malloc(sizeof(float) * 2 * (size_t)H * d);
+        KVCAP_RETURN_IF(!buf, KVCAP_ERR_OUT_OF_MEMORY, "cache: out of memory");
+        for (int h = 0; h < H; h++) {
+            kvcap_view_read(k, h, 0, 1, d, buf + (size_t)h * d);
+            kvcap_view_read(v, h, 0, 1, d, buf + (size_t)(H + h) * d);
+        }
+        enum kvcap_status st = kvcap_freekv_append(f, buf, buf + (size_t)H * d, 1);
+        free(buf);
+        KVCAP_TRY(st);
+        sl->freekv_tokens_by_kind[KVCAP_SPAN_GENERATED]++;
+        gen->seen++;
+        if (layer == 0)
+            c->tokens_by_kind[KVCAP_SPAN_GENERATED]++;
+        return KVCAP_OK;
+    }
     int row = gen->n_rows;
     if (gen->policy == KVCAP_POLICY_STREAMING) {
         /* first `sinks` generated tokens stay; after them a ring of the last `window` */
@@ -379,10 +508,9 @@ enum kvcap_status kvcap_cache_append(struct kvcap_cache *c, int seq, int layer,
     }
     if (row >= gen->cap)
         KVCAP_TRY(kvcap_segment_reserve(c, gen, gen->cap ? 2 * gen->cap : 64));
-    int d = c->g.head_dim;
     float *buf = malloc(sizeof(float) * 2 * (size_t)d);
     KVCAP_RETURN_IF(!buf, KVCAP_ERR_OUT_OF_MEMORY, "cache: out of memory");
-    for (int h = 0; h < c->g.n_kv_heads; h++) {
+    for (int h = 0; h < H; h++) {
         kvcap_view_read(k, h, 0, 1, d, buf);
         kvcap_view_read(v, h, 0, 1, d, buf + d);
         kvcap_segment_store(c, gen, h, row, 1, buf, buf + d);
@@ -465,7 +593,7 @@ static struct kvcap_partial seq_partial(float *part, int s, int G, int d)
 /* All of KV head h at `layer`, for every sequence: plain segments row by row, KVCapsule
  * segments bucket by bucket across the batch. */
 static uint64_t attend_head(struct kvcap_cache *c, int layer, int h, const float *q, float *out,
-                            struct kvcap_thread_scratch *sc, uint64_t *map_bytes)
+                            float *lse, struct kvcap_thread_scratch *sc, uint64_t *map_bytes)
 {
     const struct kvcap_model_geometry *g = &c->g;
     int G = g->n_q_heads / g->n_kv_heads, d = g->head_dim;
@@ -486,6 +614,8 @@ static uint64_t attend_head(struct kvcap_cache *c, int layer, int h, const float
                                       c->storage, (size_t)d, seg->n_rows};
             bytes += kvcap_attend_rows(&rows, qs, G, d, scale, acc);
         }
+        if (sl->freekv)
+            bytes += kvcap_freekv_attend(sl->freekv, h, qs, scale, acc);
     }
     for (int b = 0; c->artifact && b < c->artifact->n_buckets; b++) {
         int n = 0;
@@ -518,9 +648,14 @@ static uint64_t attend_head(struct kvcap_cache *c, int layer, int h, const float
         bytes += got;
         *map_bytes += maps;
     }
-    for (int s = 0; s < c->n_seqs; s++)
-        kvcap_partial_finish(seq_partial(sc->part, s, G, d), G, d,
-                             out + ((size_t)s * g->n_q_heads + (size_t)h * G) * d, (size_t)d);
+    for (int s = 0; s < c->n_seqs; s++) {
+        struct kvcap_partial p = seq_partial(sc->part, s, G, d);
+        kvcap_partial_finish(p, G, d, out + ((size_t)s * g->n_q_heads + (size_t)h * G) * d,
+                             (size_t)d);
+        for (int i = 0; lse && i < G; i++)
+            lse[(size_t)s * g->n_q_heads + (size_t)h * G + i] =
+                p.sum[i] > 0 ? p.mx[i] + logf(p.sum[i]) : -INFINITY;
+    }
     return bytes;
 }
 
@@ -528,7 +663,7 @@ struct attend_job {
     struct kvcap_cache *c;
     int layer;
     const float *q;
-    float *out;
+    float *out, *lse;
     uint64_t bytes[64], map_bytes[64]; /* per thread */
 };
 
@@ -536,19 +671,22 @@ static void attend_task(void *ctx, int h, int thread)
 {
     struct attend_job *job = ctx;
     uint64_t maps = 0;
-    job->bytes[thread] += attend_head(job->c, job->layer, h, job->q, job->out,
+    job->bytes[thread] += attend_head(job->c, job->layer, h, job->q, job->out, job->lse,
                                       &job->c->scratch[thread], &maps);
     job->map_bytes[thread] += maps;
 }
 
-enum kvcap_status kvcap_cache_attend(struct kvcap_cache *c, int layer, const float *q, float *out)
+enum kvcap_status kvcap_cache_attend_lse(struct kvcap_cache *c, int layer, const float *q,
+                                         float *out, float *lse)
 {
     KVCAP_TRY(check_seq_layer(c, 0, layer));
     KVCAP_RETURN_IF(!q || !out, KVCAP_ERR_INVALID_ARGUMENT, "attend: q and out are required");
+    for (int s = 0; s < c->n_seqs; s++)
+        KVCAP_TRY(kvcap_cache_end_prefill(c, s));
     KVCAP_TRY(prepare_scratch(c, layer));
     if (c->recorder)
         KVCAP_TRY(kvcap_recorder_decode_queries(c->recorder, layer, q));
-    struct attend_job job = {c, layer, q, out, {0}, {0}};
+    struct attend_job job = {c, layer, q, out, lse, {0}, {0}};
     /* KV heads are independent; BLAS runs single-threaded inside the parallel tasks. */
     int blas_threads = openblas_get_num_threads();
     if (c->threads > 1)
@@ -561,7 +699,19 @@ enum kvcap_status kvcap_cache_attend(struct kvcap_cache *c, int layer, const flo
         bytes += job.bytes[t], map_bytes += job.map_bytes[t];
     c->last_read = bytes;
     c->last_map_read = map_bytes;
+    /* FreeKV: the next step's selection and recall go to the worker now, off the path of the
+     * layers that follow. */
+    for (int s = 0; s < c->n_seqs; s++) {
+        struct kvcap_freekv *f = kvcap_cache_seq_layer(c, s, layer)->freekv;
+        if (f)
+            KVCAP_TRY(kvcap_freekv_step_done(f));
+    }
     return KVCAP_OK;
+}
+
+enum kvcap_status kvcap_cache_attend(struct kvcap_cache *c, int layer, const float *q, float *out)
+{
+    return kvcap_cache_attend_lse(c, layer, q, out, NULL);
 }
 
 enum kvcap_status kvcap_cache_stats(const struct kvcap_cache *c, struct kvcap_cache_stats *st)
@@ -572,20 +722,39 @@ enum kvcap_status kvcap_cache_stats(const struct kvcap_cache *c, struct kvcap_ca
     uint64_t row_pair = 2 * (uint64_t)c->g.n_kv_heads * (uint64_t)c->g.head_dim * es;
     for (size_t i = 0; i < (size_t)c->n_seqs * c->g.n_layers; i++) {
         const struct kvcap_seq_layer *sl = &c->layers[i];
+        if (sl->freekv) {
+            /* the store's bytes, shared out over span kinds by their tokens */
+            uint64_t b = kvcap_freekv_bytes_held(sl->freekv);
+            int64_t n = kvcap_freekv_tokens(sl->freekv);
+            st->bytes_held += b;
+            st->bytes_by_policy[KVCAP_POLICY_FREEKV] += b;
+            for (int k = 0; k < 3 && n > 0; k++)
+                st->bytes_by_kind[k] +=
+                    (uint64_t)((double)b * (double)sl->freekv_tokens_by_kind[k] / (double)n);
+            st->bytes_full_equivalent += row_pair * (uint64_t)n;
+            struct kvcap_freekv_stats fs;
+            kvcap_freekv_stats(sl->freekv, &fs);
+            st->freekv_corrections += fs.corrections;
+            st->freekv_pages_recalled += fs.pages_recalled;
+            st->freekv_bytes_recalled += fs.bytes_recalled;
+            st->freekv_head_steps += fs.steps * c->g.n_kv_heads;
+        }
         for (int s = 0; s <= sl->n_segs; s++) {
             const struct kvcap_segment *seg = s < sl->n_segs ? &sl->segs[s] : &sl->gen;
             uint64_t b = kvcap_segment_bytes(c, seg);
             st->bytes_held += b;
             st->bytes_by_policy[seg->policy] += b;
             st->bytes_by_kind[seg->kind] += b;
-            st->bytes_full_equivalent +=
-                row_pair * (uint64_t)(s < sl->n_segs ? seg->n_tokens : seg->seen);
+            if (seg->policy != KVCAP_POLICY_FREEKV)
+                st->bytes_full_equivalent +=
+                    row_pair * (uint64_t)(s < sl->n_segs ? seg->n_tokens : seg->seen);
         }
     }
     memcpy(st->tokens_by_kind, c->tokens_by_kind, sizeof st->tokens_by_kind);
     st->bytes_read_last_attend = c->last_read;
     st->map_bytes_read_last_attend = c->last_map_read;
     st->spans_fallback = c->spans_fallback;
+    st->compress_seconds = c->compress_seconds;
     return KVCAP_OK;
 }
 

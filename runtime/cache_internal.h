@@ -1,7 +1,9 @@
 /* cache_internal.h — the cache's data structures and the policy interface. A policy turns one
- * prefill span of one layer (all KV heads) into a segment; at decode the cache attends over
- * segments of two shapes: plain rows (full, streaming; later eviction policies) and KVCapsule
- * compressed state. New policies plug in here (one file each: policy_<name>.c). */
+ * prefill span of one layer (all KV heads) into a segment, and may finish it once every layer
+ * of the span is in (cross-layer budgets). At decode the cache attends over three shapes of
+ * state: plain rows (full, streaming, flashcache, vlcache), KVCapsule compressed state, and
+ * the FreeKV paged store of the sequence-layer. New policies plug in here (one file each:
+ * policy_<name>.c). */
 #ifndef KVCAP_CACHE_INTERNAL_H
 #define KVCAP_CACHE_INTERNAL_H
 
@@ -10,6 +12,7 @@
 #include "artifact.h"
 #include "attention.h"
 #include "config.h"
+#include "freekv.h"
 #include "internal.h"
 
 /* The stored state of one span at one layer, all KV heads. */
@@ -20,6 +23,12 @@ struct kvcap_segment {
     /* plain rows: [kv_heads][cap][head_dim] in the storage dtype, n_rows kept */
     void *k, *v;
     int n_rows, cap;
+    /* Prefill done, finish (cross-layer compression) not yet: the rows are all n_tokens,
+     * and `score` ([kv_heads][n_tokens] f32, policy-defined, may be NULL) and `weight` (the
+     * layer's share) wait for kvcap_cache_end_prefill. */
+    int pending;
+    float *score;
+    double weight;
     int64_t seen; /* generated tail: tokens appended so far (streaming keeps a ring) */
     /* KVCapsule: [kv_heads][tiles][h][d], [kv_heads][tiles][rv][d], [kv_heads][d] */
     int bucket, tiles, h, rv;
@@ -29,7 +38,13 @@ struct kvcap_segment {
 struct kvcap_seq_layer {
     struct kvcap_segment *segs;
     int n_segs, cap_segs;
-    struct kvcap_segment gen; /* generated tokens */
+    struct kvcap_segment gen; /* generated tokens (no rows when their policy is freekv) */
+    /* Post-vision queries (kvcap_cache_add_post_queries), token-major [n_post][q_heads][d]. */
+    float *post_q;
+    int n_post;
+    /* Every token routed to FreeKV (spans and generated), in order; NULL when none. */
+    struct kvcap_freekv *freekv;
+    int64_t freekv_tokens_by_kind[3];
 };
 
 struct kvcap_recorder;
@@ -54,8 +69,10 @@ struct kvcap_cache {
     struct kvcap_thread_scratch *scratch; /* [threads] */
     struct kvcap_recorder *recorder;      /* record mode, else NULL */
     struct kvcap_pool *pool;              /* threads of attend */
+    struct kvcap_freekv_worker *freekv_worker; /* started with the first FreeKV state */
     int64_t tokens_by_kind[3], spans_fallback;
     uint64_t last_read, last_map_read;
+    double compress_seconds;
 };
 
 static inline struct kvcap_seq_layer *kvcap_cache_seq_layer(const struct kvcap_cache *c, int seq,
@@ -64,18 +81,26 @@ static inline struct kvcap_seq_layer *kvcap_cache_seq_layer(const struct kvcap_c
     return &c->layers[(size_t)seq * c->g.n_layers + (size_t)layer];
 }
 
-/* What a policy does with a prefill span of one layer. */
+/* What a policy does with a prefill span. */
 struct kvcap_policy_impl {
     enum kvcap_policy id;
-    /* Fill `seg` (kind, geometry and policy already set) from the engine's K/V. */
-    enum kvcap_status (*prefill)(struct kvcap_cache *c, int layer, struct kvcap_segment *seg,
-                                 const struct kvcap_tensor_view *k,
+    /* Fill `seg` (kind, geometry and policy already set) from the engine's K/V of one layer.
+     * A policy with a finish step keeps all rows and sets seg->pending. */
+    enum kvcap_status (*prefill)(struct kvcap_cache *c, int seq, int layer,
+                                 struct kvcap_segment *seg, const struct kvcap_tensor_view *k,
                                  const struct kvcap_tensor_view *v);
+    /* Optional: compress span `span` of `seq` with every layer's segment in view (called by
+     * kvcap_cache_end_prefill while the segments are pending; clears pending). On failure the
+     * segments stay pending and intact. */
+    enum kvcap_status (*finish)(struct kvcap_cache *c, int seq, int span);
 };
 
 extern const struct kvcap_policy_impl kvcap_policy_full_impl;
 extern const struct kvcap_policy_impl kvcap_policy_streaming_impl;
 extern const struct kvcap_policy_impl kvcap_policy_kvcapsule_impl;
+extern const struct kvcap_policy_impl kvcap_policy_flashcache_impl;
+extern const struct kvcap_policy_impl kvcap_policy_vlcache_impl;
+extern const struct kvcap_policy_impl kvcap_policy_freekv_impl;
 
 /* ---- Helpers shared by the policies ----------------------------------------------------- */
 
@@ -97,6 +122,15 @@ void kvcap_segment_store(const struct kvcap_cache *c, struct kvcap_segment *seg,
 enum kvcap_status kvcap_segment_fill(struct kvcap_cache *c, struct kvcap_segment *seg,
                                      const struct kvcap_tensor_view *k,
                                      const struct kvcap_tensor_view *v, const int *tokens, int n);
+
+/* Keeps, for each head h, the rows keep[h][0..n_keep) (ascending) and frees the rest for real:
+ * the rows move into a new allocation of exactly n_keep rows. keep: [kv_heads][n_keep]. */
+enum kvcap_status kvcap_segment_compact(const struct kvcap_cache *c, struct kvcap_segment *seg,
+                                        const int *keep, int n_keep);
+
+/* The FreeKV state of a sequence-layer, created on first use with the config's parameters. */
+enum kvcap_status kvcap_cache_freekv(struct kvcap_cache *c, struct kvcap_seq_layer *sl,
+                                     struct kvcap_freekv **out);
 
 void kvcap_segment_release(struct kvcap_segment *seg);
 uint64_t kvcap_segment_bytes(const struct kvcap_cache *c, const struct kvcap_segment *seg);

@@ -10,7 +10,7 @@
 #include "cache_internal.h"
 #include "rope.h"
 
-static enum kvcap_status capsule_prefill(struct kvcap_cache *c, int layer,
+static enum kvcap_status capsule_prefill(struct kvcap_cache *c, int seq, int layer,
                                          struct kvcap_segment *seg,
                                          const struct kvcap_tensor_view *k,
                                          const struct kvcap_tensor_view *v)
@@ -87,4 +87,4 @@ static enum kvcap_status capsule_prefill(struct kvcap_cache *c, int layer,
 }
 
 const struct kvcap_policy_impl kvcap_policy_kvcapsule_impl = {KVCAP_POLICY_KVCAPSULE,
-                                                              capsule_prefill};
+                                                              capsule_prefill, NULL};

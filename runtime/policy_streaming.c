@@ -5,12 +5,11 @@
 
 #include "cache_internal.h"
 
-static enum kvcap_status streaming_prefill(struct kvcap_cache *c, int layer,
+static enum kvcap_status streaming_prefill(struct kvcap_cache *c, int seq, int layer,
                                            struct kvcap_segment *seg,
                                            const struct kvcap_tensor_view *k,
                                            const struct kvcap_tensor_view *v)
 {
-    (void)layer;
     int n = seg->n_tokens, sinks = c->cfg.streaming.sinks, window = c->cfg.streaming.window;
     if (sinks + window >= n)
         return kvcap_segment_fill(c, seg, k, v, NULL, n);
@@ -27,4 +26,4 @@ static enum kvcap_status streaming_prefill(struct kvcap_cache *c, int layer,
 }
 
 const struct kvcap_policy_impl kvcap_policy_streaming_impl = {KVCAP_POLICY_STREAMING,
-                                                              streaming_prefill};
+                                                              streaming_prefill, NULL};

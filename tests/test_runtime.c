@@ -2,7 +2,10 @@
  * fused KVCapsule path equals materialise-then-attend (K̂, V̂ built explicitly) for dense and
  * tiled maps, linear and GELU units, several G and d, spans at different p0, batch > 1 with
  * mixed buckets and text/generated tokens in the same softmax; strided and paged inputs; bytes
- * held; invalid calls leave the cache usable. */
+ * held; invalid calls leave the cache usable; record → calibrate → convert → decode. FlashCache
+ * and VL-Cache inside the cache keep exactly the rows a brute-force reference picks (budgets to
+ * the global target, a planted outlier kept, evicted rows freed), and a cache composing four
+ * policies equals each span's policy alone, merged by hand through the returned lse. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -17,13 +20,17 @@
 
 #include "activation.h"
 #include "artifact.h"
+#include "cache_internal.h"
 #include "calibrate.h"
 #include "convert.h"
+#include "flashcache.h"
 #include "internal.h"
 #include "rng.h"
 #include "rope.h"
 #include "schema.h"
+#include "select.h"
 #include "test_util.h"
+#include "vlcache.h"
 
 /* fp32 storage: the fused and the materialised paths sum in different orders; both are fp32
  * with fp32/double accumulation, so they agree to a few ulps of the output's norm. */
@@ -346,9 +353,10 @@ static void scenario_check(const struct scenario *sc, const struct kvcap_artifac
     free(q), free(out);
 }
 
+/* A cache; `yaml` (runtime config text) NULL: the defaults. */
 static struct kvcap_cache *make_cache(const struct kvcap_model_geometry *g, int n_seqs,
                                       enum kvcap_dtype storage, const struct kvcap_artifact *a,
-                                      const char *config)
+                                      const char *yaml)
 {
     struct kvcap_cache_params p;
     kvcap_cache_default_params(&p);
@@ -356,12 +364,26 @@ static struct kvcap_cache *make_cache(const struct kvcap_model_geometry *g, int 
     p.n_seqs = n_seqs;
     p.storage = storage;
     p.artifact = a;
-    p.config_path = config;
+    char path[512];
+    if (yaml) {
+        tmp_path(path, sizeof path, "runtime.yaml");
+        FILE *f = fopen(path, "w");
+        assert_non_null(f);
+        fputs(yaml, f);
+        fclose(f);
+        p.config_path = path;
+    }
     struct kvcap_cache *c = NULL;
-    if (kvcap_cache_create(&p, &c) != KVCAP_OK)
+    enum kvcap_status st = kvcap_cache_create(&p, &c);
+    if (yaml)
+        unlink(path);
+    if (st != KVCAP_OK)
         fail_msg("create: %s", kvcap_last_error());
     return c;
 }
+
+/* Every span kind kept in full (without an artifact vision spans default to flashcache). */
+#define ALL_FULL "policies: {vision: full, text: full, generated: full}\n"
 
 /* ---- Tests ------------------------------------------------------------------------------------ */
 
@@ -376,7 +398,7 @@ static void test_full_matches_naive(void **state)
     scenario_add(&sc, 1, KVCAP_SPAN_VISION, 3, 3, 2, &r);
     scenario_gen(&sc, 0, 4, &r);
     scenario_gen(&sc, 1, 1, &r);
-    struct kvcap_cache *c = make_cache(&sc.g, 2, KVCAP_DTYPE_F32, NULL, NULL);
+    struct kvcap_cache *c = make_cache(&sc.g, 2, KVCAP_DTYPE_F32, NULL, ALL_FULL);
     scenario_load(&sc, c);
     scenario_check(&sc, NULL, c, FUSED_REL_TOL, &r);
     struct kvcap_cache_stats st;
@@ -468,7 +490,7 @@ static void test_strided_and_paged_views(void **state)
     float q[4 * D], out[3][4 * D];
     fill(&r, q, 4 * D, 1.0);
     for (int i = 0; i < 3; i++) {
-        struct kvcap_cache *c = make_cache(&g, 1, KVCAP_DTYPE_F32, NULL, NULL);
+        struct kvcap_cache *c = make_cache(&g, 1, KVCAP_DTYPE_F32, NULL, ALL_FULL);
         struct kvcap_span_desc desc = {KVCAP_SPAN_TEXT, N, 0, 0, 0};
         assert_int_equal(kvcap_cache_add_span(c, 0, 0, &desc, &views[i][0], &views[i][1]), KVCAP_OK);
         assert_int_equal(kvcap_cache_attend(c, 0, q, out[i]), KVCAP_OK);
@@ -563,25 +585,40 @@ static void test_invalid_calls_leave_cache_usable(void **state)
     assert_int_equal(kvcap_cache_attend(c, 1, q, out), KVCAP_OK);
     kvcap_cache_free(c);
 
-    /* a grid without bucket, with a fallback this build does not have yet */
-    char cfg[512];
-    tmp_path(cfg, sizeof cfg, "runtime.yaml");
-    FILE *f = fopen(cfg, "w");
-    fputs("policies: {vision: kvcapsule}\nfallback: flashcache\n", f);
-    fclose(f);
-    c = make_cache(&g, 1, KVCAP_DTYPE_F16, a, cfg);
+    /* a grid without bucket and no fallback */
+    c = make_cache(&g, 1, KVCAP_DTYPE_F16, a, "policies: {vision: kvcapsule}\nfallback: none\n");
     static float big[2 * 2 * 25 * 64];
     struct kvcap_tensor_view bk = hnd(big, 25, 64), bv = hnd(big + 2 * 25 * 64, 25, 64);
     struct kvcap_span_desc nobucket = {KVCAP_SPAN_VISION, 25, 5, 5, 0};
-    expect_status(kvcap_cache_add_span(c, 0, 0, &nobucket, &bk, &bv), KVCAP_ERR_UNSUPPORTED,
+    expect_status(kvcap_cache_add_span(c, 0, 0, &nobucket, &bk, &bv), KVCAP_ERR_NOT_FOUND,
                   "no bucket in the artifact");
     assert_int_equal(kvcap_cache_add_span(c, 0, 0, &ok, &k, &v), KVCAP_OK);
     kvcap_cache_free(c);
+    /* vlcache without post-vision queries: named at the end of prefill, cache still usable */
+    c = make_cache(&g, 1, KVCAP_DTYPE_F16, NULL, "policies: {vision: vlcache}\n");
+    assert_int_equal(kvcap_cache_add_span(c, 0, 0, &ok, &k, &v), KVCAP_OK);
+    expect_status(kvcap_cache_end_prefill(c, 0), KVCAP_ERR_STATE, "layer 1 has 0 spans");
+    assert_int_equal(kvcap_cache_add_span(c, 0, 1, &ok, &k, &v), KVCAP_OK);
+    expect_status(kvcap_cache_attend(c, 1, q, out), KVCAP_ERR_STATE, "post-vision queries");
+    float post[4 * 2 * 64] = {0};
+    for (int l = 0; l < 2; l++)
+        assert_int_equal(kvcap_cache_add_post_queries(c, 0, l, post, 2), KVCAP_OK);
+    assert_int_equal(kvcap_cache_attend(c, 1, q, out), KVCAP_OK);
+    kvcap_cache_free(c);
+    /* generated tokens only take token-by-token policies */
+    kvcap_cache_default_params(&p);
+    p.model = g;
+    char cfg[512];
+    tmp_path(cfg, sizeof cfg, "runtime.yaml");
+    FILE *f = fopen(cfg, "w");
+    fputs("policies: {generated: flashcache}\n", f);
+    fclose(f);
+    p.config_path = cfg;
+    expect_status(kvcap_cache_create(&p, &c), KVCAP_ERR_INVALID_ARGUMENT, "policies.generated");
     unlink(cfg);
     /* kvcapsule without an artifact */
     kvcap_cache_default_params(&p);
     p.model = g;
-    p.config_path = NULL;
     f = fopen(cfg, "w");
     fputs("policies: {vision: streaming}\n", f);
     fclose(f);
@@ -714,7 +751,7 @@ static void test_record_calibrate_convert_decode(void **state)
     /* 4. decode on new spans through the artifact, against full attention on the same data */
     struct kvcap_artifact *a = NULL;
     assert_int_equal(kvcap_artifact_open(art_path, &a), KVCAP_OK);
-    struct kvcap_cache *full = make_cache(&g, 2, KVCAP_DTYPE_F32, NULL, NULL);
+    struct kvcap_cache *full = make_cache(&g, 2, KVCAP_DTYPE_F32, NULL, ALL_FULL);
     struct kvcap_cache *comp = make_cache(&g, 2, KVCAP_DTYPE_F32, a, NULL);
     for (int s = 0; s < 2; s++) {
         add_synth_span(full, &g, &sp, 1000 + s, s, qdec[s]);
@@ -748,6 +785,310 @@ static void test_record_calibrate_convert_decode(void **state)
     test_rm_tree(dir);
 }
 
+
+/* ---- Eviction policies in the cache against brute force ------------------------------------ */
+
+/* Head h's rows of segment `seg` (f32 storage) equal the original rows keep[0..n) of x. */
+static void expect_rows(const struct kvcap_segment *seg, const struct kvcap_model_geometry *g,
+                        int h, const float *xk, const float *xv, const int *keep, int n)
+{
+    int d = g->head_dim;
+    assert_int_equal(seg->n_rows, n);
+    const float *k = (const float *)seg->k + (size_t)h * seg->cap * d;
+    const float *v = (const float *)seg->v + (size_t)h * seg->cap * d;
+    for (int i = 0; i < n; i++) {
+        assert_memory_equal(k + (size_t)i * d, xk + (size_t)keep[i] * d, sizeof(float) * d);
+        assert_memory_equal(v + (size_t)i * d, xv + (size_t)keep[i] * d, sizeof(float) * d);
+    }
+}
+
+/* Smooth K/V (a few low DCT frequencies along tokens) plus noise and one planted outlier. */
+static void smooth_span(struct kvcap_rng *r, float *x, int heads, int n, int d, int outlier)
+{
+    for (int h = 0; h < heads; h++)
+        for (int c = 0; c < d; c++) {
+            double a = kvcap_rng_normal(r), b = kvcap_rng_normal(r), ph = kvcap_rng_uniform(r);
+            for (int j = 0; j < n; j++)
+                x[((size_t)h * n + j) * d + c] =
+                    (float)(a * cos(M_PI * (j + ph) / n) + b * cos(2 * M_PI * j / n) +
+                            0.05 * kvcap_rng_normal(r) + (j == outlier ? 6.0 : 0.0));
+        }
+}
+
+static void test_flashcache_in_cache(void **state)
+{
+    (void)state;
+    struct kvcap_model_geometry g = geometry(3, 4, 2, 64);
+    int L = g.n_layers, H = g.n_kv_heads, d = g.head_dim, n = 90, outlier = 41;
+    const int sinks = 3, window = 5, min_tokens = 4;
+    const double gamma = 0.1, retention = 0.3;
+    struct kvcap_cache *c = make_cache(&g, 1, KVCAP_DTYPE_F32, NULL,
+                                       "policies: {vision: flashcache}\n"
+                                       "flashcache: {gamma: 0.1, retention: 0.3, min_tokens: 4, "
+                                       "sinks: 3, window: 5}\n");
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 21);
+    float *kv[3];
+    for (int l = 0; l < L; l++) {
+        kv[l] = malloc(sizeof(float) * 2 * (size_t)H * n * d);
+        smooth_span(&r, kv[l], 2 * H, n, d, outlier);
+        struct kvcap_span_desc desc = {KVCAP_SPAN_VISION, n, 9, 10, 7};
+        struct kvcap_tensor_view kk = hnd(kv[l], n, d), vv = hnd(kv[l] + (size_t)H * n * d, n, d);
+        assert_int_equal(kvcap_cache_add_span(c, 0, l, &desc, &kk, &vv), KVCAP_OK);
+    }
+    struct kvcap_cache_stats before, after;
+    assert_int_equal(kvcap_cache_stats(c, &before), KVCAP_OK);
+    assert_int_equal(kvcap_cache_end_prefill(c, 0), KVCAP_OK);
+    assert_int_equal(kvcap_cache_stats(c, &after), KVCAP_OK);
+
+    /* brute force: O(N²) DCT deviations, layer weights, budgets, top-k by full selection */
+    int N = n - sinks - window, omega = kvcap_flashcache_omega(gamma, N);
+    double w[3];
+    int cap[3] = {N, N, N}, budget[3];
+    float *dev = malloc(sizeof(float) * (size_t)L * H * N);
+    for (int l = 0; l < L; l++) {
+        struct kvcap_energy e = {0, 0, 0, 0};
+        for (int h = 0; h < H; h++)
+            kvcap_flashcache_deviation_ref(N, kv[l] + ((size_t)h * n + sinks) * d,
+                                           kv[l] + ((size_t)(H + h) * n + sinks) * d, d, omega,
+                                           dev + ((size_t)l * H + h) * N, &e);
+        w[l] = kvcap_flashcache_layer_weight(&e);
+    }
+    int64_t total = llround(retention * n * L) - (int64_t)L * (sinks + window);
+    assert_int_equal(kvcap_budget_allocate(w, cap, L, min_tokens, total, budget), KVCAP_OK);
+    assert_int_equal(budget[0] + budget[1] + budget[2], total); /* the global target, exactly */
+    int kept_all = 0, keep[128];
+    for (int l = 0; l < L; l++) {
+        const struct kvcap_segment *seg = &kvcap_cache_seq_layer(c, 0, l)->segs[0];
+        assert_false(seg->pending);
+        for (int h = 0; h < H; h++) {
+            int m = 0;
+            for (int j = 0; j < sinks; j++)
+                keep[m++] = j;
+            int got = kvcap_topk_indices_ref(dev + ((size_t)l * H + h) * N, N, budget[l], keep + m);
+            for (int i = 0; i < got; i++)
+                keep[m + i] += sinks;
+            m += got;
+            for (int j = n - window; j < n; j++)
+                keep[m++] = j;
+            expect_rows(seg, &g, h, kv[l] + (size_t)h * n * d, kv[l] + (size_t)(H + h) * n * d,
+                        keep, m);
+            int has_outlier = 0;
+            for (int i = 0; i < m; i++)
+                has_outlier |= keep[i] == outlier;
+            assert_true(has_outlier); /* the planted token survives in every head and layer */
+            kept_all += h == 0 ? m : 0;
+        }
+    }
+    assert_int_equal(kept_all, llround(retention * n * L));
+    /* the evicted rows are freed: bytes held = kept rows exactly */
+    uint64_t row_pair = 2 * (uint64_t)H * d * sizeof(float);
+    assert_int_equal(after.bytes_held, (uint64_t)kept_all * row_pair);
+    assert_int_equal(before.bytes_held, (uint64_t)n * L * row_pair);
+    assert_true(after.compress_seconds > 0);
+    free(dev);
+    for (int l = 0; l < L; l++)
+        free(kv[l]);
+    kvcap_cache_free(c);
+}
+
+static void test_vlcache_in_cache(void **state)
+{
+    (void)state;
+    struct kvcap_model_geometry g = geometry(3, 6, 2, 64);
+    int L = g.n_layers, H = g.n_kv_heads, Hq = g.n_q_heads, G = Hq / H, d = g.head_dim;
+    const int nv = 120, nt = 20, tau = 6, sinks = 2, window = 3;
+    const double alpha = 0.3, p = 0.02;
+    struct kvcap_cache *c = make_cache(&g, 1, KVCAP_DTYPE_F32, NULL,
+                                       "policies: {vision: vlcache, text: full}\n"
+                                       "vlcache: {p: 0.02, budget: 0.3, min_fraction: 0.05, "
+                                       "sinks: 2, window: 3}\n");
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 22);
+    float *vis[3], *txt[3], *post[3];
+    for (int l = 0; l < L; l++) {
+        vis[l] = malloc(sizeof(float) * 2 * (size_t)H * nv * d);
+        txt[l] = malloc(sizeof(float) * 2 * (size_t)H * nt * d);
+        post[l] = malloc(sizeof(float) * (size_t)Hq * tau * d);
+        fill(&r, vis[l], 2 * (size_t)H * nv * d, 1.0);
+        fill(&r, txt[l], 2 * (size_t)H * nt * d, 1.0);
+        fill(&r, post[l], (size_t)Hq * tau * d, 0.6 + 0.5 * l); /* layers differ in sparsity */
+        struct kvcap_span_desc dv = {KVCAP_SPAN_VISION, nv, 10, 12, 3};
+        struct kvcap_span_desc dt = {KVCAP_SPAN_TEXT, nt, 0, 0, 123};
+        struct kvcap_tensor_view a = hnd(vis[l], nv, d), b = hnd(vis[l] + (size_t)H * nv * d, nv, d);
+        assert_int_equal(kvcap_cache_add_span(c, 0, l, &dv, &a, &b), KVCAP_OK);
+        a = hnd(txt[l], nt, d), b = hnd(txt[l] + (size_t)H * nt * d, nt, d);
+        assert_int_equal(kvcap_cache_add_span(c, 0, l, &dt, &a, &b), KVCAP_OK);
+        assert_int_equal(kvcap_cache_add_post_queries(c, 0, l, post[l], tau), KVCAP_OK);
+    }
+    assert_int_equal(kvcap_cache_end_prefill(c, 0), KVCAP_OK);
+
+    /* brute force: naive A' over the prompt (vision then text), budgets, top-k */
+    int m = nv + nt;
+    double gam[3], beta[3];
+    float *score = malloc(sizeof(float) * (size_t)L * H * m);
+    float *qh = malloc(sizeof(float) * (size_t)tau * G * d);
+    for (int l = 0; l < L; l++) {
+        int64_t below = 0, entries = 0;
+        for (int h = 0; h < H; h++) {
+            for (int i = 0; i < tau; i++) /* [q_heads][tau][d] → this head's [tau][G][d] */
+                for (int gg = 0; gg < G; gg++)
+                    memcpy(qh + ((size_t)i * G + gg) * d,
+                           post[l] + ((size_t)(h * G + gg) * tau + i) * d, sizeof(float) * d);
+            struct kvcap_rows chunks[2] = {
+                {vis[l] + (size_t)h * nv * d, NULL, KVCAP_DTYPE_F32, (size_t)d, nv},
+                {txt[l] + (size_t)h * nt * d, NULL, KVCAP_DTYPE_F32, (size_t)d, nt}};
+            float *sc = score + ((size_t)l * H + h) * m;
+            memset(sc, 0, sizeof(float) * (size_t)m);
+            assert_int_equal(kvcap_vlcache_head_ref(qh, (size_t)G * d, tau, G, d,
+                                                    1.0f / sqrtf((float)d), chunks, 2, (float)p,
+                                                    sc, &below, &entries),
+                             KVCAP_OK);
+        }
+        gam[l] = (double)below / (double)entries;
+    }
+    assert_int_equal(kvcap_vlcache_budgets(gam, L, alpha, 0.05, beta), KVCAP_OK);
+    assert_true(gam[0] != gam[2]);
+    for (int l = 0; l < L; l++) {
+        const struct kvcap_segment *seg = &kvcap_cache_seq_layer(c, 0, l)->segs[0];
+        int total = (int)llround(beta[l] * nv), keep[128];
+        for (int h = 0; h < H; h++) {
+            int k = 0;
+            for (int j = 0; j < sinks; j++)
+                keep[k++] = j;
+            int got = kvcap_topk_indices_ref(score + ((size_t)l * H + h) * m + sinks,
+                                             nv - sinks - window, total - sinks - window,
+                                             keep + k);
+            for (int i = 0; i < got; i++)
+                keep[k + i] += sinks;
+            k += got;
+            for (int j = nv - window; j < nv; j++)
+                keep[k++] = j;
+            expect_rows(seg, &g, h, vis[l] + (size_t)h * nv * d,
+                        vis[l] + (size_t)(H + h) * nv * d, keep, k);
+        }
+        /* the text span holds the post-vision tokens and stays whole under `full` */
+        assert_int_equal(kvcap_cache_seq_layer(c, 0, l)->segs[1].n_rows, nt);
+    }
+    free(score), free(qh);
+    for (int l = 0; l < L; l++)
+        free(vis[l]), free(txt[l]), free(post[l]);
+    kvcap_cache_free(c);
+}
+
+/* ---- Composition: one softmax over four policies equals each policy alone, merged by hand -- */
+
+enum { COMP_SEQS = 2, COMP_STEPS = 14 };
+
+static void test_composition(void **state)
+{
+    (void)state;
+    struct kvcap_model_geometry g = geometry(2, 8, 2, 64);
+    int L = g.n_layers, H = g.n_kv_heads, Hq = g.n_q_heads, d = g.head_dim;
+    const struct test_bucket tb[1] = {{4, 4, 0, 0, 6, 6, 6}};
+    char path[512];
+    tmp_path(path, sizeof path, "compose.kvcap");
+    write_artifact(path, &g, tb, 1, 31);
+    struct kvcap_artifact *a = NULL;
+    assert_int_equal(kvcap_artifact_open(path, &a), KVCAP_OK);
+    unlink(path);
+    /* vision with a bucket → kvcapsule, without → flashcache, text → streaming, generated →
+     * freekv (small pages so selection really chooses) */
+    const char *yaml = "policies: {vision: kvcapsule, text: streaming, generated: freekv}\n"
+                       "fallback: flashcache\n"
+                       "flashcache: {retention: 0.5, sinks: 2, window: 4, min_tokens: 2}\n"
+                       "streaming: {sinks: 2, window: 8}\n"
+                       "freekv: {page_size: 2, budget: 8, sink_pages: 1, window_pages: 1}\n";
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 30);
+    struct scenario sc = {.g = g, .n_seqs = COMP_SEQS};
+    scenario_add(&sc, 0, KVCAP_SPAN_VISION, 4, 4, 5, &r);  /* kvcapsule */
+    scenario_add(&sc, 0, KVCAP_SPAN_VISION, 6, 7, 30, &r); /* no bucket: flashcache */
+    scenario_add(&sc, 0, KVCAP_SPAN_TEXT, 1, 30, 80, &r);  /* streaming */
+    scenario_add(&sc, 1, KVCAP_SPAN_TEXT, 1, 25, 0, &r);
+    scenario_add(&sc, 1, KVCAP_SPAN_VISION, 6, 7, 25, &r);
+    scenario_gen(&sc, 0, COMP_STEPS, &r);
+    scenario_gen(&sc, 1, COMP_STEPS, &r);
+    struct kvcap_cache *mixed = make_cache(&g, COMP_SEQS, KVCAP_DTYPE_F32, a, yaml);
+    struct scenario prefill = sc; /* the spans; generated tokens come step by step below */
+    prefill.n_gen[0] = prefill.n_gen[1] = 0;
+    scenario_load(&prefill, mixed);
+    /* alone: one cache per span, one per sequence's generated tokens */
+    struct kvcap_cache *alone[COMP_SEQS][MAX_SPANS + 1];
+    int n_alone[COMP_SEQS];
+    for (int s = 0; s < COMP_SEQS; s++) {
+        n_alone[s] = sc.n_spans[s] + 1;
+        for (int i = 0; i < n_alone[s]; i++) {
+            alone[s][i] = make_cache(&g, 1, KVCAP_DTYPE_F32, a, yaml);
+            struct scenario one = {.g = g, .n_seqs = 1};
+            if (i < sc.n_spans[s]) {
+                one.n_spans[0] = 1;
+                one.spans[0][0] = sc.spans[s][i];
+            }
+            scenario_load(&one, alone[s][i]);
+        }
+    }
+    struct kvcap_cache_stats st;
+    assert_int_equal(kvcap_cache_stats(mixed, &st), KVCAP_OK);
+    assert_int_equal(st.spans_fallback, 2);
+    float *q = malloc(sizeof(float) * COMP_SEQS * Hq * d), *out = malloc(sizeof(float) * COMP_SEQS * Hq * d);
+    float *lse = malloc(sizeof(float) * COMP_SEQS * Hq);
+    float *ao = malloc(sizeof(float) * (MAX_SPANS + 1) * Hq * d), *al = malloc(sizeof(float) * (MAX_SPANS + 1) * Hq);
+    for (int t = 0; t < COMP_STEPS; t++)
+        for (int l = 0; l < L; l++) {
+            for (int s = 0; s < COMP_SEQS; s++) {
+                const float *tok = sc.gen[l][s] + (size_t)t * 2 * H * d;
+                struct kvcap_tensor_view gk = {tok, NULL, 0, KVCAP_DTYPE_F32, d, 0};
+                struct kvcap_tensor_view gv = {tok + (size_t)H * d, NULL, 0, KVCAP_DTYPE_F32, d, 0};
+                assert_int_equal(kvcap_cache_append(mixed, s, l, &gk, &gv), KVCAP_OK);
+                assert_int_equal(kvcap_cache_append(alone[s][n_alone[s] - 1], 0, l, &gk, &gv),
+                                 KVCAP_OK);
+            }
+            fill(&r, q, (size_t)COMP_SEQS * Hq * d, 1.0);
+            assert_int_equal(kvcap_cache_attend_lse(mixed, l, q, out, lse), KVCAP_OK);
+            for (int s = 0; s < COMP_SEQS; s++) {
+                const float *qs = q + (size_t)s * Hq * d;
+                for (int i = 0; i < n_alone[s]; i++)
+                    assert_int_equal(kvcap_cache_attend_lse(alone[s][i], l, qs,
+                                                            ao + (size_t)i * Hq * d,
+                                                            al + (size_t)i * Hq),
+                                     KVCAP_OK);
+                for (int hq = 0; hq < Hq; hq++) {
+                    double mx = -INFINITY, sum = 0, o[64] = {0};
+                    for (int i = 0; i < n_alone[s]; i++)
+                        mx = fmax(mx, al[(size_t)i * Hq + hq]);
+                    for (int i = 0; i < n_alone[s]; i++) {
+                        double w = exp(al[(size_t)i * Hq + hq] - mx);
+                        sum += w;
+                        for (int ch = 0; ch < d; ch++)
+                            o[ch] += w * ao[((size_t)i * Hq + hq) * d + ch];
+                    }
+                    for (int ch = 0; ch < d; ch++)
+                        o[ch] /= sum;
+                    double e = rel_err(out + ((size_t)s * Hq + hq) * d, o, d);
+                    if (!(e <= FUSED_REL_TOL))
+                        fail_msg("step %d layer %d seq %d head %d: mixed vs merged %g", t, l, s,
+                                 hq, e);
+                    assert_true(fabs(lse[(size_t)s * Hq + hq] - (mx + log(sum))) < 1e-4);
+                }
+            }
+        }
+    assert_int_equal(kvcap_cache_stats(mixed, &st), KVCAP_OK);
+    assert_true(st.bytes_by_policy[KVCAP_POLICY_KVCAPSULE] > 0);
+    assert_true(st.bytes_by_policy[KVCAP_POLICY_FLASHCACHE] > 0);
+    assert_true(st.bytes_by_policy[KVCAP_POLICY_STREAMING] > 0);
+    assert_true(st.bytes_by_policy[KVCAP_POLICY_FREEKV] > 0);
+    assert_true(st.freekv_head_steps == (int64_t)COMP_STEPS * L * COMP_SEQS * H);
+    assert_true(st.bytes_held < st.bytes_full_equivalent);
+    for (int s = 0; s < COMP_SEQS; s++)
+        for (int i = 0; i < n_alone[s]; i++)
+            kvcap_cache_free(alone[s][i]);
+    kvcap_cache_free(mixed);
+    free(q), free(out), free(lse), free(ao), free(al);
+    scenario_free(&sc);
+    kvcap_artifact_free(a);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -757,6 +1098,9 @@ int main(void)
         cmocka_unit_test(test_bytes_held),
         cmocka_unit_test(test_invalid_calls_leave_cache_usable),
         cmocka_unit_test(test_record_calibrate_convert_decode),
+        cmocka_unit_test(test_flashcache_in_cache),
+        cmocka_unit_test(test_vlcache_in_cache),
+        cmocka_unit_test(test_composition),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -256,11 +256,21 @@ KVCAP_API enum kvcap_status kvcap_cache_add_span(struct kvcap_cache *cache, int 
                                                  const struct kvcap_tensor_view *k,
                                                  const struct kvcap_tensor_view *v);
 
-/* Optional: the queries of the post-vision prompt tokens of `seq` at `layer`
- * (q: [q_heads][n][head_dim] fp32, rotated at their own positions), attached to the most
- * recent vision span (used by attention-guided policies and recorded in record mode). */
+/* The queries of the post-vision prompt tokens of `seq` at `layer` (q: [q_heads][n][head_dim]
+ * fp32, rotated at their own positions): the last n tokens of the prompt, i.e. of the spans
+ * added so far. Required before the end of prefill when a span's policy is vlcache (which
+ * scores tokens by the attention these queries pay them); otherwise optional (recorded in
+ * record mode with the most recent vision span). Several calls extend the set. */
 KVCAP_API enum kvcap_status kvcap_cache_add_post_queries(struct kvcap_cache *cache, int seq,
                                                          int layer, const float *q, int n);
+
+/* Ends the prefill of `seq`: spans whose policy compresses across layers (flashcache, vlcache)
+ * are compressed now, their evicted rows freed. Needs every layer's spans (and, for vlcache,
+ * post-vision queries). Called by kvcap_cache_append and kvcap_cache_attend when the engine
+ * has not; calling it explicitly puts the compression time where the engine wants it and
+ * reports errors at the right place. A no-op when nothing is pending. On failure the spans not
+ * yet compressed stay as they were (held in full) and the call may be repeated. */
+KVCAP_API enum kvcap_status kvcap_cache_end_prefill(struct kvcap_cache *cache, int seq);
 
 /* Decode: appends one generated token's K and V (views of one token) to `seq` at `layer`. */
 KVCAP_API enum kvcap_status kvcap_cache_append(struct kvcap_cache *cache, int seq, int layer,
@@ -273,6 +283,12 @@ KVCAP_API enum kvcap_status kvcap_cache_append(struct kvcap_cache *cache, int se
 KVCAP_API enum kvcap_status kvcap_cache_attend(struct kvcap_cache *cache, int layer,
                                                const float *q, float *out);
 
+/* kvcap_cache_attend that also writes, per query head, lse = log Σ_j exp(s_j) over everything
+ * attended (-inf when nothing was): lets an engine merge this output with attention it computes
+ * itself (o = Σ_i exp(lse_i − lse) o_i). lse: [n_seqs][q_heads] fp32. */
+KVCAP_API enum kvcap_status kvcap_cache_attend_lse(struct kvcap_cache *cache, int layer,
+                                                   const float *q, float *out, float *lse);
+
 struct kvcap_cache_stats {
     uint64_t bytes_held;                /* all sequences, layers and heads */
     uint64_t bytes_by_policy[6];        /* indexed by enum kvcap_policy */
@@ -283,6 +299,11 @@ struct kvcap_cache_stats {
                                          * kvcap_cache_attend call */
     uint64_t map_bytes_read_last_attend; /* of which artifact maps */
     int64_t spans_fallback;             /* vision spans with no bucket (fallback policy) */
+    double compress_seconds;            /* spent scoring and evicting (flashcache, vlcache) */
+    /* FreeKV, summed over sequences and layers since creation: (step, KV head) pairs served,
+     * of which corrected on the critical path; pages and bytes copied store → pool. */
+    int64_t freekv_head_steps, freekv_corrections, freekv_pages_recalled;
+    uint64_t freekv_bytes_recalled;
 };
 
 KVCAP_API enum kvcap_status kvcap_cache_stats(const struct kvcap_cache *cache,

@@ -1,0 +1,162 @@
+/* policy_flashcache.c — FlashCache (DESIGN §5) on a span. At prefill each layer keeps its rows
+ * and scores the compressible tokens (all but the first `sinks` and the last `window`) by
+ * their deviation from the DCT low-pass Base KV, recording the layer's energy ratio; once
+ * every layer is in (kvcap_cache_end_prefill) the layer budgets are allocated under the global
+ * retention and each KV head keeps its own top tokens, the rest freed. It never computes an
+ * attention score. Retention counts every token of the span, protected ones included, so
+ * bytes held ≈ retention × full. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cache_internal.h"
+#include "flashcache.h"
+#include "pool.h"
+#include "select.h"
+
+/* The compressible tokens [lo, hi) of an n-token span. */
+static void compressible(const struct kvcap_flashcache_config *f, int n, int *lo, int *hi)
+{
+    int sinks = f->sinks < n ? f->sinks : n;
+    int window = f->window < n - sinks ? f->window : n - sinks;
+    *lo = sinks;
+    *hi = n - window;
+}
+
+struct score_job {
+    const struct kvcap_cache *c;
+    const struct kvcap_tensor_view *k, *v;
+    const struct kvcap_dct *plan;
+    int lo, n, omega;
+    float *score;                /* [heads][n] */
+    struct kvcap_energy *energy; /* [heads] */
+    float **buf;                 /* [threads]: k, v rows and the deviation's scratch */
+};
+
+static void score_head(void *ctx, int h, int thread)
+{
+    struct score_job *j = ctx;
+    int d = j->c->g.head_dim;
+    float *kf = j->buf[thread], *vf = kf + (size_t)j->n * d, *scratch = vf + (size_t)j->n * d;
+    kvcap_view_read(j->k, h, j->lo, j->n, d, kf);
+    kvcap_view_read(j->v, h, j->lo, j->n, d, vf);
+    memset(&j->energy[h], 0, sizeof j->energy[h]);
+    kvcap_flashcache_deviation(j->plan, kf, vf, d, j->omega, j->score + (size_t)h * j->n,
+                               &j->energy[h], scratch);
+}
+
+static enum kvcap_status flashcache_prefill(struct kvcap_cache *c, int seq, int layer,
+                                            struct kvcap_segment *seg,
+                                            const struct kvcap_tensor_view *k,
+                                            const struct kvcap_tensor_view *v)
+{
+    KVCAP_TRY(kvcap_segment_fill(c, seg, k, v, NULL, seg->n_tokens));
+    int lo, hi, H = c->g.n_kv_heads, d = c->g.head_dim;
+    compressible(&c->cfg.flashcache, seg->n_tokens, &lo, &hi);
+    if (hi <= lo)
+        return KVCAP_OK; /* everything is protected: nothing to compress */
+    double t0 = kvcap_seconds();
+    struct score_job job = {c, k, v, NULL, lo, hi - lo, 0, NULL, NULL, NULL};
+    job.omega = kvcap_flashcache_omega(c->cfg.flashcache.gamma, job.n);
+    struct kvcap_dct *plan = NULL;
+    enum kvcap_status st = kvcap_dct_create(job.n, &plan);
+    job.plan = plan;
+    if (st == KVCAP_OK) {
+        job.score = malloc(sizeof(float) * (size_t)H * job.n);
+        job.energy = malloc(sizeof *job.energy * (size_t)H);
+        job.buf = calloc((size_t)c->threads, sizeof *job.buf);
+        size_t per = 2 * (size_t)job.n * d + kvcap_flashcache_scratch_floats(plan, d);
+        int ok = job.score && job.energy && job.buf;
+        for (int t = 0; ok && t < c->threads; t++)
+            ok = (job.buf[t] = malloc(sizeof(float) * per)) != NULL;
+        if (!ok)
+            st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY,
+                            "flashcache: out of memory scoring a %d-token span at layer %d",
+                            seg->n_tokens, layer);
+    }
+    if (st == KVCAP_OK) {
+        kvcap_pool_run(c->pool, H, score_head, &job);
+        struct kvcap_energy e = {0, 0, 0, 0};
+        for (int h = 0; h < H; h++) {
+            e.k_total += job.energy[h].k_total, e.k_low += job.energy[h].k_low;
+            e.v_total += job.energy[h].v_total, e.v_low += job.energy[h].v_low;
+        }
+        seg->score = job.score;
+        job.score = NULL;
+        seg->weight = kvcap_flashcache_layer_weight(&e);
+        seg->pending = 1;
+    }
+    for (int t = 0; job.buf && t < c->threads; t++)
+        free(job.buf[t]);
+    free(job.buf), free(job.energy), free(job.score);
+    kvcap_dct_free(plan);
+    c->compress_seconds += kvcap_seconds() - t0;
+    return st;
+}
+
+/* Rows kept by one head: sinks, the top `budget` compressible tokens by score, the window. */
+static int keep_rows(const float *score, int lo, int hi, int n, int budget, int *keep, int *work)
+{
+    int kept = 0;
+    for (int j = 0; j < lo; j++)
+        keep[kept++] = j;
+    int got = kvcap_topk_indices(score, hi - lo, budget, keep + kept, work);
+    for (int i = 0; i < got; i++)
+        keep[kept + i] += lo;
+    kept += got;
+    for (int j = hi; j < n; j++)
+        keep[kept++] = j;
+    return kept;
+}
+
+static enum kvcap_status flashcache_finish(struct kvcap_cache *c, int seq, int span)
+{
+    int L = c->g.n_layers, H = c->g.n_kv_heads;
+    const struct kvcap_segment *s0 = &kvcap_cache_seq_layer(c, seq, 0)->segs[span];
+    int n = s0->n_tokens, lo, hi;
+    compressible(&c->cfg.flashcache, n, &lo, &hi);
+    double t0 = kvcap_seconds();
+    double *w = malloc(sizeof(double) * (size_t)L);
+    int *cap = malloc(sizeof(int) * (size_t)L), *budget = malloc(sizeof(int) * (size_t)L);
+    int *keep = malloc(sizeof(int) * (size_t)H * n), *work = malloc(sizeof(int) * (size_t)n);
+    enum kvcap_status st = KVCAP_OK;
+    if (!w || !cap || !budget || !keep || !work)
+        st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "flashcache: out of memory");
+    for (int l = 0; st == KVCAP_OK && l < L; l++) {
+        const struct kvcap_segment *seg = &kvcap_cache_seq_layer(c, seq, l)->segs[span];
+        w[l] = seg->pending ? seg->weight : 0.0;
+        cap[l] = seg->pending ? hi - lo : 0;
+    }
+    if (st == KVCAP_OK) {
+        /* Every layer keeps its protected tokens; the rest of the global retention is shared
+         * by the compressible ones in proportion to the layers' energy ratios. */
+        int64_t total = llround(c->cfg.flashcache.retention * (double)n * L) -
+                        (int64_t)L * (n - (hi - lo));
+        st = kvcap_budget_allocate(w, cap, L, c->cfg.flashcache.min_tokens,
+                                   total > 0 ? total : 0, budget);
+    }
+    for (int l = 0; st == KVCAP_OK && l < L; l++) {
+        struct kvcap_segment *seg = &kvcap_cache_seq_layer(c, seq, l)->segs[span];
+        if (!seg->pending)
+            continue;
+        int kept = 0;
+        for (int h = 0; h < H; h++)
+            kept = keep_rows(seg->score + (size_t)h * (hi - lo), lo, hi, n, budget[l],
+                             keep + (size_t)h * n, work);
+        /* heads keep the same count; compact wants [heads][kept] */
+        for (int h = 1; h < H; h++)
+            memmove(keep + (size_t)h * kept, keep + (size_t)h * n, sizeof(int) * (size_t)kept);
+        st = kvcap_segment_compact(c, seg, keep, kept);
+        if (st == KVCAP_OK) {
+            free(seg->score);
+            seg->score = NULL;
+            seg->pending = 0;
+        }
+    }
+    free(w), free(cap), free(budget), free(keep), free(work);
+    c->compress_seconds += kvcap_seconds() - t0;
+    return st;
+}
+
+const struct kvcap_policy_impl kvcap_policy_flashcache_impl = {
+    KVCAP_POLICY_FLASHCACHE, flashcache_prefill, flashcache_finish};
