@@ -87,6 +87,11 @@ static int smooth235(int n)
     return n == 1;
 }
 
+int kvcap_dct_fast_length(int n)
+{
+    return n >= 1 && smooth235(n);
+}
+
 /* Appends `bytes` at an offset aligned for any type to an allocation of *total bytes and
  * returns that offset; clears *ok on size_t overflow. */
 static size_t reserve(size_t *total, size_t bytes, int *ok)

@@ -291,3 +291,14 @@ enum kvcap_status kvcap_budget_allocate(const double *w, const int *cap, int L, 
                     "kvcap_budget_allocate: %lld tokens left after rounding", (long long)left);
     return KVCAP_OK;
 }
+
+void kvcap_flashcache_window(int n, int lo, int hi, int *a, int *b)
+{
+    *a = lo, *b = hi;
+    for (int len = hi - lo; len <= n && !kvcap_dct_fast_length(hi - lo); len++)
+        if (kvcap_dct_fast_length(len)) {
+            *a = lo < n - len ? lo : n - len; /* ≤ lo, and a + len ≥ hi */
+            *b = *a + len;
+            return;
+        }
+}

@@ -13,6 +13,12 @@ struct kvcap_energy {
     double k_total, k_low, v_total, v_low;
 };
 
+/* The transform window [*a, *b) of an n-token span whose compressible tokens are [lo, hi):
+ * [lo, hi) itself when its length is a fast DCT length, else the shortest window of a fast
+ * length inside [0, n) that contains it (the protected neighbours join the low-pass fit, which
+ * costs nothing in fidelity and saves Bluestein's ~4x), else [lo, hi). */
+void kvcap_flashcache_window(int n, int lo, int hi, int *a, int *b);
+
 /* ω = ⌈γ n⌉, clamped to [1, n] (NaN γ gives 1, n < 1 gives 0). A γn within 1e-9 relative of
  * an integer counts as that integer, so that 0.07·100 (7.000000000000001 in double) is 7. */
 int kvcap_flashcache_omega(double gamma, int n);

@@ -1,6 +1,7 @@
 /* policy_flashcache.c — FlashCache (DESIGN §5) on a span. At prefill each layer keeps its rows
  * and scores the compressible tokens (all but the first `sinks` and the last `window`) by
- * their deviation from the DCT low-pass Base KV, recording the layer's energy ratio; once
+ * their deviation from the DCT low-pass Base KV (fitted over the smallest window of a fast
+ * DCT length around them, kvcap_flashcache_window), recording the layer's energy ratio; once
  * every layer is in (kvcap_cache_end_prefill) the layer budgets are allocated under the global
  * retention and each KV head keeps its own top tokens, the rest freed. It never computes an
  * attention score. Retention counts every token of the span, protected ones included, so
@@ -27,8 +28,9 @@ struct score_job {
     const struct kvcap_cache *c;
     const struct kvcap_tensor_view *k, *v;
     const struct kvcap_dct *plan;
-    int lo, n, omega;
-    float *score;                /* [heads][n] */
+    int a, n, omega;             /* transform window [a, a + n) */
+    int lo, n_score;             /* compressible tokens [lo, lo + n_score) */
+    float *score;                /* [heads][n_score] */
     struct kvcap_energy *energy; /* [heads] */
     float **buf;                 /* [threads]: k, v rows and the deviation's scratch */
 };
@@ -37,12 +39,14 @@ static void score_head(void *ctx, int h, int thread)
 {
     struct score_job *j = ctx;
     int d = j->c->g.head_dim;
-    float *kf = j->buf[thread], *vf = kf + (size_t)j->n * d, *scratch = vf + (size_t)j->n * d;
-    kvcap_view_read(j->k, h, j->lo, j->n, d, kf);
-    kvcap_view_read(j->v, h, j->lo, j->n, d, vf);
+    float *kf = j->buf[thread], *vf = kf + (size_t)j->n * d, *dev = vf + (size_t)j->n * d;
+    float *scratch = dev + j->n;
+    kvcap_view_read(j->k, h, j->a, j->n, d, kf);
+    kvcap_view_read(j->v, h, j->a, j->n, d, vf);
     memset(&j->energy[h], 0, sizeof j->energy[h]);
-    kvcap_flashcache_deviation(j->plan, kf, vf, d, j->omega, j->score + (size_t)h * j->n,
-                               &j->energy[h], scratch);
+    kvcap_flashcache_deviation(j->plan, kf, vf, d, j->omega, dev, &j->energy[h], scratch);
+    memcpy(j->score + (size_t)h * j->n_score, dev + (j->lo - j->a),
+           sizeof(float) * (size_t)j->n_score);
 }
 
 static enum kvcap_status flashcache_prefill(struct kvcap_cache *c, int seq, int layer,
@@ -56,16 +60,20 @@ static enum kvcap_status flashcache_prefill(struct kvcap_cache *c, int seq, int 
     if (hi <= lo)
         return KVCAP_OK; /* everything is protected: nothing to compress */
     double t0 = kvcap_seconds();
-    struct score_job job = {c, k, v, NULL, lo, hi - lo, 0, NULL, NULL, NULL};
+    struct score_job job = {c, k, v, NULL, 0, 0, 0, lo, hi - lo, NULL, NULL, NULL};
+    int a, b;
+    kvcap_flashcache_window(seg->n_tokens, lo, hi, &a, &b);
+    job.a = a;
+    job.n = b - a;
     job.omega = kvcap_flashcache_omega(c->cfg.flashcache.gamma, job.n);
     struct kvcap_dct *plan = NULL;
     enum kvcap_status st = kvcap_dct_create(job.n, &plan);
     job.plan = plan;
     if (st == KVCAP_OK) {
-        job.score = malloc(sizeof(float) * (size_t)H * job.n);
+        job.score = malloc(sizeof(float) * (size_t)H * job.n_score);
         job.energy = malloc(sizeof *job.energy * (size_t)H);
         job.buf = calloc((size_t)c->threads, sizeof *job.buf);
-        size_t per = 2 * (size_t)job.n * d + kvcap_flashcache_scratch_floats(plan, d);
+        size_t per = (2 * (size_t)d + 1) * job.n + kvcap_flashcache_scratch_floats(plan, d);
         int ok = job.score && job.energy && job.buf;
         for (int t = 0; ok && t < c->threads; t++)
             ok = (job.buf[t] = malloc(sizeof(float) * per)) != NULL;

@@ -842,16 +842,21 @@ static void test_flashcache_in_cache(void **state)
     assert_int_equal(kvcap_cache_stats(c, &after), KVCAP_OK);
 
     /* brute force: O(N²) DCT deviations, layer weights, budgets, top-k by full selection */
-    int N = n - sinks - window, omega = kvcap_flashcache_omega(gamma, N);
+    int N = n - sinks - window, wa, wb;
+    kvcap_flashcache_window(n, sinks, n - window, &wa, &wb);
+    assert_true(wa < sinks && wb - wa == 90); /* 82 = 2·41 is slow; 90 = 2·3²·5 is not */
+    int omega = kvcap_flashcache_omega(gamma, wb - wa);
     double w[3];
     int cap[3] = {N, N, N}, budget[3];
-    float *dev = malloc(sizeof(float) * (size_t)L * H * N);
+    float *dev = malloc(sizeof(float) * (size_t)L * H * N), *win = malloc(sizeof(float) * n);
     for (int l = 0; l < L; l++) {
         struct kvcap_energy e = {0, 0, 0, 0};
-        for (int h = 0; h < H; h++)
-            kvcap_flashcache_deviation_ref(N, kv[l] + ((size_t)h * n + sinks) * d,
-                                           kv[l] + ((size_t)(H + h) * n + sinks) * d, d, omega,
-                                           dev + ((size_t)l * H + h) * N, &e);
+        for (int h = 0; h < H; h++) {
+            kvcap_flashcache_deviation_ref(wb - wa, kv[l] + ((size_t)h * n + wa) * d,
+                                           kv[l] + ((size_t)(H + h) * n + wa) * d, d, omega,
+                                           win, &e);
+            memcpy(dev + ((size_t)l * H + h) * N, win + (sinks - wa), sizeof(float) * N);
+        }
         w[l] = kvcap_flashcache_layer_weight(&e);
     }
     int64_t total = llround(retention * n * L) - (int64_t)L * (sinks + window);
@@ -886,7 +891,7 @@ static void test_flashcache_in_cache(void **state)
     assert_int_equal(after.bytes_held, (uint64_t)kept_all * row_pair);
     assert_int_equal(before.bytes_held, (uint64_t)n * L * row_pair);
     assert_true(after.compress_seconds > 0);
-    free(dev);
+    free(dev), free(win);
     for (int l = 0; l < L; l++)
         free(kv[l]);
     kvcap_cache_free(c);
