@@ -1,6 +1,7 @@
 /* bench_decode.c — kvcap-bench: replays prefill + N decode steps for each policy and prints, per
  * policy, time per decode step, bytes read per step, achieved GB/s against this machine's read
- * bandwidth measured in the same run, bytes held, and the same against `full` as ratios. */
+ * bandwidth measured in the same run, bytes held, and the same against `full` as ratios; and
+ * (--flashcache-overhead) FlashCache's compression time per prefill at 2K/4K/8K tokens. */
 #include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -37,8 +38,17 @@ static void usage(FILE *out)
             "  -a, --artifact FILE  use this artifact (its geometry and buckets) instead\n"
             "      --storage T      f32, f16 (default) or bf16\n"
             "      --threads N      threads (default: all cores)\n"
-            "  -p, --policy P       run only full and P (streaming or kvcapsule), e.g. to profile\n"
-            "  -h, --help           show this help\n");
+            "  -p, --policy P       run only full and P (streaming, kvcapsule, flashcache,\n"
+            "                       vlcache or freekv), e.g. to profile\n"
+            "      --post N         post-vision queries given to vlcache (default 32)\n"
+            "      --flashcache-overhead\n"
+            "                       instead: FlashCache compression time of one span over all\n"
+            "                       layers at 2K, 4K and 8K tokens (--layers default 28 here)\n"
+            "  -h, --help           show this help\n"
+            "\n"
+            "Policies compress the vision span (freekv also takes the generated tokens); each\n"
+            "decode step appends one generated token per layer, then attends. Policy parameters\n"
+            "are the runtime defaults (configs/runtime.yaml).\n");
 }
 
 /* Best-of-3 read bandwidth (GB/s) of a buffer far larger than the caches, all threads. */
@@ -113,21 +123,30 @@ static enum kvcap_status random_artifact(const char *path, const struct kvcap_mo
 
 struct result {
     const char *name;
-    double ms_per_step;
+    double ms_per_step, compress_ms;
     uint64_t bytes_per_step, map_bytes_per_step, held;
+    double recalled_per_step, corrected; /* FreeKV: pages per step; share of head-steps */
 };
+
+/* Random K/V rows of one layer (timing only), [heads][n][d]. */
+static void random_rows(struct kvcap_rng *r, float *x, size_t count)
+{
+    for (size_t i = 0; i < count; i++)
+        x[i] = (float)(2.0 * kvcap_rng_uniform(r) - 1.0);
+}
 
 static enum kvcap_status run_policy(const struct kvcap_model_geometry *g, int batch, int rows,
                                     int cols, enum kvcap_dtype storage, int threads, int steps,
                                     const struct kvcap_artifact *a, const char *policy,
-                                    struct result *res)
+                                    int post, struct result *res)
 {
     char cfg_path[4200];
     const char *tmp = getenv("TMPDIR");
     snprintf(cfg_path, sizeof cfg_path, "%s/kvcap-bench-%d.yaml", tmp ? tmp : "/tmp", (int)getpid());
     FILE *f = fopen(cfg_path, "w");
     KVCAP_RETURN_IF(!f, KVCAP_ERR_IO, "%s: cannot write", cfg_path);
-    fprintf(f, "policies: {vision: %s, text: full, generated: full}\nfallback: full\n", policy);
+    fprintf(f, "policies: {vision: %s, text: full, generated: %s}\nfallback: full\n", policy,
+            strcmp(policy, "freekv") == 0 ? "freekv" : "full");
     fclose(f);
     struct kvcap_cache_params p;
     kvcap_cache_default_params(&p);
@@ -149,8 +168,12 @@ static enum kvcap_status run_policy(const struct kvcap_model_geometry *g, int ba
     float *kf = malloc(sizeof(float) * (size_t)n * d);
     float *k = malloc(sizeof(float) * (size_t)H * n * d), *v = malloc(sizeof(float) * (size_t)H * n * d);
     float *q = malloc(sizeof(float) * (size_t)batch * Hq * d), *out = malloc(sizeof(float) * (size_t)batch * Hq * d);
-    if (!kf || !k || !v || !q || !out)
+    float *pq = malloc(sizeof(float) * (size_t)Hq * (post > 0 ? post : 1) * d);
+    float *gen = malloc(sizeof(float) * 2 * (size_t)H * d);
+    if (!kf || !k || !v || !q || !out || !pq || !gen)
         st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "bench: out of memory");
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 3);
     for (int s = 0; st == KVCAP_OK && s < batch; s++)
         for (int l = 0; st == KVCAP_OK && l < g->n_layers; l++) {
             for (int h = 0; st == KVCAP_OK && h < H; h++)
@@ -161,47 +184,117 @@ static enum kvcap_status run_policy(const struct kvcap_model_geometry *g, int ba
             struct kvcap_tensor_view vv = {v, NULL, 0, KVCAP_DTYPE_F32, (int64_t)n * d, d};
             if (st == KVCAP_OK)
                 st = kvcap_cache_add_span(c, s, l, &desc, &kv, &vv);
+            /* post-vision queries: what vlcache scores with (random, timing only) */
+            if (st == KVCAP_OK && post > 0) {
+                for (size_t i = 0; i < (size_t)Hq * post * d; i++)
+                    pq[i] = (float)kvcap_rng_normal(&r);
+                st = kvcap_cache_add_post_queries(c, s, l, pq, post);
+            }
         }
-    struct kvcap_rng r;
-    kvcap_rng_seed(&r, 3);
+    for (int s = 0; st == KVCAP_OK && s < batch; s++)
+        st = kvcap_cache_end_prefill(c, s);
     for (size_t i = 0; i < (size_t)batch * Hq * d && q; i++)
         q[i] = (float)kvcap_rng_normal(&r);
     double best = 1e30;
     uint64_t bytes = 0, map_bytes = 0;
+    struct kvcap_cache_stats cs, cs0;
+    memset(&cs0, 0, sizeof cs0);
     for (int rep = -1; st == KVCAP_OK && rep < steps; rep++) { /* rep -1 warms up */
-        double t0 = kvcap_seconds();
+        /* consecutive decode queries are similar, not equal: cosine ~0.95 step to step */
+        for (size_t i = 0; i < (size_t)batch * Hq * d; i++)
+            q[i] = (float)(0.95 * q[i] + 0.31 * kvcap_rng_normal(&r));
+        double t = 0;
         uint64_t b = 0, mb = 0;
         for (int l = 0; st == KVCAP_OK && l < g->n_layers; l++) {
-            st = kvcap_cache_attend(c, l, q, out);
-            struct kvcap_cache_stats cs;
+            /* one generated token per layer, then the step's attention (timed) */
+            random_rows(&r, gen, 2 * (size_t)H * d);
+            struct kvcap_tensor_view gk = {gen, NULL, 0, KVCAP_DTYPE_F32, d, 0};
+            struct kvcap_tensor_view gv = {gen + (size_t)H * d, NULL, 0, KVCAP_DTYPE_F32, d, 0};
+            for (int s = 0; st == KVCAP_OK && s < batch; s++)
+                st = kvcap_cache_append(c, s, l, &gk, &gv);
+            double t0 = kvcap_seconds();
+            if (st == KVCAP_OK)
+                st = kvcap_cache_attend(c, l, q, out);
+            t += kvcap_seconds() - t0;
             kvcap_cache_stats(c, &cs);
             b += cs.bytes_read_last_attend;
             mb += cs.map_bytes_read_last_attend;
         }
-        double t = kvcap_seconds() - t0;
+        if (rep < 0)
+            cs0 = cs; /* FreeKV counters from the first timed step on */
         if (rep >= 0 && t < best)
             best = t;
         bytes = b;
         map_bytes = mb;
     }
-    struct kvcap_cache_stats cs;
     if (st == KVCAP_OK)
         st = kvcap_cache_stats(c, &cs);
     if (st == KVCAP_OK) {
         res->name = policy;
         res->ms_per_step = best * 1e3;
+        res->compress_ms = cs.compress_seconds * 1e3;
         res->bytes_per_step = bytes + map_bytes;
         res->map_bytes_per_step = map_bytes;
         res->held = cs.bytes_held;
+        res->recalled_per_step = (double)(cs.freekv_pages_recalled - cs0.freekv_pages_recalled) / steps;
+        int64_t hs = cs.freekv_head_steps - cs0.freekv_head_steps;
+        res->corrected = hs > 0 ? (double)(cs.freekv_corrections - cs0.freekv_corrections) / hs : 0;
     }
-    free(kf), free(k), free(v), free(q), free(out);
+    free(kf), free(k), free(v), free(q), free(out), free(pq), free(gen);
     kvcap_cache_free(c);
+    return st;
+}
+
+/* FlashCache's compression time: one span of n tokens per layer, random rows (the DCT's cost
+ * does not depend on the data), prefill + end of prefill; best of 3. */
+static enum kvcap_status flashcache_overhead(const struct kvcap_model_geometry *g, int n,
+                                             enum kvcap_dtype storage, int threads, double *ms)
+{
+    char cfg_path[4200];
+    const char *tmp = getenv("TMPDIR");
+    snprintf(cfg_path, sizeof cfg_path, "%s/kvcap-bench-%d.yaml", tmp ? tmp : "/tmp", (int)getpid());
+    FILE *f = fopen(cfg_path, "w");
+    KVCAP_RETURN_IF(!f, KVCAP_ERR_IO, "%s: cannot write", cfg_path);
+    fputs("policies: {vision: flashcache}\n", f);
+    fclose(f);
+    int H = g->n_kv_heads, d = g->head_dim;
+    float *kv = malloc(sizeof(float) * 2 * (size_t)H * n * d);
+    KVCAP_RETURN_IF(!kv, KVCAP_ERR_OUT_OF_MEMORY, "bench: out of memory");
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 5);
+    random_rows(&r, kv, 2 * (size_t)H * n * d);
+    enum kvcap_status st = KVCAP_OK;
+    *ms = 1e30;
+    for (int rep = 0; st == KVCAP_OK && rep < 3; rep++) {
+        struct kvcap_cache_params p;
+        kvcap_cache_default_params(&p);
+        p.model = *g;
+        p.storage = storage;
+        p.config_path = cfg_path;
+        p.n_threads = threads;
+        struct kvcap_cache *c = NULL;
+        st = kvcap_cache_create(&p, &c);
+        struct kvcap_span_desc desc = {KVCAP_SPAN_VISION, n, 1, n, 0};
+        struct kvcap_tensor_view kk = {kv, NULL, 0, KVCAP_DTYPE_F32, (int64_t)n * d, d};
+        struct kvcap_tensor_view vv = {kv + (size_t)H * n * d, NULL, 0, KVCAP_DTYPE_F32,
+                                       (int64_t)n * d, d};
+        for (int l = 0; st == KVCAP_OK && l < g->n_layers; l++)
+            st = kvcap_cache_add_span(c, 0, l, &desc, &kk, &vv);
+        if (st == KVCAP_OK)
+            st = kvcap_cache_end_prefill(c, 0);
+        struct kvcap_cache_stats cs;
+        if (st == KVCAP_OK && kvcap_cache_stats(c, &cs) == KVCAP_OK)
+            *ms = cs.compress_seconds * 1e3 < *ms ? cs.compress_seconds * 1e3 : *ms;
+        kvcap_cache_free(c);
+    }
+    remove(cfg_path);
+    free(kv);
     return st;
 }
 
 int main(int argc, char **argv)
 {
-    enum { STORAGE = 1000, THREADS };
+    enum { STORAGE = 1000, THREADS, POST, OVERHEAD };
     const char *only = NULL;
     static const struct option options[] = {
         {"grid", required_argument, NULL, 'g'},  {"tile", required_argument, NULL, 't'},
@@ -209,9 +302,11 @@ int main(int argc, char **argv)
         {"batch", required_argument, NULL, 'b'}, {"steps", required_argument, NULL, 's'},
         {"artifact", required_argument, NULL, 'a'}, {"storage", required_argument, NULL, STORAGE},
         {"threads", required_argument, NULL, THREADS}, {"help", no_argument, NULL, 'h'},
-        {"policy", required_argument, NULL, 'p'},
+        {"policy", required_argument, NULL, 'p'}, {"post", required_argument, NULL, POST},
+        {"flashcache-overhead", no_argument, NULL, OVERHEAD},
         {NULL, 0, NULL, 0}};
     int rows = 64, cols = 128, tr = 4, tc = 4, layers = 4, batch = 1, steps = 20, threads = 0, c;
+    int post = 32, overhead = 0, layers_set = 0;
     double ratio = 0.4;
     const char *artifact_path = NULL;
     enum kvcap_dtype storage = KVCAP_DTYPE_F16;
@@ -229,7 +324,9 @@ int main(int argc, char **argv)
                 return cli_usage_error("--tile: '%s' is not ROWSxCOLS or dense", optarg);
             break;
         case 'r': ratio = atof(optarg); break;
-        case 'l': layers = atoi(optarg); break;
+        case 'l': layers = atoi(optarg), layers_set = 1; break;
+        case POST: post = atoi(optarg); break;
+        case OVERHEAD: overhead = 1; break;
         case 'b': batch = atoi(optarg); break;
         case 's': steps = atoi(optarg); break;
         case 'a': artifact_path = optarg; break;
@@ -241,16 +338,21 @@ int main(int argc, char **argv)
             break;
         case THREADS: threads = atoi(optarg); break;
         case 'p':
-            if (strcmp(optarg, "streaming") != 0 && strcmp(optarg, "kvcapsule") != 0)
-                return cli_usage_error("--policy: '%s' is not streaming or kvcapsule", optarg);
+            enum kvcap_policy pol;
+            if (!kvcap_policy_parse(optarg, &pol) || pol == KVCAP_POLICY_FULL)
+                return cli_usage_error("--policy: '%s' is not streaming, kvcapsule, flashcache, "
+                                       "vlcache or freekv", optarg);
             only = optarg;
             break;
         case 'h': usage(stdout); return 0;
         default: return cli_usage_error("unknown option");
         }
     }
-    if (!(ratio > 0 && ratio <= 1) || layers < 1 || batch < 1 || steps < 1)
-        return cli_usage_error("--ratio in (0, 1], --layers, --batch and --steps >= 1");
+    if (!(ratio > 0 && ratio <= 1) || layers < 1 || batch < 1 || steps < 1 || post < 0)
+        return cli_usage_error("--ratio in (0, 1], --layers, --batch and --steps >= 1, "
+                               "--post >= 0");
+    if (overhead && !layers_set)
+        layers = 28;
     struct kvcap_model_geometry g = {.name = "Qwen2.5-VL-7B (attention shape)", .n_layers = layers,
                                      .n_q_heads = 28, .n_kv_heads = 4, .head_dim = 128,
                                      .rope_type = KVCAP_ROPE_MROPE,
@@ -280,18 +382,37 @@ int main(int argc, char **argv)
     }
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
     int nthreads = threads ? threads : (int)(cores > 0 ? cores : 1);
+    if (overhead) {
+        static const int sizes[3] = {2048, 4096, 8192};
+        printf("FlashCache compression (DCT, deviation, budgets, eviction) of one span, %d layers "
+               "x %d kv heads x d %d, %d thread%s; best of 3\n\n%8s %14s %14s\n", g.n_layers,
+               g.n_kv_heads, g.head_dim, nthreads, nthreads == 1 ? "" : "s", "tokens", "ms",
+               "ms per layer");
+        for (int i = 0; i < 3; i++) {
+            double ms = 0;
+            if ((st = flashcache_overhead(&g, sizes[i], storage, nthreads, &ms)) != KVCAP_OK)
+                return cli_fail(st);
+            printf("%8d %14.2f %14.3f\n", sizes[i], ms, ms / g.n_layers);
+        }
+        kvcap_artifact_free(a);
+        return 0;
+    }
     double bw = read_bandwidth(nthreads);
-    const char *policies[3] = {"full", "streaming", "kvcapsule"};
-    int n_policies = 3;
+    const char *policies[6] = {"full", "streaming", "kvcapsule", "flashcache", "vlcache", "freekv"};
+    int n_policies = 6;
     if (only) {
         policies[1] = only;
         n_policies = 2;
     }
-    struct result res[3];
-    for (int i = 0; i < n_policies; i++)
+    struct result res[6];
+    struct cli_progress prog;
+    cli_progress_begin(&prog, "policies", 0);
+    for (int i = 0; i < n_policies; i++) {
         if ((st = run_policy(&g, batch, rows, cols, storage, nthreads, steps, a, policies[i],
-                             &res[i])) != KVCAP_OK)
+                             post, &res[i])) != KVCAP_OK)
             return cli_fail(st);
+        cli_progress_update(&prog, i + 1, n_policies);
+    }
     double bw2 = read_bandwidth(nthreads);
     bw = bw2 > bw ? bw2 : bw;
     char held[32], per[32];
@@ -317,9 +438,17 @@ int main(int argc, char **argv)
                (double)res[i].bytes_per_step / (double)res[0].bytes_per_step,
                (double)res[i].held / (double)res[0].held);
     }
-    printf("(streaming keeps sinks + window of the runtime defaults; kvcapsule bytes include the "
-           "maps, %s per step)\n",
-           cli_bytes(res[n_policies - 1].map_bytes_per_step, per, sizeof per));
+    for (int i = 0; i < n_policies; i++) {
+        if (res[i].compress_ms > 0)
+            printf("%s: compression after prefill %.1f ms (all layers, batch)\n", res[i].name,
+                   res[i].compress_ms);
+        if (strcmp(res[i].name, "freekv") == 0)
+            printf("freekv: %.1f pages recalled per step, %.1f%% of head-steps corrected\n",
+                   res[i].recalled_per_step, 100 * res[i].corrected);
+        if (res[i].map_bytes_per_step)
+            printf("%s: bytes include the maps, %s per step\n", res[i].name,
+                   cli_bytes(res[i].map_bytes_per_step, per, sizeof per));
+    }
     kvcap_artifact_free(a);
     return 0;
 }
