@@ -774,8 +774,7 @@ static int float_dtype(enum kvcap_dtype t)
 
 /* ---- Plain rows --------------------------------------------------------------------------- */
 
-/* Element i of a float tensor, for the readable oracles. */
-static double elem(enum kvcap_dtype dtype, const void *base, size_t i)
+double kvcap_load_elem(enum kvcap_dtype dtype, const void *base, size_t i)
 {
     const unsigned char *b = base;
     uint16_t h;
@@ -817,7 +816,8 @@ uint64_t kvcap_attend_rows_ref(const struct kvcap_rows *rows, const float *q, in
         for (int j = 0; j < rows->n; j++) {
             double s = 0;
             for (int c = 0; c < d; c++)
-                s += (double)qv[c] * elem(rows->dtype, rows->k, (size_t)j * rows->row_stride + c);
+                s += (double)qv[c] *
+                     kvcap_load_elem(rows->dtype, rows->k, (size_t)j * rows->row_stride + c);
             s *= scale;
             mx = s > mx ? s : mx;
         }
@@ -830,11 +830,12 @@ uint64_t kvcap_attend_rows_ref(const struct kvcap_rows *rows, const float *q, in
         for (int j = 0; j < rows->n; j++) {
             double s = 0;
             for (int c = 0; c < d; c++)
-                s += (double)qv[c] * elem(rows->dtype, rows->k, (size_t)j * rows->row_stride + c);
+                s += (double)qv[c] *
+                     kvcap_load_elem(rows->dtype, rows->k, (size_t)j * rows->row_stride + c);
             double p = exp(s * scale - (double)fmx);
             sum += p;
             for (int c = 0; c < d; c++)
-                o[c] += p * elem(rows->dtype, rows->v, (size_t)j * rows->row_stride + c);
+                o[c] += p * kvcap_load_elem(rows->dtype, rows->v, (size_t)j * rows->row_stride + c);
         }
         for (int c = 0; c < d; c++)
             of[c] = (float)o[c];
@@ -950,7 +951,8 @@ uint64_t kvcap_capsule_attend_ref(const struct kvcap_capsule_maps *maps,
                 for (int a = 0; a < h; a++) {
                     z[a] = 0;
                     for (int c = 0; c < d; c++)
-                        z[a] += elem(sp->dtype, sp->hs, ((size_t)t * h + a) * d + c) * qv[c];
+                        z[a] += kvcap_load_elem(sp->dtype, sp->hs, ((size_t)t * h + a) * d + c) *
+                                qv[c];
                 }
                 for (int j = 0; j < m; j++) {
                     double v = (double)maps->b2[j] * sumq;
@@ -969,14 +971,15 @@ uint64_t kvcap_capsule_attend_ref(const struct kvcap_capsule_maps *maps,
             }
             /* o = Σ_t Ṽ_tᵀ (U p_t) + (Σ p) μ */
             for (int c = 0; c < d; c++)
-                o[c] = sum * elem(sp->dtype, sp->mu, (size_t)c);
+                o[c] = sum * kvcap_load_elem(sp->dtype, sp->mu, (size_t)c);
             for (int t = 0; t < T; t++)
                 for (int r = 0; r < rv; r++) {
                     double y = 0;
                     for (int j = 0; j < m; j++)
                         y += (double)maps->u[(size_t)r * m + j] * s[(size_t)t * m + j];
                     for (int c = 0; c < d; c++)
-                        o[c] += y * elem(sp->dtype, sp->vt, ((size_t)t * rv + r) * d + c);
+                        o[c] +=
+                            y * kvcap_load_elem(sp->dtype, sp->vt, ((size_t)t * rv + r) * d + c);
                 }
             for (int c = 0; c < d; c++)
                 of[c] = (float)o[c];

@@ -81,21 +81,7 @@ static enum kvcap_status check_args(const char *fn, const float *q, int tau, int
 /* Element c of row r of a chunk, in double. */
 static double key_elem(const struct kvcap_rows *k, int r, int c)
 {
-    const unsigned char *b = k->k;
-    size_t i = (size_t)r * k->row_stride + (size_t)c;
-    uint16_t h;
-    float f;
-    switch (k->dtype) {
-    case KVCAP_DTYPE_F16:
-        memcpy(&h, b + 2 * i, 2);
-        return kvcap_f16_to_f32(h);
-    case KVCAP_DTYPE_BF16:
-        memcpy(&h, b + 2 * i, 2);
-        return kvcap_bf16_to_f32(h);
-    default:
-        memcpy(&f, b + 4 * i, 4);
-        return f;
-    }
+    return kvcap_load_elem(k->dtype, k->k, (size_t)r * k->row_stride + (size_t)c);
 }
 
 enum kvcap_status kvcap_vlcache_head_ref(const float *q, size_t q_stride, int tau, int G, int d,

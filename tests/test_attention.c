@@ -18,6 +18,7 @@
 #include "attention.h"
 #include "rng.h"
 #include "safetensors.h"
+#include "test_numeric.h"
 
 /* Test hook in kernels/attention.c: 0 forces the portable kernels, 1 the run-time choice. */
 int kvcap_attention_set_simd(int enabled);
@@ -37,66 +38,11 @@ int kvcap_attention_set_simd(int enabled);
 
 /* ---- helpers -------------------------------------------------------------------------------- */
 
-/* Uniform with the given mean and standard deviation (cheaper than normal draws, which keeps
- * the sanitizer build fast; the kernels do not care about the distribution). */
-static void fill_random(struct kvcap_rng *r, float *x, size_t n, double mean, double sd)
-{
-    for (size_t i = 0; i < n; i++)
-        x[i] = (float)(mean + sd * 1.7320508075688772 * (2.0 * kvcap_rng_uniform(r) - 1.0));
-}
-
-/* ‖a − b‖ / ‖b‖ in double (‖b‖ = 0: the absolute error). */
-static double rel_err(const float *a, const float *b, size_t n)
-{
-    double num = 0, den = 0;
-    for (size_t i = 0; i < n; i++) {
-        double e = (double)a[i] - (double)b[i];
-        num += e * e;
-        den += (double)b[i] * b[i];
-    }
-    return den > 0 ? sqrt(num / den) : sqrt(num);
-}
-
 static void assert_finite(const float *x, size_t n)
 {
     for (size_t i = 0; i < n; i++)
         if (!isfinite(x[i]))
             fail_msg("element %zu is %g", i, (double)x[i]);
-}
-
-static void assert_close(const float *got, const float *want, size_t n, double tol,
-                         const char *what)
-{
-    assert_finite(got, n);
-    double e = rel_err(got, want, n);
-    if (!(e <= tol))
-        fail_msg("%s: relative error %.3g > %.3g", what, e, tol);
-}
-
-/* Zeroed floats (never NULL: a failed allocation fails the test). */
-static float *alloc_f(size_t n)
-{
-    float *p = calloc(n ? n : 1, sizeof(float));
-    assert_non_null(p);
-    return p;
-}
-
-/* A partial with its own storage. */
-struct part {
-    float *buf;
-    struct kvcap_partial p;
-};
-
-static struct part part_new(int nq, int d)
-{
-    struct part s;
-    s.buf = malloc(sizeof(float) * (size_t)nq * (size_t)(d + 2));
-    assert_non_null(s.buf);
-    s.p.mx = s.buf;
-    s.p.sum = s.buf + nq;
-    s.p.o = s.buf + 2 * nq;
-    kvcap_partial_reset(s.p, nq, d);
-    return s;
 }
 
 static float *finish(struct part *s, int nq, int d)

@@ -17,6 +17,7 @@
 #include "flashcache.h"
 #include "rng.h"
 #include "select.h"
+#include "test_numeric.h"
 
 /* Fast DCT (f32 KissFFT, twiddles in double) vs the double oracle, as ‖fast − ref‖/‖ref‖:
  * a float FFT carries a few ulps (6e-8) times log2 n of relative error, Bluestein lengths
@@ -62,15 +63,8 @@ static void fill_normal(struct kvcap_rng *r, float *x, size_t n, double mean, do
         x[i] = (float)(mean + sd * kvcap_rng_normal(r));
 }
 
-static float *alloc_f(size_t n)
-{
-    float *p = calloc(n ? n : 1, sizeof(float));
-    assert_non_null(p);
-    return p;
-}
-
 /* ‖a − b‖ / ‖b‖ over an n × cols block with row strides lda, ldb (‖b‖ = 0: absolute). */
-static double rel_err(const float *a, size_t lda, const float *b, size_t ldb, int n, int cols)
+static double rel_err_rows(const float *a, size_t lda, const float *b, size_t ldb, int n, int cols)
 {
     double num = 0, den = 0;
     for (int j = 0; j < n; j++)
@@ -87,7 +81,7 @@ static double rel_err(const float *a, size_t lda, const float *b, size_t ldb, in
 static void check_close(const float *a, size_t lda, const float *b, size_t ldb, int n, int cols,
                         double tol, const char *what, int len)
 {
-    double e = rel_err(a, lda, b, ldb, n, cols);
+    double e = rel_err_rows(a, lda, b, ldb, n, cols);
     if (!(e <= tol))
         fail_msg("%s, n = %d: relative error %.3g > %.3g", what, len, e, tol);
 }

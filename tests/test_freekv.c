@@ -19,6 +19,7 @@
 #include "freekv.h"
 #include "rng.h"
 #include "safetensors.h"
+#include "test_numeric.h"
 
 /* FreeKV output vs kvcap_attend_rows_ref over the pages it should have attended: the fast
  * kernel sums in f32 blocks (pages visited one call at a time, merged by log-sum-exp), the
@@ -32,58 +33,6 @@
 
 /* ---- helpers -------------------------------------------------------------------------------- */
 
-static void fill_random(struct kvcap_rng *r, float *x, size_t n, double mean, double sd)
-{
-    for (size_t i = 0; i < n; i++)
-        x[i] = (float)(mean + sd * 1.7320508075688772 * (2.0 * kvcap_rng_uniform(r) - 1.0));
-}
-
-static float *alloc_f(size_t n)
-{
-    float *p = calloc(n ? n : 1, sizeof(float));
-    assert_non_null(p);
-    return p;
-}
-
-static double rel_err(const float *a, const float *b, size_t n)
-{
-    double num = 0, den = 0;
-    for (size_t i = 0; i < n; i++) {
-        double e = (double)a[i] - (double)b[i];
-        num += e * e;
-        den += (double)b[i] * b[i];
-    }
-    return den > 0 ? sqrt(num / den) : sqrt(num);
-}
-
-static void assert_close(const float *got, const float *want, size_t n, double tol,
-                         const char *what)
-{
-    for (size_t i = 0; i < n; i++)
-        if (!isfinite(got[i]))
-            fail_msg("%s: element %zu is %g", what, i, (double)got[i]);
-    double e = rel_err(got, want, n);
-    if (!(e <= tol))
-        fail_msg("%s: relative error %.3g > %.3g", what, e, tol);
-}
-
-/* A partial with its own storage. */
-struct part {
-    float *buf;
-    struct kvcap_partial p;
-};
-
-static struct part part_new(int nq, int d)
-{
-    struct part s;
-    s.buf = malloc(sizeof(float) * (size_t)nq * (size_t)(d + 2));
-    assert_non_null(s.buf);
-    s.p.mx = s.buf;
-    s.p.sum = s.buf + nq;
-    s.p.o = s.buf + 2 * nq;
-    kvcap_partial_reset(s.p, nq, d);
-    return s;
-}
 
 /* What the test knows the state holds: every appended row as stored, back in f32. */
 struct seq {

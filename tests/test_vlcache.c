@@ -17,6 +17,7 @@
 #include "rng.h"
 #include "safetensors.h"
 #include "vlcache.h"
+#include "test_numeric.h"
 
 /* Fast vs _ref column sums: the fast path rounds the scaled queries, the sgemm scores and the
  * exps to f32 (~1 ulp each) and sums up to m = 3000 exps per row and τ·G ≤ 259 rows per column
@@ -44,36 +45,6 @@
 static const float P = 0.01f; /* DESIGN §6 */
 
 /* ---- helpers -------------------------------------------------------------------------------- */
-
-static float *alloc_f(size_t n)
-{
-    float *p = calloc(n ? n : 1, sizeof(float));
-    assert_non_null(p);
-    return p;
-}
-
-/* ‖a − b‖ / ‖b‖ in double. */
-static double rel_err(const float *a, const float *b, size_t n)
-{
-    double num = 0, den = 0;
-    for (size_t i = 0; i < n; i++) {
-        double e = (double)a[i] - (double)b[i];
-        num += e * e;
-        den += (double)b[i] * b[i];
-    }
-    return den > 0 ? sqrt(num / den) : sqrt(num);
-}
-
-static void assert_close(const float *got, const float *want, size_t n, double tol,
-                         const char *what)
-{
-    for (size_t i = 0; i < n; i++)
-        if (!isfinite(got[i]))
-            fail_msg("%s: element %zu is %g", what, i, (double)got[i]);
-    double e = rel_err(got, want, n);
-    if (!(e <= tol))
-        fail_msg("%s: relative error %.3g > %.3g", what, e, tol);
-}
 
 /* Causal entries of A' for one head: G·Σ_i (m − τ + i + 1). */
 static int64_t causal_entries(int tau, int G, int m)
@@ -181,14 +152,6 @@ static void fill_grid(struct kvcap_rng *r, float *q, int nq, size_t q_stride_row
         k[i] = (float)((int)kvcap_rng_below(r, 5) - 2);
 }
 
-/* Uniform with the given standard deviation around 0 (the kernels do not care about the
- * distribution, and uniform draws are cheap under the sanitizer). */
-static void fill_random(struct kvcap_rng *r, float *x, size_t n, double sd)
-{
-    for (size_t i = 0; i < n; i++)
-        x[i] = (float)(sd * 1.7320508075688772 * (2.0 * kvcap_rng_uniform(r) - 1.0));
-}
-
 struct result {
     float *score;
     int64_t below, entries;
@@ -258,8 +221,8 @@ static void check_config(struct kvcap_rng *r, const struct config *cf, enum data
         scale = 0.5f;
     } else {
         for (int i = 0; i < tau; i++)
-            fill_random(r, q + (size_t)i * q_stride, (size_t)G * d, 1.5);
-        fill_random(r, kx, (size_t)m * d, 1.0);
+            fill_random(r, q + (size_t)i * q_stride, (size_t)G * d, 0.0, 1.5);
+        fill_random(r, kx, (size_t)m * d, 0.0, 1.0);
         /* scores of spread ~1.5, or ~45 for LARGE (exps far outside f32 without the max) */
         scale = (kind == LARGE ? 30.0f : 1.0f) / sqrtf((float)d);
     }
