@@ -12,6 +12,7 @@
 #include "cache_internal.h"
 #include "pool.h"
 #include "rope.h"
+#include "select.h"
 
 static const struct kvcap_policy_impl *policy_impl(enum kvcap_policy p)
 {
@@ -262,6 +263,33 @@ enum kvcap_status kvcap_segment_compact(const struct kvcap_cache *c, struct kvca
     return KVCAP_OK;
 }
 
+enum kvcap_status kvcap_segment_keep_top(const struct kvcap_cache *c, struct kvcap_segment *seg,
+                                         const float *score, size_t head_stride, int lo, int hi,
+                                         int budget)
+{
+    int H = c->g.n_kv_heads, n = seg->n_rows;
+    budget = budget < 0 ? 0 : (budget > hi - lo ? hi - lo : budget);
+    int kept = lo + budget + (n - hi);
+    int *keep = malloc(sizeof(int) * ((size_t)H * kept + (size_t)(hi - lo) + 1));
+    KVCAP_RETURN_IF(!keep, KVCAP_ERR_OUT_OF_MEMORY, "cache: out of memory evicting a span");
+    int *work = keep + (size_t)H * kept;
+    for (int h = 0; h < H; h++) {
+        int *kh = keep + (size_t)h * kept, at = 0;
+        for (int j = 0; j < lo; j++)
+            kh[at++] = j;
+        int got = kvcap_topk_indices(score + (size_t)h * head_stride, hi - lo, budget, kh + at,
+                                     work);
+        for (int i = 0; i < got; i++)
+            kh[at + i] += lo;
+        at += got;
+        for (int j = hi; j < n; j++)
+            kh[at++] = j;
+    }
+    enum kvcap_status st = kvcap_segment_compact(c, seg, keep, kept);
+    free(keep);
+    return st;
+}
+
 enum kvcap_status kvcap_cache_freekv(struct kvcap_cache *c, struct kvcap_seq_layer *sl,
                                      struct kvcap_freekv **out)
 {
@@ -481,43 +509,39 @@ enum kvcap_status kvcap_cache_append(struct kvcap_cache *c, int seq, int layer,
     struct kvcap_seq_layer *sl = kvcap_cache_seq_layer(c, seq, layer);
     struct kvcap_segment *gen = &sl->gen;
     int d = c->g.head_dim, H = c->g.n_kv_heads;
+    /* the token as f32, [2][heads][d]: keys then values */
+    float *buf = malloc(sizeof(float) * 2 * (size_t)H * d);
+    KVCAP_RETURN_IF(!buf, KVCAP_ERR_OUT_OF_MEMORY, "cache: out of memory");
+    float *vb = buf + (size_t)H * d;
+    for (int h = 0; h < H; h++) {
+        kvcap_view_read(k, h, 0, 1, d, buf + (size_t)h * d);
+        kvcap_view_read(v, h, 0, 1, d, vb + (size_t)h * d);
+    }
+    enum kvcap_status st = KVCAP_OK;
+    int row = gen->n_rows;
     if (gen->policy == KVCAP_POLICY_FREEKV) {
         struct kvcap_freekv *f;
-        KVCAP_TRY(kvcap_cache_freekv(c, sl, &f));
-        float *buf = malloc(sizeof(float) * 2 * (size_t)H * d);
-        KVCAP_RETURN_IF(!buf, KVCAP_ERR_OUT_OF_MEMORY, "cache: out of memory");
-        for (int h = 0; h < H; h++) {
-            kvcap_view_read(k, h, 0, 1, d, buf + (size_t)h * d);
-            kvcap_view_read(v, h, 0, 1, d, buf + (size_t)(H + h) * d);
+        st = kvcap_cache_freekv(c, sl, &f);
+        if (st == KVCAP_OK)
+            st = kvcap_freekv_append(f, buf, vb, 1);
+        if (st == KVCAP_OK)
+            sl->freekv_tokens_by_kind[KVCAP_SPAN_GENERATED]++;
+    } else {
+        if (gen->policy == KVCAP_POLICY_STREAMING) {
+            /* first `sinks` generated tokens stay; after them a ring of the last `window` */
+            int sinks = c->cfg.streaming.sinks, window = c->cfg.streaming.window;
+            if (gen->seen >= sinks + window)
+                row = sinks + (int)((gen->seen - sinks) % window);
         }
-        enum kvcap_status st = kvcap_freekv_append(f, buf, buf + (size_t)H * d, 1);
-        free(buf);
-        KVCAP_TRY(st);
-        sl->freekv_tokens_by_kind[KVCAP_SPAN_GENERATED]++;
-        gen->seen++;
-        if (layer == 0)
-            c->tokens_by_kind[KVCAP_SPAN_GENERATED]++;
-        return KVCAP_OK;
-    }
-    int row = gen->n_rows;
-    if (gen->policy == KVCAP_POLICY_STREAMING) {
-        /* first `sinks` generated tokens stay; after them a ring of the last `window` */
-        int sinks = c->cfg.streaming.sinks, window = c->cfg.streaming.window;
-        if (gen->seen >= sinks + window)
-            row = sinks + (int)((gen->seen - sinks) % window);
-    }
-    if (row >= gen->cap)
-        KVCAP_TRY(kvcap_segment_reserve(c, gen, gen->cap ? 2 * gen->cap : 64));
-    float *buf = malloc(sizeof(float) * 2 * (size_t)d);
-    KVCAP_RETURN_IF(!buf, KVCAP_ERR_OUT_OF_MEMORY, "cache: out of memory");
-    for (int h = 0; h < H; h++) {
-        kvcap_view_read(k, h, 0, 1, d, buf);
-        kvcap_view_read(v, h, 0, 1, d, buf + d);
-        kvcap_segment_store(c, gen, h, row, 1, buf, buf + d);
+        if (row >= gen->cap)
+            st = kvcap_segment_reserve(c, gen, gen->cap ? 2 * gen->cap : 64);
+        for (int h = 0; st == KVCAP_OK && h < H; h++)
+            kvcap_segment_store(c, gen, h, row, 1, buf + (size_t)h * d, vb + (size_t)h * d);
+        if (st == KVCAP_OK && row == gen->n_rows)
+            gen->n_rows++;
     }
     free(buf);
-    if (row == gen->n_rows)
-        gen->n_rows++;
+    KVCAP_TRY(st);
     gen->seen++;
     if (layer == 0)
         c->tokens_by_kind[KVCAP_SPAN_GENERATED]++;

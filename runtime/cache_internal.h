@@ -128,6 +128,14 @@ enum kvcap_status kvcap_segment_fill(struct kvcap_cache *c, struct kvcap_segment
 enum kvcap_status kvcap_segment_compact(const struct kvcap_cache *c, struct kvcap_segment *seg,
                                         const int *keep, int n_keep);
 
+/* Eviction by score, the step FlashCache and VL-Cache share: each head h keeps the protected
+ * rows [0, lo) and [hi, n_rows), plus the `budget` rows of [lo, hi) with the largest scores
+ * (score + h * head_stride, hi − lo floats, token lo first), and the rest is freed
+ * (kvcap_segment_compact). budget is clamped to [0, hi − lo]. */
+enum kvcap_status kvcap_segment_keep_top(const struct kvcap_cache *c, struct kvcap_segment *seg,
+                                         const float *score, size_t head_stride, int lo, int hi,
+                                         int budget);
+
 /* The FreeKV state of a sequence-layer, created on first use with the config's parameters. */
 enum kvcap_status kvcap_cache_freekv(struct kvcap_cache *c, struct kvcap_seq_layer *sl,
                                      struct kvcap_freekv **out);

@@ -13,7 +13,6 @@
 #include "cache_internal.h"
 #include "flashcache.h"
 #include "pool.h"
-#include "select.h"
 
 /* The compressible tokens [lo, hi) of an n-token span. */
 static void compressible(const struct kvcap_flashcache_config *f, int n, int *lo, int *hi)
@@ -102,33 +101,17 @@ static enum kvcap_status flashcache_prefill(struct kvcap_cache *c, int seq, int 
     return st;
 }
 
-/* Rows kept by one head: sinks, the top `budget` compressible tokens by score, the window. */
-static int keep_rows(const float *score, int lo, int hi, int n, int budget, int *keep, int *work)
-{
-    int kept = 0;
-    for (int j = 0; j < lo; j++)
-        keep[kept++] = j;
-    int got = kvcap_topk_indices(score, hi - lo, budget, keep + kept, work);
-    for (int i = 0; i < got; i++)
-        keep[kept + i] += lo;
-    kept += got;
-    for (int j = hi; j < n; j++)
-        keep[kept++] = j;
-    return kept;
-}
-
 static enum kvcap_status flashcache_finish(struct kvcap_cache *c, int seq, int span)
 {
-    int L = c->g.n_layers, H = c->g.n_kv_heads;
+    int L = c->g.n_layers;
     const struct kvcap_segment *s0 = &kvcap_cache_seq_layer(c, seq, 0)->segs[span];
     int n = s0->n_tokens, lo, hi;
     compressible(&c->cfg.flashcache, n, &lo, &hi);
     double t0 = kvcap_seconds();
     double *w = malloc(sizeof(double) * (size_t)L);
     int *cap = malloc(sizeof(int) * (size_t)L), *budget = malloc(sizeof(int) * (size_t)L);
-    int *keep = malloc(sizeof(int) * (size_t)H * n), *work = malloc(sizeof(int) * (size_t)n);
     enum kvcap_status st = KVCAP_OK;
-    if (!w || !cap || !budget || !keep || !work)
+    if (!w || !cap || !budget)
         st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "flashcache: out of memory");
     for (int l = 0; st == KVCAP_OK && l < L; l++) {
         const struct kvcap_segment *seg = &kvcap_cache_seq_layer(c, seq, l)->segs[span];
@@ -147,21 +130,15 @@ static enum kvcap_status flashcache_finish(struct kvcap_cache *c, int seq, int s
         struct kvcap_segment *seg = &kvcap_cache_seq_layer(c, seq, l)->segs[span];
         if (!seg->pending)
             continue;
-        int kept = 0;
-        for (int h = 0; h < H; h++)
-            kept = keep_rows(seg->score + (size_t)h * (hi - lo), lo, hi, n, budget[l],
-                             keep + (size_t)h * n, work);
-        /* heads keep the same count; compact wants [heads][kept] */
-        for (int h = 1; h < H; h++)
-            memmove(keep + (size_t)h * kept, keep + (size_t)h * n, sizeof(int) * (size_t)kept);
-        st = kvcap_segment_compact(c, seg, keep, kept);
+        /* each KV head keeps sinks, its own top budget[l] tokens and the window */
+        st = kvcap_segment_keep_top(c, seg, seg->score, (size_t)(hi - lo), lo, hi, budget[l]);
         if (st == KVCAP_OK) {
             free(seg->score);
             seg->score = NULL;
             seg->pending = 0;
         }
     }
-    free(w), free(cap), free(budget), free(keep), free(work);
+    free(w), free(cap), free(budget);
     c->compress_seconds += kvcap_seconds() - t0;
     return st;
 }

@@ -12,7 +12,6 @@
 
 #include "cache_internal.h"
 #include "pool.h"
-#include "select.h"
 #include "vlcache.h"
 
 static enum kvcap_status vlcache_prefill(struct kvcap_cache *c, int seq, int layer,
@@ -23,6 +22,12 @@ static enum kvcap_status vlcache_prefill(struct kvcap_cache *c, int seq, int lay
     KVCAP_TRY(kvcap_segment_fill(c, seg, k, v, NULL, seg->n_tokens));
     seg->pending = 1;
     return KVCAP_OK;
+}
+
+/* Whether a segment contributes rows to the prompt VL-Cache scores over. */
+static int holds_prompt_rows(const struct kvcap_segment *s)
+{
+    return s->k && s->n_rows > 0 && s->policy != KVCAP_POLICY_KVCAPSULE;
 }
 
 /* One layer of one sequence: keys as row chunks per head, scores of span `span`'s tokens. */
@@ -75,7 +80,7 @@ static enum kvcap_status score_layer(struct kvcap_cache *c, int seq, int layer, 
     j.n = seg->n_tokens;
     for (int i = 0; i <= sl->n_segs; i++) {
         const struct kvcap_segment *s = i < sl->n_segs ? &sl->segs[i] : &sl->gen;
-        if (s->k && s->n_rows > 0 && s->policy != KVCAP_POLICY_KVCAPSULE) {
+        if (holds_prompt_rows(s)) {
             if (i == span)
                 j.offset = j.m;
             j.n_chunks++;
@@ -104,7 +109,7 @@ static enum kvcap_status score_layer(struct kvcap_cache *c, int seq, int layer, 
             int ci = 0;
             for (int i = 0; i <= sl->n_segs; i++) {
                 const struct kvcap_segment *s = i < sl->n_segs ? &sl->segs[i] : &sl->gen;
-                if (!(s->k && s->n_rows > 0 && s->policy != KVCAP_POLICY_KVCAPSULE))
+                if (!holds_prompt_rows(s))
                     continue;
                 struct kvcap_rows r = {(const char *)s->k + (size_t)h * s->cap * d * es, NULL,
                                        c->storage, (size_t)d, s->n_rows};
@@ -136,14 +141,13 @@ static enum kvcap_status score_layer(struct kvcap_cache *c, int seq, int layer, 
 
 static enum kvcap_status vlcache_finish(struct kvcap_cache *c, int seq, int span)
 {
-    int L = c->g.n_layers, H = c->g.n_kv_heads;
+    int L = c->g.n_layers;
     int n = kvcap_cache_seq_layer(c, seq, 0)->segs[span].n_tokens;
     double t0 = kvcap_seconds();
     double *gamma = malloc(sizeof(double) * (size_t)L * 2);
     int *post = malloc(sizeof(int) * (size_t)L);
-    int *keep = malloc(sizeof(int) * (size_t)H * n), *work = malloc(sizeof(int) * (size_t)n);
     enum kvcap_status st = KVCAP_OK;
-    if (!gamma || !post || !keep || !work)
+    if (!gamma || !post)
         st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "vlcache: out of memory");
     for (int l = 0; st == KVCAP_OK && l < L; l++)
         st = score_layer(c, seq, l, span, &gamma[l], &post[l]);
@@ -157,24 +161,9 @@ static enum kvcap_status vlcache_finish(struct kvcap_cache *c, int seq, int span
             int sinks = c->cfg.vlcache.sinks < n ? c->cfg.vlcache.sinks : n;
             int tail = c->cfg.vlcache.window > post[l] ? c->cfg.vlcache.window : post[l];
             tail = tail < n - sinks ? tail : n - sinks;
-            int hi = n - tail;
-            int total = (int)llround(beta[l] * n);
-            int budget = total - sinks - tail;
-            budget = budget < 0 ? 0 : (budget > hi - sinks ? hi - sinks : budget);
-            int kept = sinks + budget + tail;
-            for (int h = 0; h < H; h++) {
-                int *kh = keep + (size_t)h * kept, got = 0;
-                for (int j = 0; j < sinks; j++)
-                    kh[got++] = j;
-                int sel = kvcap_topk_indices(seg->score + (size_t)h * n + sinks, hi - sinks,
-                                             budget, kh + got, work);
-                for (int i = 0; i < sel; i++)
-                    kh[got + i] += sinks;
-                got += sel;
-                for (int j = hi; j < n; j++)
-                    kh[got++] = j;
-            }
-            st = kvcap_segment_compact(c, seg, keep, kept);
+            int budget = (int)llround(beta[l] * n) - sinks - tail;
+            st = kvcap_segment_keep_top(c, seg, seg->score + sinks, (size_t)n, sinks, n - tail,
+                                        budget);
             if (st == KVCAP_OK)
                 seg->pending = 0;
         }
@@ -184,7 +173,7 @@ static enum kvcap_status vlcache_finish(struct kvcap_cache *c, int seq, int span
         free(seg->score);
         seg->score = NULL;
     }
-    free(gamma), free(post), free(keep), free(work);
+    free(gamma), free(post);
     c->compress_seconds += kvcap_seconds() - t0;
     return st;
 }
