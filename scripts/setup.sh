@@ -7,7 +7,7 @@ set -euo pipefail
 PACKAGES=(
   build-essential cmake pkg-config
   libopenblas-dev liblapacke-dev
-  libyaml-dev libcjson-dev libkissfft-dev libcmocka-dev
+  libyaml-dev libcjson-dev libkissfft-dev libcmocka-dev libpcre2-dev
   python3 python3-venv
 )
 
