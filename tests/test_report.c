@@ -1,0 +1,473 @@
+/* test_report.c — kvcap-report's writer: the sample metrics render to HTML with every section
+ * and to CSV with one row per run; strings from the JSON are escaped; each malformed input fails
+ * with KVCAP_ERR_FORMAT naming the field and writes nothing; write failures are KVCAP_ERR_IO and
+ * leave neither a temporary file nor a half-written report. */
+#include <dirent.h>
+#include <errno.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+#include <cmocka.h>
+
+#include "report.h"
+#include "test_util.h"
+
+#define SAMPLE KVCAP_TEST_DATA "/eval/metrics-sample.json"
+
+static const char CSV_HEADER[] =
+    "id,policy,label,retention,compression,token_agreement,first_divergence_mean,nll,nll_full,"
+    "nll_delta,attn_cosine_mean,attn_rel_err_mean,bytes_held,bytes_held_full,"
+    "bytes_read_per_step,step_ms,step_ms_full,step_time_ratio";
+
+/* ---- Helpers ------------------------------------------------------------------------------- */
+
+/* The whole file as a string, or NULL when it cannot be read. */
+static char *slurp(const char *path)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return NULL;
+    size_t cap = 1 << 16, n = 0;
+    char *p = malloc(cap);
+    assert_non_null(p);
+    size_t got;
+    while ((got = fread(p + n, 1, cap - n - 1, f)) > 0) {
+        n += got;
+        if (n + 1 == cap) {
+            cap *= 2;
+            p = realloc(p, cap);
+            assert_non_null(p);
+        }
+    }
+    fclose(f);
+    p[n] = '\0';
+    return p;
+}
+
+static void write_text(const char *path, const char *text)
+{
+    FILE *f = fopen(path, "wb");
+    assert_non_null(f);
+    assert_int_equal(fwrite(text, 1, strlen(text), f), strlen(text));
+    assert_int_equal(fclose(f), 0);
+}
+
+static int count(const char *hay, const char *needle)
+{
+    int n = 0;
+    for (const char *p = strstr(hay, needle); p; p = strstr(p + strlen(needle), needle))
+        n++;
+    return n;
+}
+
+/* Entries in a folder other than . and .., hidden ones included. */
+static int dir_entries(const char *dir)
+{
+    DIR *d = opendir(dir);
+    assert_non_null(d);
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL)
+        n += strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0;
+    closedir(d);
+    return n;
+}
+
+static cJSON *load_sample(void)
+{
+    char *text = slurp(SAMPLE);
+    assert_non_null(text);
+    cJSON *doc = cJSON_Parse(text);
+    free(text);
+    assert_non_null(doc);
+    return doc;
+}
+
+static void write_json(const char *path, const cJSON *doc)
+{
+    char *text = cJSON_Print(doc);
+    assert_non_null(text);
+    write_text(path, text);
+    cJSON_free(text);
+}
+
+static cJSON *run_of(cJSON *doc, int i)
+{
+    cJSON *run = cJSON_GetArrayItem(cJSON_GetObjectItem(doc, "runs"), i);
+    assert_non_null(run);
+    return run;
+}
+
+static void assert_error_names(const char *path, const char *needle)
+{
+    const char *msg = kvcap_last_error();
+    if (strncmp(msg, path, strlen(path)) != 0 || !strstr(msg, needle))
+        fail_msg("error message mismatch\n  got:  %s\n  want: %s: ... %s ...", msg, path, needle);
+}
+
+/* Scratch folders: `in` for inputs, `out` for the report's outputs. */
+struct dirs {
+    char in[512], out[512], html[600], csv[600], metrics[600];
+};
+
+static void dirs_make(struct dirs *d)
+{
+    assert_true(test_tmpdir(d->in, sizeof d->in, "report-in"));
+    assert_true(test_tmpdir(d->out, sizeof d->out, "report-out"));
+    snprintf(d->html, sizeof d->html, "%s/report.html", d->out);
+    snprintf(d->csv, sizeof d->csv, "%s/metrics.csv", d->out);
+    snprintf(d->metrics, sizeof d->metrics, "%s/metrics.json", d->in);
+}
+
+static void dirs_remove(struct dirs *d)
+{
+    test_rm_tree(d->in);
+    test_rm_tree(d->out);
+}
+
+/* ---- The sample renders --------------------------------------------------------------------- */
+
+static void test_sample_renders(void **state)
+{
+    (void)state;
+    struct dirs d;
+    dirs_make(&d);
+    assert_int_equal(kvcap_report_write(SAMPLE, d.html, d.csv), KVCAP_OK);
+    assert_int_equal(dir_entries(d.out), 2); /* no temporary file left behind */
+
+    cJSON *doc = load_sample();
+    int n_runs = cJSON_GetArraySize(cJSON_GetObjectItem(doc, "runs"));
+    int n_masks = cJSON_GetArraySize(cJSON_GetObjectItem(doc, "masks"));
+    assert_true(n_runs >= 20);
+    assert_int_equal(n_masks, 2);
+
+    char *html = slurp(d.html);
+    assert_non_null(html);
+    assert_non_null(strstr(html, "<title>kvcap evaluation: SmolLM2-135M-Instruct</title>"));
+    assert_non_null(strstr(html, "<h1>kvcap evaluation: SmolLM2-135M-Instruct</h1>"));
+    assert_int_equal(count(html, "<tr class=\"run"), n_runs);
+    assert_int_equal(count(html, "<figure class=\"mask-panel\">"), n_masks);
+    /* Every figure holds an SVG: fidelity, heatmap, one per mask bucket, bars. */
+    int figures = 0;
+    for (const char *f = strstr(html, "<figure"); f; f = strstr(f + 1, "<figure")) {
+        const char *end = strstr(f, "</figure>"), *svg = strstr(f, "<svg");
+        assert_non_null(end);
+        assert_true(svg && svg < end);
+        figures++;
+    }
+    assert_int_equal(figures, 3 + n_masks);
+    static const char *const sections[] = {"Headline results", "Fidelity vs retention",
+                                           "Per-layer attention error",
+                                           "KVCapsule retained-token masks",
+                                           "Memory and decode time"};
+    for (size_t i = 0; i < sizeof sections / sizeof sections[0]; i++)
+        assert_non_null(strstr(html, sections[i]));
+    /* The summary names the best policy near 2.5x; goals carry badges; the command is shown. */
+    assert_non_null(strstr(html, "2.5&times; compression: <strong>KVCapsule (tiled)</strong> at "
+                                 "retention 0.40"));
+    assert_int_equal(count(html, "class=\"badge met\""), 3);
+    assert_int_equal(count(html, "class=\"badge unmet\""), 1);
+    assert_non_null(strstr(html, "<pre>build/kvcap-eval "));
+    /* Self-contained: nothing to run or fetch. */
+    assert_null(strstr(html, "<script"));
+    assert_null(strstr(html, "src="));
+    assert_null(strstr(html, "http://"));
+    free(html);
+
+    char *csv = slurp(d.csv);
+    assert_non_null(csv);
+    assert_int_equal(count(csv, "\n"), n_runs + 1);
+    assert_memory_equal(csv, CSV_HEADER, strlen(CSV_HEADER));
+    assert_int_equal(csv[strlen(CSV_HEADER)], '\n');
+    assert_non_null(strstr(csv, "\n" "full@1.00,full,Full cache,1,1,1,32,"));
+    /* A label with a comma is quoted; nulls (VL-Cache has no timing) are empty fields. */
+    assert_non_null(strstr(csv, ",\"Composition (KVCapsule, FreeKV)\",0.2,"));
+    const char *vl = strstr(csv, "\nvlcache@0.20,");
+    assert_non_null(vl);
+    const char *eol = strchr(vl + 1, '\n');
+    assert_non_null(eol);
+    assert_memory_equal(eol - 4, ",,,,", 4);
+    free(csv);
+
+    /* Either output alone. */
+    assert_int_equal(unlink(d.html), 0);
+    assert_int_equal(unlink(d.csv), 0);
+    assert_int_equal(kvcap_report_write(SAMPLE, NULL, d.csv), KVCAP_OK);
+    assert_int_equal(dir_entries(d.out), 1);
+    assert_int_equal(kvcap_report_write(SAMPLE, d.html, NULL), KVCAP_OK);
+    assert_int_equal(dir_entries(d.out), 2);
+    cJSON_Delete(doc);
+    dirs_remove(&d);
+}
+
+/* Only the required fields: the report still renders, with "not measured" where data lacks. */
+static void test_minimal_metrics(void **state)
+{
+    (void)state;
+    struct dirs d;
+    dirs_make(&d);
+    write_text(d.metrics, "{\"format\": 1, \"title\": \"tiny\", \"runs\": ["
+                          "{\"id\": \"full\", \"policy\": \"full\", \"label\": \"Full\", "
+                          "\"retention\": 1},"
+                          "{\"id\": \"s\", \"policy\": \"streaming\", \"label\": \"Streaming\", "
+                          "\"retention\": 0.5, \"token_agreement\": null}]}");
+    assert_int_equal(kvcap_report_write(d.metrics, d.html, d.csv), KVCAP_OK);
+    char *html = slurp(d.html), *csv = slurp(d.csv);
+    assert_non_null(html);
+    assert_non_null(csv);
+    assert_int_equal(count(html, "<tr class=\"run"), 2);
+    assert_non_null(strstr(html, "not measured"));
+    assert_non_null(strstr(csv, "\ns,streaming,Streaming,0.5,,,,,,,,,,,,,,\n"));
+    free(html);
+    free(csv);
+    dirs_remove(&d);
+}
+
+/* ---- Escaping ------------------------------------------------------------------------------- */
+
+static void test_html_escaping(void **state)
+{
+    (void)state;
+    struct dirs d;
+    dirs_make(&d);
+    cJSON *doc = load_sample();
+    const char *label = "<script>alert('x')</script> & \"co\"";
+    cJSON_ReplaceItemInObject(run_of(doc, 4), "label", cJSON_CreateString(label));
+    cJSON_ReplaceItemInObject(doc, "title", cJSON_CreateString("A & B <i>"));
+    write_json(d.metrics, doc);
+    cJSON_Delete(doc);
+    assert_int_equal(kvcap_report_write(d.metrics, d.html, d.csv), KVCAP_OK);
+
+    char *html = slurp(d.html);
+    assert_non_null(html);
+    assert_null(strstr(html, "<script"));
+    assert_null(strstr(html, "<i>"));
+    assert_non_null(strstr(html, "<h1>A &amp; B &lt;i&gt;</h1>"));
+    const char *escaped = "&lt;script&gt;alert(&#39;x&#39;)&lt;/script&gt; &amp; &quot;co&quot;";
+    /* In the table, the legend, the heatmap and the bars. */
+    assert_true(count(html, escaped) >= 4);
+    free(html);
+
+    char *csv = slurp(d.csv);
+    assert_non_null(csv);
+    assert_non_null(strstr(csv, ",\"<script>alert('x')</script> & \"\"co\"\"\","));
+    free(csv);
+    dirs_remove(&d);
+}
+
+/* ---- Malformed inputs ------------------------------------------------------------------------- */
+
+struct bad_case {
+    const char *name, *needle;
+    void (*edit)(cJSON *doc); /* NULL: `text` is the whole file */
+    const char *text;
+};
+
+static void no_runs(cJSON *doc) { cJSON_DeleteItemFromObject(doc, "runs"); }
+static void empty_runs(cJSON *doc) { cJSON_ReplaceItemInObject(doc, "runs", cJSON_CreateArray()); }
+static void run_without_id(cJSON *doc) { cJSON_DeleteItemFromObject(run_of(doc, 3), "id"); }
+static void agreement_string(cJSON *doc)
+{
+    cJSON_ReplaceItemInObject(run_of(doc, 3), "token_agreement", cJSON_CreateString("high"));
+}
+static void agreement_range(cJSON *doc)
+{
+    cJSON_ReplaceItemInObject(run_of(doc, 3), "token_agreement", cJSON_CreateNumber(1.5));
+}
+static void cosine_short(cJSON *doc)
+{
+    cJSON *a = cJSON_GetObjectItem(run_of(doc, 2), "attn_cosine");
+    cJSON_DeleteItemFromArray(a, cJSON_GetArraySize(a) - 1);
+}
+static void rel_err_element(cJSON *doc)
+{
+    cJSON *a = cJSON_GetObjectItem(run_of(doc, 5), "attn_rel_err");
+    cJSON_ReplaceItemInArray(a, 4, cJSON_CreateString("0.1"));
+}
+static void format_2(cJSON *doc) { cJSON_ReplaceItemInObject(doc, "format", cJSON_CreateNumber(2)); }
+static void no_format(cJSON *doc) { cJSON_DeleteItemFromObject(doc, "format"); }
+static void no_title(cJSON *doc) { cJSON_DeleteItemFromObject(doc, "title"); }
+static void no_layers(cJSON *doc)
+{
+    cJSON_DeleteItemFromObject(cJSON_GetObjectItem(doc, "model"), "layers");
+}
+static void duplicate_id(cJSON *doc)
+{
+    cJSON_ReplaceItemInObject(run_of(doc, 4), "id", cJSON_CreateString("full@1.00"));
+}
+static void unknown_policy(cJSON *doc)
+{
+    cJSON_ReplaceItemInObject(run_of(doc, 0), "policy", cJSON_CreateString("h2o"));
+}
+static void retention_zero(cJSON *doc)
+{
+    cJSON_ReplaceItemInObject(run_of(doc, 1), "retention", cJSON_CreateNumber(0));
+}
+static void mask_index(cJSON *doc)
+{
+    cJSON *mask = cJSON_GetArrayItem(cJSON_GetObjectItem(doc, "masks"), 1);
+    cJSON *head = cJSON_GetArrayItem(cJSON_GetArrayItem(cJSON_GetObjectItem(mask, "kept"), 0), 2);
+    cJSON_ReplaceItemInArray(head, 0, cJSON_CreateNumber(256));
+}
+static void mask_heads(cJSON *doc)
+{
+    cJSON *mask = cJSON_GetArrayItem(cJSON_GetObjectItem(doc, "masks"), 0);
+    cJSON_DeleteItemFromArray(cJSON_GetArrayItem(cJSON_GetObjectItem(mask, "kept"), 7), 0);
+}
+static void goal_met(cJSON *doc)
+{
+    cJSON *goal = cJSON_GetArrayItem(cJSON_GetObjectItem(doc, "goals"), 0);
+    cJSON_ReplaceItemInObject(goal, "met", cJSON_CreateString("yes"));
+}
+static void model_string(cJSON *doc)
+{
+    cJSON_ReplaceItemInObject(doc, "model", cJSON_CreateString("SmolLM2"));
+}
+
+static void test_malformed_inputs(void **state)
+{
+    (void)state;
+    static const struct bad_case cases[] = {
+        {"missing runs", "runs: missing", no_runs, NULL},
+        {"empty runs", "runs: empty", empty_runs, NULL},
+        {"run without id", "runs[3].id: missing", run_without_id, NULL},
+        {"token_agreement of the wrong type",
+         "runs[3].token_agreement: expected a fraction in [0, 1] or null, got a string",
+         agreement_string, NULL},
+        {"token_agreement out of range", "runs[3].token_agreement: expected a fraction",
+         agreement_range, NULL},
+        {"attn_cosine of the wrong length", "runs[2].attn_cosine: 29 entries, expected 30",
+         cosine_short, NULL},
+        {"attn_rel_err element", "runs[5].attn_rel_err[4]: expected", rel_err_element, NULL},
+        {"format 2", "format: 2 is not supported", format_2, NULL},
+        {"no format", "format: missing", no_format, NULL},
+        {"no title", "title: missing", no_title, NULL},
+        {"per-layer arrays without model.layers", "model.layers: missing", no_layers, NULL},
+        {"duplicate id", "runs[4].id: 'full@1.00' repeats runs[0].id", duplicate_id, NULL},
+        {"unknown policy", "runs[0].policy: 'h2o'", unknown_policy, NULL},
+        {"retention 0", "runs[1].retention", retention_zero, NULL},
+        {"mask token index", "masks[1].kept[0][2][0]: expected a token index in [0, 256)",
+         mask_index, NULL},
+        {"mask head count", "masks[0].kept[7]: 2 entries, expected 3", mask_heads, NULL},
+        {"goal met", "goals[0].met: expected true or false", goal_met, NULL},
+        {"model not an object", "model: expected an object", model_string, NULL},
+        {"not JSON at all", "not valid JSON", NULL, "kvcap metrics, honest\n"},
+        {"truncated JSON", "not valid JSON (syntax error at line 4, byte 29)", NULL,
+         "{\n  \"format\": 1,\n  \"runs\": [\n"},
+        {"trailing garbage", "not valid JSON", NULL, "{\"format\": 1} x"},
+        {"top-level array", "expected a JSON object at the top level", NULL, "[1, 2]"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        const struct bad_case *c = &cases[i];
+        struct dirs d;
+        dirs_make(&d);
+        if (c->edit) {
+            cJSON *doc = load_sample();
+            c->edit(doc);
+            write_json(d.metrics, doc);
+            cJSON_Delete(doc);
+        } else {
+            write_text(d.metrics, c->text);
+        }
+        enum kvcap_status st = kvcap_report_write(d.metrics, d.html, d.csv);
+        if (st != KVCAP_ERR_FORMAT)
+            fail_msg("%s: got status %d (%s), want KVCAP_ERR_FORMAT", c->name, (int)st,
+                     kvcap_last_error());
+        assert_error_names(d.metrics, c->needle);
+        if (dir_entries(d.out) != 0)
+            fail_msg("%s: the failed report left files in %s", c->name, d.out);
+        dirs_remove(&d);
+    }
+}
+
+static void test_missing_input(void **state)
+{
+    (void)state;
+    struct dirs d;
+    dirs_make(&d);
+    assert_int_equal(kvcap_report_write(d.metrics, d.html, d.csv), KVCAP_ERR_IO);
+    assert_error_names(d.metrics, "cannot open");
+    assert_int_equal(dir_entries(d.out), 0);
+    dirs_remove(&d);
+}
+
+static void test_bad_arguments(void **state)
+{
+    (void)state;
+    struct dirs d;
+    dirs_make(&d);
+    assert_int_equal(kvcap_report_write(NULL, d.html, d.csv), KVCAP_ERR_INVALID_ARGUMENT);
+    assert_int_equal(kvcap_report_write(SAMPLE, SAMPLE, d.csv), KVCAP_ERR_INVALID_ARGUMENT);
+    assert_int_equal(kvcap_report_write(SAMPLE, d.html, d.html), KVCAP_ERR_INVALID_ARGUMENT);
+    assert_int_equal(kvcap_report_write(SAMPLE, "", NULL), KVCAP_ERR_INVALID_ARGUMENT);
+    assert_int_equal(dir_entries(d.out), 0);
+    dirs_remove(&d);
+}
+
+/* ---- Write failures ------------------------------------------------------------------------- */
+
+static void test_unwritable_output(void **state)
+{
+    (void)state;
+    struct dirs d;
+    dirs_make(&d);
+    char path[700], sub[700];
+
+    /* A folder that does not exist. */
+    snprintf(path, sizeof path, "%s/missing/report.html", d.out);
+    assert_int_equal(kvcap_report_write(SAMPLE, path, NULL), KVCAP_ERR_IO);
+    assert_error_names(path, "temporary file");
+    assert_int_equal(dir_entries(d.out), 0);
+
+    /* The temporary file is written but cannot be renamed over a folder: it is removed. */
+    snprintf(sub, sizeof sub, "%s/report.html", d.out);
+    assert_int_equal(mkdir(sub, 0755), 0);
+    assert_int_equal(kvcap_report_write(SAMPLE, sub, NULL), KVCAP_ERR_IO);
+    assert_error_names(sub, "rename");
+    assert_int_equal(dir_entries(d.out), 1);
+    assert_int_equal(rmdir(sub), 0);
+
+    /* An earlier report stays as it was when the run fails. */
+    write_text(d.html, "old report");
+    snprintf(path, sizeof path, "%s/missing/metrics.csv", d.out);
+    assert_int_equal(kvcap_report_write(SAMPLE, d.html, path), KVCAP_ERR_IO);
+    char *old = slurp(d.html);
+    assert_non_null(old);
+    assert_string_equal(old, "old report");
+    free(old);
+    assert_int_equal(dir_entries(d.out), 1);
+    assert_int_equal(unlink(d.html), 0);
+
+    /* A folder nobody may create files in: a read-only one, or for root (who writes there
+     * anyway) /proc. */
+    if (geteuid() != 0) {
+        assert_int_equal(chmod(d.out, 0555), 0);
+        assert_int_equal(kvcap_report_write(SAMPLE, d.html, d.csv), KVCAP_ERR_IO);
+        assert_error_names(d.csv, "temporary file");
+        assert_int_equal(chmod(d.out, 0755), 0);
+        assert_int_equal(dir_entries(d.out), 0);
+    } else if (access("/proc/self", F_OK) == 0) {
+        assert_int_equal(kvcap_report_write(SAMPLE, "/proc/kvcap-report-test.html", NULL),
+                         KVCAP_ERR_IO);
+        assert_error_names("/proc/kvcap-report-test.html", "temporary file");
+    }
+    dirs_remove(&d);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_sample_renders),    cmocka_unit_test(test_minimal_metrics),
+        cmocka_unit_test(test_html_escaping),     cmocka_unit_test(test_malformed_inputs),
+        cmocka_unit_test(test_missing_input),     cmocka_unit_test(test_bad_arguments),
+        cmocka_unit_test(test_unwritable_output),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
