@@ -21,7 +21,7 @@ static inline void test_rm_tree(const char *dir)
 {
     DIR *d = opendir(dir);
     struct dirent *e;
-    char path[4096];
+    char path[4096 + 256 + 2];
     while (d && (e = readdir(d)) != NULL)
         if (e->d_name[0] != '.') {
             snprintf(path, sizeof path, "%s/%s", dir, e->d_name);

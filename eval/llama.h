@@ -1,0 +1,81 @@
+/* llama.h — a reference engine for Llama-family models read from GGUF files (RMSNorm, RoPE,
+ * grouped-query attention, SwiGLU; weights dequantised to f32 at load, matrix products through
+ * OpenBLAS). Prefill computes plain causal attention itself and hands each layer's K/V (and
+ * queries) to the caller; every decode step's attention goes through libkvcap caches, so any
+ * compression policy runs inside a real model. Internal to kvcap's evaluation tools.
+ *
+ * Layout: the GGUF converter permutes the rows of attn_q/attn_k so that llama.cpp can rotate
+ * adjacent channel pairs; the loader undoes that permutation, so keys and queries come out in
+ * the Hugging Face layout and rotate with the "half" pairing (the dot products are the same). */
+#ifndef KVCAP_LLAMA_H
+#define KVCAP_LLAMA_H
+
+#include <stdint.h>
+
+#include "kvcap.h"
+
+struct kvllama_hparams {
+    int n_layers, n_embd, n_ff, n_heads, n_kv_heads, head_dim, n_vocab, n_ctx;
+    float rope_theta, rms_eps;
+};
+
+struct kvllama_model;
+
+/* Loads a GGUF file of architecture "llama" (tied or separate output matrix). Errors name the
+ * file and the key or tensor at fault. */
+enum kvcap_status kvllama_load(const char *path, struct kvllama_model **out);
+void kvllama_free(struct kvllama_model *m); /* NULL is a no-op */
+
+const struct kvllama_hparams *kvllama_hparams(const struct kvllama_model *m);
+/* The geometry libkvcap needs for this model (name from general.name). */
+void kvllama_geometry(const struct kvllama_model *m, struct kvcap_model_geometry *g);
+/* Bytes of f32 weights held. */
+uint64_t kvllama_weight_bytes(const struct kvllama_model *m);
+
+/* ---- Prefill ----------------------------------------------------------------------------- */
+/* What a prefill of n tokens hands back. Every pointer is optional (NULL: not wanted); the
+ * caller allocates:
+ *   k, v     [n_layers][n][n_kv_heads][head_dim]  rotated keys and values (NHD per layer)
+ *   q_tail   [n_layers][n_heads][n_q_tail][head_dim] rotated queries of the last n_q_tail
+ *            tokens (the layout kvcap_cache_add_post_queries takes)
+ *   logits   [n_logits][n_vocab] of the last n_logits tokens */
+struct kvllama_prefill_out {
+    float *k, *v;
+    float *q_tail;
+    int n_q_tail;
+    float *logits;
+    int n_logits;
+};
+
+/* Runs tokens ids[0..n) at positions 0..n-1 with full causal attention. */
+enum kvcap_status kvllama_prefill(const struct kvllama_model *m, const int32_t *ids, int n,
+                                  struct kvllama_prefill_out *out);
+
+/* ---- Decode -------------------------------------------------------------------------------- */
+/* Decode rows are grouped by cache: group g owns rows [first, first + cache's n_seqs) of the
+ * batch, row first + s being sequence s of that cache. */
+struct kvllama_group {
+    struct kvcap_cache *cache;
+    int n_seqs;
+    double attend_seconds; /* accumulated by kvllama_decode: append + attend of this cache */
+};
+
+struct kvllama_decoder;
+
+/* Scratch for batches of up to max_rows rows. */
+enum kvcap_status kvllama_decoder_create(const struct kvllama_model *m, int max_rows,
+                                         struct kvllama_decoder **out);
+void kvllama_decoder_free(struct kvllama_decoder *d);
+
+/* One decode step: row r feeds token ids[r] at position pos[r]; every layer appends the row's
+ * K/V to its cache and attends through it. logits: [rows][n_vocab] (rows = sum of n_seqs). */
+enum kvcap_status kvllama_decode(struct kvllama_decoder *d, struct kvllama_group *groups,
+                                 int n_groups, const int32_t *ids, const int *pos,
+                                 float *logits);
+
+/* Index of the largest logit (lowest index among ties). */
+int32_t kvllama_argmax(const float *logits, int n);
+/* log softmax(logits)[id]. */
+double kvllama_log_prob(const float *logits, int n, int32_t id);
+
+#endif /* KVCAP_LLAMA_H */
