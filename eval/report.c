@@ -31,7 +31,8 @@ enum {
 /* Every optional number is NaN when absent or null. Strings point into the cJSON tree. */
 struct run {
     const char *id, *policy, *label;
-    double retention, compression, token_agreement, first_divergence_mean;
+    const char *sample; /* generated text of prompt 0, or NULL */
+    double retention, compression, token_agreement, next_token_agreement, first_divergence_mean;
     double nll, nll_full, nll_delta, cos_mean, rel_mean;
     double bytes_held, bytes_held_full, bytes_read, bytes_read_full, step_ms, step_ms_full;
     double *rel; /* per layer, n_layers entries, or NULL */
@@ -66,7 +67,9 @@ struct report {
     double q_heads, kv_heads, head_dim;
     int n_layers; /* model.layers, 0 when absent */
     const char *corpus_source, *storage;
+    const char *prompt_sample; /* the tail of prompt 0's text, or NULL */
     const cJSON *calibration_files, *heldout_files;
+    const cJSON *notes; /* array of strings, or NULL */
     double calibration_tokens, heldout_tokens;
     double span_tokens, tail_tokens, generate_tokens, continuation_tokens, prompts, threads;
     double read_bandwidth_gbs;
@@ -183,8 +186,9 @@ static enum kvcap_status get_string(const struct report *r, const cJSON *obj, co
         return KVCAP_OK;
     }
     KVCAP_RETURN_IF(!cJSON_IsString(v) || !v->valuestring, KVCAP_ERR_FORMAT,
-                    "%s: %s: expected a string, got %s", r->path,
-                    field_name(f, sizeof f, where, key), type_name(v));
+                    "%s: %s: expected a string%s, got %s", r->path,
+                    field_name(f, sizeof f, where, key), required ? "" : " or null",
+                    type_name(v));
     KVCAP_RETURN_IF(required && !v->valuestring[0], KVCAP_ERR_FORMAT,
                     "%s: %s: expected a non-empty string", r->path,
                     field_name(f, sizeof f, where, key));
@@ -206,7 +210,7 @@ static enum kvcap_status get_object(const struct report *r, const cJSON *obj, co
     return KVCAP_OK;
 }
 
-/* Array of strings (corpus file lists), absent or null allowed. */
+/* Array of strings (corpus file lists, notes), absent or null allowed. */
 static enum kvcap_status get_strings(const struct report *r, const cJSON *obj, const char *where,
                                      const char *key, const cJSON **out)
 {
@@ -316,6 +320,7 @@ static enum kvcap_status parse_run(struct report *r, const cJSON *o, int i)
     } fields[] = {
         {"compression", offsetof(struct run, compression), NUM_POSITIVE},
         {"token_agreement", offsetof(struct run, token_agreement), NUM_FRACTION},
+        {"next_token_agreement", offsetof(struct run, next_token_agreement), NUM_FRACTION},
         {"nll", offsetof(struct run, nll), NUM_ANY},
         {"nll_full", offsetof(struct run, nll_full), NUM_ANY},
         {"nll_delta", offsetof(struct run, nll_delta), NUM_ANY},
@@ -329,6 +334,7 @@ static enum kvcap_status parse_run(struct report *r, const cJSON *o, int i)
     for (size_t k = 0; k < sizeof fields / sizeof fields[0]; k++)
         KVCAP_TRY(get_number(r, o, where, fields[k].key, 0, fields[k].kind,
                              (double *)((char *)u + fields[k].offset)));
+    KVCAP_TRY(get_string(r, o, where, "sample", 0, &u->sample));
 
     double *a;
     int n;
@@ -623,6 +629,8 @@ static enum kvcap_status report_load(struct report *r, const char *path)
     KVCAP_TRY(get_string(r, root, "", "title", 1, &r->title));
     KVCAP_TRY(get_string(r, root, "", "command", 0, &r->command));
     KVCAP_TRY(get_string(r, root, "", "created", 0, &r->created));
+    KVCAP_TRY(get_strings(r, root, "", "notes", &r->notes));
+    KVCAP_TRY(get_string(r, root, "", "prompt_sample", 0, &r->prompt_sample));
 
     double layers;
     KVCAP_TRY(get_object(r, root, "model", &o));
@@ -747,17 +755,22 @@ static void bprintf(struct buf *b, const char *fmt, ...)
     b->len += (size_t)n;
 }
 
-/* Text from the JSON, escaped for HTML and SVG text and attribute values. */
-static void besc(struct buf *b, const char *s)
+/* `n` bytes of text from the JSON, escaped for HTML and SVG text and attribute values. With
+ * `controls`, control characters other than tab, newline and carriage return (not allowed in
+ * HTML text) become U+FFFD. */
+static void besc_n(struct buf *b, const char *s, size_t n, int controls)
 {
-    const char *run = s;
-    for (; *s; s++) {
-        const char *rep = *s == '&'    ? "&amp;"
-                          : *s == '<'  ? "&lt;"
-                          : *s == '>'  ? "&gt;"
-                          : *s == '"'  ? "&quot;"
-                          : *s == '\'' ? "&#39;"
-                                       : NULL;
+    const char *run = s, *end = s + n;
+    for (; s < end; s++) {
+        unsigned char c = (unsigned char)*s;
+        const char *rep = c == '&'    ? "&amp;"
+                          : c == '<'  ? "&lt;"
+                          : c == '>'  ? "&gt;"
+                          : c == '"'  ? "&quot;"
+                          : c == '\'' ? "&#39;"
+                                      : NULL;
+        if (!rep && controls && (c < 0x20 || c == 0x7F) && c != '\t' && c != '\n' && c != '\r')
+            rep = "\xef\xbf\xbd";
         if (rep) {
             bput(b, run, (size_t)(s - run));
             bputs(b, rep);
@@ -765,6 +778,12 @@ static void besc(struct buf *b, const char *s)
         }
     }
     bput(b, run, (size_t)(s - run));
+}
+
+/* Text from the JSON, escaped for HTML and SVG text and attribute values. */
+static void besc(struct buf *b, const char *s)
+{
+    besc_n(b, s, strlen(s), 0);
 }
 
 /* ---- Atomic file writes -------------------------------------------------------------------- */
@@ -878,9 +897,10 @@ static double ratio(double a, double b)
 
 static void render_csv(struct buf *b, const struct report *r)
 {
-    bputs(b, "id,policy,label,retention,compression,token_agreement,first_divergence_mean,nll,"
-             "nll_full,nll_delta,attn_cosine_mean,attn_rel_err_mean,bytes_held,bytes_held_full,"
-             "bytes_read_per_step,step_ms,step_ms_full,step_time_ratio\n");
+    bputs(b, "id,policy,label,retention,compression,token_agreement,next_token_agreement,"
+             "first_divergence_mean,nll,nll_full,nll_delta,attn_cosine_mean,attn_rel_err_mean,"
+             "bytes_held,bytes_held_full,bytes_read_per_step,step_ms,step_ms_full,"
+             "step_time_ratio\n");
     for (int i = 0; i < r->n_runs; i++) {
         const struct run *u = r->sorted[i];
         csv_text(b, u->id);
@@ -888,13 +908,21 @@ static void render_csv(struct buf *b, const struct report *r)
         csv_text(b, u->policy);
         bputs(b, ",");
         csv_text(b, u->label);
-        const double v[] = {u->retention,       u->compression,
-                            u->token_agreement, u->first_divergence_mean,
-                            u->nll,             u->nll_full,
-                            u->nll_delta,       u->cos_mean,
-                            u->rel_mean,        u->bytes_held,
-                            u->bytes_held_full, u->bytes_read,
-                            u->step_ms,         u->step_ms_full,
+        const double v[] = {u->retention,
+                            u->compression,
+                            u->token_agreement,
+                            u->next_token_agreement,
+                            u->first_divergence_mean,
+                            u->nll,
+                            u->nll_full,
+                            u->nll_delta,
+                            u->cos_mean,
+                            u->rel_mean,
+                            u->bytes_held,
+                            u->bytes_held_full,
+                            u->bytes_read,
+                            u->step_ms,
+                            u->step_ms_full,
                             ratio(u->step_ms, u->step_ms_full)};
         for (size_t k = 0; k < sizeof v / sizeof v[0]; k++)
             csv_number(b, v[k]);
@@ -950,18 +978,34 @@ static int is_reference(const struct report *r, const struct run *u)
     return r->curves[u->curve].reference;
 }
 
-/* The non-reference run with the highest token agreement whose compression is within 25 % of
- * `target`; ties go to the higher compression. */
-static const struct run *best_near(const struct report *r, double target)
+/* Whether the summary ranks runs by next-token agreement (some compressed run has it) rather
+ * than by greedy token agreement. */
+static int rank_by_next_token(const struct report *r)
+{
+    for (int i = 0; i < r->n_runs; i++)
+        if (!is_reference(r, &r->runs[i]) && isfinite(r->runs[i].next_token_agreement))
+            return 1;
+    return 0;
+}
+
+static double rank_value(const struct run *u, int next_token)
+{
+    return next_token ? u->next_token_agreement : u->token_agreement;
+}
+
+/* The non-reference run with the highest agreement (next-token or greedy, per `next_token`)
+ * whose compression is within 25 % of `target`; ties go to the higher compression. */
+static const struct run *best_near(const struct report *r, double target, int next_token)
 {
     const struct run *best = NULL;
     for (int i = 0; i < r->n_runs; i++) {
         const struct run *u = &r->runs[i];
-        if (is_reference(r, u) || isnan(u->compression) || isnan(u->token_agreement) ||
+        double v = rank_value(u, next_token);
+        if (is_reference(r, u) || isnan(u->compression) || isnan(v) ||
             u->compression < target / 1.25 || u->compression > target * 1.25)
             continue;
-        if (!best || u->token_agreement > best->token_agreement ||
-            (u->token_agreement == best->token_agreement && u->compression > best->compression))
+        double bv = best ? rank_value(best, next_token) : 0;
+        if (!best || v > bv || (v == bv && u->compression > best->compression))
             best = u;
     }
     return best;
@@ -974,19 +1018,24 @@ static void swatch(struct buf *b, const struct curve *c)
 
 /* ---- HTML: header, summary, goals ---------------------------------------------------------- */
 
-/* "<strong>label</strong> at retention 0.40 (2.46x, 99.1 % token agreement, dNLL ...)". */
-static void best_clause(struct buf *b, const struct report *r, double target)
+/* "<strong>label</strong> at retention 0.40 (2.46x, 99.6 % next-token agreement, 99.1 % greedy
+ * agreement, dNLL ...)". */
+static void best_clause(struct buf *b, const struct report *r, double target, int next_token)
 {
-    const struct run *u = best_near(r, target);
+    const struct run *u = best_near(r, target, next_token);
     char d[48];
     if (!u) {
-        bputs(b, "no run with a measured token agreement comes near that compression");
+        bprintf(b, "no run with a measured %s agreement comes near that compression",
+                next_token ? "next-token" : "greedy token");
         return;
     }
     bputs(b, "<strong>");
     besc(b, u->label);
-    bprintf(b, "</strong> at retention %.2f (%.2f&times;, %.1f&nbsp;%% token agreement", u->retention,
-            u->compression, 100 * u->token_agreement);
+    bprintf(b, "</strong> at retention %.2f (%.2f&times;", u->retention, u->compression);
+    if (isfinite(u->next_token_agreement))
+        bprintf(b, ", %.1f&nbsp;%% next-token agreement", 100 * u->next_token_agreement);
+    if (isfinite(u->token_agreement))
+        bprintf(b, ", %.1f&nbsp;%% greedy agreement", 100 * u->token_agreement);
     if (isfinite(u->nll_delta))
         bprintf(b, ", &Delta;NLL %s nats/token", fmt_signed(d, sizeof d, u->nll_delta, 4));
     bputs(b, ")");
@@ -1038,10 +1087,13 @@ static void render_header(struct buf *b, const struct report *r)
     if (isfinite(r->continuation_tokens))
         bprintf(b, ", and %s held-out continuation tokens were scored teacher-forced",
                 fmt_count(n2, sizeof n2, r->continuation_tokens));
-    bputs(b, ". Best by token agreement at about 2.5&times; compression: ");
-    best_clause(b, r, 2.5);
+    int next_token = rank_by_next_token(r);
+    bprintf(b, ". Best by %s at about 2.5&times; compression: ",
+            next_token ? "next-token agreement (teacher-forced, the per-step measure)"
+                       : "greedy token agreement");
+    best_clause(b, r, 2.5, next_token);
     bputs(b, "; at about 5&times;: ");
-    best_clause(b, r, 5.0);
+    best_clause(b, r, 5.0, next_token);
     bputs(b, ".</p>\n");
 
     /* Facts a reader checks before trusting the numbers. */
@@ -1151,18 +1203,54 @@ static void na_cell(struct buf *b)
     bputs(b, "<td class=\"na\">&mdash;</td>");
 }
 
+/* A fraction as a percentage, coloured green from 99 %, amber from 95 %, red below. */
+static void agreement_cell(struct buf *b, double a)
+{
+    if (!isfinite(a)) {
+        na_cell(b);
+        return;
+    }
+    bprintf(b, "<td class=\"%s\">%.1f&nbsp;%%</td>",
+            a >= 0.99 ? "ag-good" : a >= 0.95 ? "ag-warn" : "ag-bad", 100 * a);
+}
+
+static void render_notes(struct buf *b, const struct report *r)
+{
+    const cJSON *e;
+    if (!r->notes || cJSON_GetArraySize(r->notes) == 0)
+        return;
+    bputs(b, "<ul class=\"notes\">\n");
+    cJSON_ArrayForEach(e, r->notes)
+    {
+        bputs(b, "<li>");
+        besc(b, e->valuestring);
+        bputs(b, "</li>\n");
+    }
+    bputs(b, "</ul>\n");
+}
+
 static void render_table(struct buf *b, const struct report *r)
 {
     char n1[32], d[48];
     bputs(b, "<section>\n<h2>Headline results</h2>\n<div class=\"table-wrap\"><table>\n<thead><tr>"
              "<th class=\"l\">Policy</th><th>Retention</th><th>Compression</th>"
-             "<th>Token agreement</th>");
-    bputs(b, "<th>First divergence<br><span class=\"unit\">mean token");
+             "<th>Greedy<br>agreement<br><span class=\"unit\">");
+    if (isfinite(r->generate_tokens))
+        bprintf(b, "%s generated", fmt_count(n1, sizeof n1, r->generate_tokens));
+    else
+        bputs(b, "generated tokens");
+    bputs(b, "</span></th><th>Next-token<br>agreement<br><span class=\"unit\">");
+    if (isfinite(r->continuation_tokens))
+        bprintf(b, "%s teacher-forced", fmt_count(n1, sizeof n1, r->continuation_tokens));
+    else
+        bputs(b, "teacher-forced");
+    bputs(b, "</span></th>");
+    bputs(b, "<th>First<br>divergence<br><span class=\"unit\">mean token");
     if (isfinite(r->generate_tokens))
         bprintf(b, " of %s", fmt_count(n1, sizeof n1, r->generate_tokens));
     bputs(b, "</span></th>"
-             "<th>&Delta;NLL vs full<br><span class=\"unit\">nats/token</span></th>"
-             "<th>Attn. cosine<br><span class=\"unit\">mean of layers</span></th>"
+             "<th>&Delta;NLL<br>vs full<br><span class=\"unit\">nats/token</span></th>"
+             "<th>Attn.<br>cosine<br><span class=\"unit\">mean of layers</span></th>"
              "<th>Bytes held<br><span class=\"unit\">MiB</span></th>"
              "<th>Bytes held<br><span class=\"unit\">% of full</span></th>"
              "<th>Step time<br><span class=\"unit\">vs full</span></th></tr></thead>\n<tbody>\n");
@@ -1179,13 +1267,8 @@ static void render_table(struct buf *b, const struct report *r)
             bprintf(b, "<td>%.2f&times;</td>", u->compression);
         else
             na_cell(b);
-        if (isfinite(u->token_agreement)) {
-            double a = u->token_agreement;
-            bprintf(b, "<td class=\"%s\">%.1f&nbsp;%%</td>",
-                    a >= 0.99 ? "ag-good" : a >= 0.95 ? "ag-warn" : "ag-bad", 100 * a);
-        } else {
-            na_cell(b);
-        }
+        agreement_cell(b, u->token_agreement);
+        agreement_cell(b, u->next_token_agreement);
         if (isfinite(u->first_divergence_mean))
             bprintf(b, "<td>%.1f</td>", u->first_divergence_mean);
         else
@@ -1214,8 +1297,14 @@ static void render_table(struct buf *b, const struct report *r)
             na_cell(b);
         bputs(b, "</tr>\n");
     }
-    bputs(b, "</tbody></table></div>\n<p class=\"caption\">One row per run, grouped by policy. "
-             "Token agreement is the share of greedy tokens equal to the full cache's: "
+    bputs(b, "</tbody></table></div>\n");
+    render_notes(b, r);
+    bputs(b, "<p class=\"caption\">One row per run, grouped by policy. Greedy agreement is the "
+             "share of greedily generated tokens equal to the full cache's; it cascades: once one "
+             "token differs, the two continuations go separate ways and every later token tends "
+             "to differ too. Next-token agreement does not cascade: on the held-out continuation, "
+             "teacher-forced (both caches see the same true text), it is the share of positions "
+             "where the run's most likely next token is full's. Both are coloured "
              "<span class=\"key ag-good\">&ge;&nbsp;99&nbsp;%</span> "
              "<span class=\"key ag-warn\">&ge;&nbsp;95&nbsp;%</span> "
              "<span class=\"key ag-bad\">below</span>; &Delta;NLL above zero means the "
@@ -1395,12 +1484,13 @@ static void marker(struct buf *b, int shape, double x, double y, const char *col
 
 /* ---- HTML: fidelity vs retention ----------------------------------------------------------- */
 
-enum metric { M_AGREEMENT, M_NLL_DELTA, M_COS_GAP };
+enum metric { M_AGREEMENT, M_NEXT_TOKEN, M_NLL_DELTA, M_COS_GAP };
 
 static double metric_value(const struct run *u, enum metric m)
 {
     switch (m) {
     case M_AGREEMENT: return 100 * u->token_agreement;
+    case M_NEXT_TOKEN: return 100 * u->next_token_agreement;
     case M_NLL_DELTA: return u->nll_delta;
     case M_COS_GAP: {
         double g = 1 - u->cos_mean;
@@ -1452,7 +1542,7 @@ static void fidelity_panel(struct buf *b, const struct report *r, const struct p
     }
     struct axis ya, xa = *xa_in;
     double ref = NAN;
-    if (ps->m == M_AGREEMENT) {
+    if (ps->m == M_AGREEMENT || ps->m == M_NEXT_TOKEN) {
         ref = 100;
         axis_tight(&ya, lo, 100, 5, 0.04);
     } else if (ps->m == M_NLL_DELTA) {
@@ -1549,12 +1639,16 @@ static double curve_legend(struct buf *b, const struct report *r, double x0, dou
 static void render_fidelity(struct buf *b, const struct report *r)
 {
     static const struct panel_spec panels[] = {
-        {M_AGREEMENT, "Token agreement with full", "token agreement (%)", "higher is better"},
+        {M_AGREEMENT, "Greedy agreement with full", "greedy token agreement (%)",
+         "higher is better"},
+        {M_NEXT_TOKEN, "Next-token agreement (teacher-forced)", "next-token agreement (%)",
+         "higher is better"},
         {M_NLL_DELTA, "NLL change vs full", "\xce\x94NLL (nats/token)", "lower is better"},
         {M_COS_GAP, "Attention output drift", "1 \xe2\x88\x92 cosine (mean over layers)",
          "lower is better"},
     };
-    const double W = 1256, PH = 390;
+    /* A 2 x 2 grid: the two agreements on top, NLL and attention drift below. */
+    const double W = 1256, PH = 350, ROW = PH + 16;
     double rlo = INFINITY, rhi = -INFINITY;
     for (int i = 0; i < r->n_runs; i++)
         if (!is_reference(r, &r->runs[i])) {
@@ -1577,13 +1671,17 @@ static void render_fidelity(struct buf *b, const struct report *r)
     bprintf(b, "<figure>\n<svg class=\"fig\" width=\"%.0f\" "
                "height=\"%.0f\" viewBox=\"0 0 %.0f %.0f\" role=\"img\" "
                "aria-label=\"fidelity vs retention\">\n",
-            W, lh + 8 + PH, W, lh + 8 + PH);
+            W, lh + 8 + ROW + PH, W, lh + 8 + ROW + PH);
     curve_legend(b, r, 10, 0, W - 20, 1);
-    for (int k = 0; k < 3; k++)
-        fidelity_panel(b, r, &panels[k], &xa, k * W / 3, lh + 8, W / 3, PH);
+    for (int k = 0; k < 4; k++)
+        fidelity_panel(b, r, &panels[k], &xa, (k % 2) * W / 2, lh + 8 + (k / 2) * ROW, W / 2,
+                       PH);
     bputs(b, "</svg>\n<figcaption>One line per policy across its retention settings (hover a "
-             "marker for its value). Left: share of greedy tokens equal to the full cache's; "
-             "middle: change in held-out NLL; right: how far attention outputs drift from full's, "
+             "marker for its value). Top left: share of greedily generated tokens equal to the "
+             "full cache's (one early difference changes the rest of the continuation, so this "
+             "falls fast); top right: share of held-out positions, teacher-forced, where the "
+             "most likely next token is full's (each step judged on its own); bottom left: "
+             "change in held-out NLL; bottom right: how far attention outputs drift from full's, "
              "on a log scale so that small errors stay apart. The dashed line is the full cache "
              "(100&nbsp;% agreement, &Delta;NLL 0); runs without a measurement are left out of "
              "that panel.</figcaption>\n</figure>\n</section>\n");
@@ -1704,9 +1802,9 @@ static void render_heatmap(struct buf *b, const struct report *r)
         bprintf(b, "<stop offset=\"%.3f\" stop-color=\"%s\"/>", k / 8.0, col);
     }
     bputs(b, "</linearGradient></defs>\n");
-    bprintf(b, "<text class=\"alabel\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">attention "
-               "relative error%s</text>",
-            nc - 16, ly + 12, log_scale ? " (log colour scale)" : "");
+    /* The label right of the bar: left of it, a narrow name column would clip it. */
+    bprintf(b, "<text class=\"alabel\" x=\"%.1f\" y=\"%.1f\">attention relative error%s</text>",
+            nc + lw + 16, ly + 12, log_scale ? " (log colour scale)" : "");
     bprintf(b, "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"16\" fill=\"url(#ramp)\" "
                "stroke=\"#999\" stroke-width=\"0.5\"/>",
             nc, ly, lw);
@@ -1841,6 +1939,129 @@ static void render_masks(struct buf *b, const struct report *r)
     bputs(b, "</section>\n");
 }
 
+/* ---- HTML: sample continuations ----------------------------------------------------------- */
+
+/* Per policy, the samples section shows the run whose retention is nearest this. */
+static const double SAMPLE_RETENTION = 0.4;
+
+/* Length in bytes of the longest common prefix of `a` and `b`, moved back to the start of a
+ * UTF-8 sequence when it would end inside one (in either string). */
+static size_t common_prefix(const char *a, const char *b)
+{
+    size_t n = 0;
+    while (a[n] && a[n] == b[n])
+        n++;
+    while (n > 0 && ((((unsigned char)a[n] & 0xC0) == 0x80) ||
+                     (((unsigned char)b[n] & 0xC0) == 0x80)))
+        n--;
+    return n;
+}
+
+/* Characters (UTF-8 lead bytes) in the first `n` bytes of `s`. */
+static size_t utf8_chars(const char *s, size_t n)
+{
+    size_t chars = 0;
+    for (size_t i = 0; i < n; i++)
+        chars += ((unsigned char)s[i] & 0xC0) != 0x80;
+    return chars;
+}
+
+/* One sample in a box headed "label @ retention" and a note; the bytes from `same` on are
+ * highlighted as differing from the reference sample. */
+static void sample_box(struct buf *b, const struct report *r, const struct run *u,
+                       const struct run *base)
+{
+    char n1[32];
+    size_t len = strlen(u->sample), same = len;
+    if (base && base != u)
+        same = common_prefix(u->sample, base->sample);
+    bprintf(b, "<div class=\"sample\" title=\"");
+    besc(b, u->id);
+    bputs(b, "\"><div class=\"sh\">");
+    swatch(b, &r->curves[u->curve]);
+    run_name(b, u);
+    bputs(b, " <span class=\"unit\">&middot; ");
+    if (!base)
+        bputs(b, "no full-cache sample to compare with");
+    else if (base == u)
+        bputs(b, "the reference");
+    else if (strcmp(u->sample, base->sample) == 0)
+        bputs(b, "identical to full");
+    else if (same == len)
+        bprintf(b, "as full, but ends after %s character%s",
+                fmt_count(n1, sizeof n1, (double)utf8_chars(u->sample, len)),
+                utf8_chars(u->sample, len) == 1 ? "" : "s");
+    else if (same == 0)
+        bputs(b, "diverges at the first character");
+    else
+        bprintf(b, "diverges after %s character%s",
+                fmt_count(n1, sizeof n1, (double)utf8_chars(u->sample, same)),
+                utf8_chars(u->sample, same) == 1 ? "" : "s");
+    bputs(b, "</span></div><div class=\"st\">");
+    besc_n(b, u->sample, same, 1);
+    if (same < len) {
+        bputs(b, "<span class=\"dv\">");
+        besc_n(b, u->sample + same, len - same, 1);
+        bputs(b, "</span>");
+    }
+    bputs(b, "</div></div>\n");
+}
+
+static void render_samples(struct buf *b, const struct report *r)
+{
+    char n1[32];
+    const struct run *base = NULL;
+    int any = 0;
+    for (int i = 0; i < r->n_runs; i++) {
+        const struct run *u = r->sorted[i];
+        any |= u->sample != NULL;
+        if (!base && u->sample && strcmp(u->policy, "full") == 0)
+            base = u;
+    }
+    if (!any)
+        return;
+    /* Per curve, the run with a sample nearest SAMPLE_RETENTION; the sorted order (ascending
+     * retention within a curve) makes the lower retention win a tie. */
+    const struct run **pick = calloc((size_t)r->n_curves, sizeof *pick);
+    if (!pick) {
+        b->failed = 1;
+        return;
+    }
+    for (int i = 0; i < r->n_runs; i++) {
+        const struct run *u = r->sorted[i], *p = pick[u->curve];
+        if (u->sample && (!p || fabs(u->retention - SAMPLE_RETENTION) <
+                                    fabs(p->retention - SAMPLE_RETENTION)))
+            pick[u->curve] = u;
+    }
+    if (base)
+        pick[base->curve] = base;
+
+    bputs(b, "<section>\n<h2>Sample continuations</h2>\n<p class=\"caption\">The start of "
+             "the greedy continuation of prompt 0");
+    if (r->prompt_sample)
+        bputs(b, ", whose last characters are shown first,");
+    bprintf(b, " with the full cache and, per policy, with the run whose retention is nearest "
+               "%.2f. Text equal to the full cache's is shown plainly; from the first difference "
+               "on it is <span class=\"dv\">highlighted</span>.</p>\n",
+            SAMPLE_RETENTION);
+    if (r->prompt_sample) {
+        size_t len = strlen(r->prompt_sample);
+        bprintf(b, "<div class=\"sample prompt\"><div class=\"sh\">Prompt 0 <span "
+                   "class=\"unit\">&middot; its last %s character%s</span></div>"
+                   "<div class=\"st\">&hellip;",
+                fmt_count(n1, sizeof n1, (double)utf8_chars(r->prompt_sample, len)),
+                utf8_chars(r->prompt_sample, len) == 1 ? "" : "s");
+        besc_n(b, r->prompt_sample, len, 1);
+        bputs(b, "</div></div>\n");
+    }
+    bputs(b, "<div class=\"samples\">\n");
+    for (int c = 0; c < r->n_curves; c++)
+        if (pick[c])
+            sample_box(b, r, pick[c], base);
+    bputs(b, "</div>\n</section>\n");
+    free(pick);
+}
+
 /* ---- HTML: bytes and time bars ------------------------------------------------------------- */
 
 static void bar_panel(struct buf *b, const struct report *r, int which, double x, double w,
@@ -1966,7 +2187,7 @@ static const char CSS[] =
     "white-space:pre-wrap;word-break:break-all;font-size:13px;line-height:1.45;margin:4px 0}\n"
     ".table-wrap{overflow-x:auto}\n"
     "table{border-collapse:collapse;font-size:13.5px;font-variant-numeric:tabular-nums}\n"
-    "th,td{padding:5px 7px;border-bottom:1px solid var(--line);text-align:right;white-space:nowrap}\n"
+    "th,td{padding:5px 6px;border-bottom:1px solid var(--line);text-align:right;white-space:nowrap}\n"
     "th{background:var(--panel);font-weight:600;vertical-align:bottom;line-height:1.25}\n"
     "th .unit{font-weight:400;color:var(--muted);font-size:12px}\n"
     ".unit{font-weight:400;color:var(--muted);font-size:13.5px}\n"
@@ -1975,6 +2196,17 @@ static const char CSS[] =
     "td.na{color:#9aa3b0;text-align:center}\n"
     ".ag-good{background:#d5efdb}.ag-warn{background:#fde8bf}.ag-bad{background:#f8d0d0}\n"
     ".key{padding:0 6px;border-radius:3px}\n"
+    "ul.notes{margin:10px 0 4px;padding-left:22px;font-size:14px;max-width:1180px}\n"
+    "ul.notes li{margin:3px 0}\n"
+    ".samples{display:grid;grid-template-columns:repeat(2,minmax(0,1fr));gap:12px 16px;"
+    "margin:12px 0 0}\n"
+    ".sample{border:1px solid var(--line);border-radius:6px;overflow:hidden}\n"
+    ".sample .sh{background:var(--panel);border-bottom:1px solid var(--line);padding:5px 12px;"
+    "font-weight:600;font-size:14px}\n"
+    ".sample .st{padding:8px 12px;white-space:pre-wrap;overflow-wrap:anywhere;font-size:14px;"
+    "line-height:1.55}\n"
+    ".sample.prompt{margin:12px 0 0}.sample.prompt .st{color:var(--muted);background:#fafbfc}\n"
+    ".dv{background:#fbdcdc;border-left:2px solid #c62828}\n"
     ".sw{display:inline-block;width:12px;height:12px;border-radius:2px;margin-right:8px;"
     "vertical-align:-1px}\n"
     "figure{margin:12px 0 6px}\n"
@@ -2004,6 +2236,7 @@ static void render_html(struct buf *b, const struct report *r)
     render_fidelity(b, r);
     render_heatmap(b, r);
     render_masks(b, r);
+    render_samples(b, r);
     render_bars(b, r);
     bputs(b, "</main>\n</body>\n</html>\n");
 }

@@ -22,9 +22,9 @@
 #define SAMPLE KVCAP_TEST_DATA "/eval/metrics-sample.json"
 
 static const char CSV_HEADER[] =
-    "id,policy,label,retention,compression,token_agreement,first_divergence_mean,nll,nll_full,"
-    "nll_delta,attn_cosine_mean,attn_rel_err_mean,bytes_held,bytes_held_full,"
-    "bytes_read_per_step,step_ms,step_ms_full,step_time_ratio";
+    "id,policy,label,retention,compression,token_agreement,next_token_agreement,"
+    "first_divergence_mean,nll,nll_full,nll_delta,attn_cosine_mean,attn_rel_err_mean,bytes_held,"
+    "bytes_held_full,bytes_read_per_step,step_ms,step_ms_full,step_time_ratio";
 
 /* ---- Helpers ------------------------------------------------------------------------------- */
 
@@ -105,6 +105,30 @@ static cJSON *run_of(cJSON *doc, int i)
     return run;
 }
 
+/* The sample box of run `id` in the samples section, as a new string (caller frees). */
+static char *sample_box_of(const char *html, const char *id)
+{
+    char open[128];
+    snprintf(open, sizeof open, "<div class=\"sample\" title=\"%s\">", id);
+    const char *start = strstr(html, open);
+    if (!start)
+        fail_msg("no sample box for %s", id);
+    const char *end = strstr(start, "</div></div>\n");
+    assert_non_null(end);
+    size_t n = (size_t)(end - start);
+    char *box = malloc(n + 1);
+    assert_non_null(box);
+    memcpy(box, start, n);
+    box[n] = '\0';
+    return box;
+}
+
+static void remove_from_runs(cJSON *doc, const char *key)
+{
+    cJSON *run;
+    cJSON_ArrayForEach(run, cJSON_GetObjectItem(doc, "runs")) cJSON_DeleteItemFromObject(run, key);
+}
+
 static void assert_error_names(const char *path, const char *needle)
 {
     const char *msg = kvcap_last_error();
@@ -166,9 +190,76 @@ static void test_sample_renders(void **state)
     static const char *const sections[] = {"Headline results", "Fidelity vs retention",
                                            "Per-layer attention error",
                                            "KVCapsule retained-token masks",
-                                           "Memory and decode time"};
-    for (size_t i = 0; i < sizeof sections / sizeof sections[0]; i++)
-        assert_non_null(strstr(html, sections[i]));
+                                           "Sample continuations", "Memory and decode time"};
+    const char *prev_section = html;
+    for (size_t i = 0; i < sizeof sections / sizeof sections[0]; i++) {
+        char h2[96];
+        snprintf(h2, sizeof h2, "<h2>%s</h2>", sections[i]);
+        const char *at = strstr(html, h2);
+        if (!at || at < prev_section)
+            fail_msg("section '%s' missing or out of order", sections[i]);
+        prev_section = at;
+    }
+    /* Both agreements, side by side: greedy (cascading) then next-token (teacher-forced), each
+     * coloured by its own value. */
+    assert_non_null(strstr(html, "<th>Greedy<br>agreement<br><span class=\"unit\">32 generated"
+                                 "</span></th><th>Next-token<br>agreement<br><span "
+                                 "class=\"unit\">64 teacher-forced</span></th>"));
+    assert_null(strstr(html, "<th>Token agreement"));
+    const char *row = strstr(html, "title=\"flashcache@0.40\">");
+    assert_non_null(row);
+    const char *row_end = strstr(row, "</tr>"),
+               *cells = strstr(row, "<td class=\"ag-bad\">94.1&nbsp;%</td>"
+                                    "<td class=\"ag-warn\">97.5&nbsp;%</td>");
+    assert_true(cells && cells < row_end);
+    row = strstr(html, "title=\"kvcapsule-tiled@0.40\">");
+    assert_non_null(row);
+    row_end = strstr(row, "</tr>");
+    cells = strstr(row, "<td class=\"ag-good\">99.1&nbsp;%</td>"
+                        "<td class=\"ag-good\">99.6&nbsp;%</td>");
+    assert_true(cells && cells < row_end);
+    assert_non_null(strstr(html, "Next-token agreement does not cascade"));
+    /* The notes: a bulleted list right under the table, escaped. */
+    const char *notes = strstr(html, "</table></div>\n<ul class=\"notes\">\n<li>Timings are from");
+    assert_non_null(notes);
+    assert_int_equal(count(html, "<ul class=\"notes\">"), 1);
+    assert_non_null(strstr(notes, "<li>Greedy agreement cascades &amp; understates fidelity"));
+    assert_true(strstr(notes, "</ul>") < strstr(notes, "<p class=\"caption\">"));
+    /* The fourth fidelity panel. */
+    assert_non_null(strstr(html, ">Next-token agreement (teacher-forced)</text>"));
+    assert_non_null(strstr(html, "Best by next-token agreement"));
+
+    /* Samples: the prompt's tail, then full's and one run per policy (retention 0.40), the part
+     * after the first difference from full's highlighted. */
+    assert_non_null(strstr(html, "<div class=\"st\">&hellip;I wonder if I\xe2\x80\x99ve been "
+                                 "changed in the night?"));
+    assert_int_equal(count(html, "<div class=\"sample\" title="), 8);
+    assert_int_equal(count(html, "<div class=\"sample\" title=\"full@1.00\">"), 1);
+    assert_int_equal(count(html, "@0.40\"><div class=\"sh\">"), 7);
+    char *box = sample_box_of(html, "full@1.00");
+    assert_non_null(strstr(box, "the reference"));
+    assert_null(strstr(box, "class=\"dv\""));
+    free(box);
+    box = sample_box_of(html, "kvcapsule-tiled@0.40");
+    assert_non_null(strstr(box, "identical to full"));
+    assert_null(strstr(box, "class=\"dv\""));
+    free(box);
+    /* Escaped, newlines kept, the highlight starting where the text leaves full's. */
+    box = sample_box_of(html, "streaming@0.40");
+    assert_non_null(strstr(box, "diverges after 47 characters"));
+    assert_non_null(strstr(box, "<div class=\"st\"> \xe2\x80\x98Who in the world am "
+                                "I?\xe2\x80\x99 Ah, that\xe2\x80\x99s the great <span "
+                                "class=\"dv\">&lt;b&gt;&amp; puzzle, the puzzle, the "
+                                "puzzle!\xe2\x80\x99\n\n\xe2\x80\x98I\xe2\x80\x99m sure"));
+    assert_int_equal(count(box, "<span class=\"dv\">"), 1);
+    free(box);
+    assert_null(strstr(html, "<b>&"));
+    /* Full has U+2019 where FlashCache has U+201D: the two share the bytes E2 80, but the
+     * highlight starts at the whole character. */
+    box = sample_box_of(html, "flashcache@0.40");
+    assert_non_null(strstr(box, "great puzzle!<span class=\"dv\">\xe2\x80\x9d said Alice"));
+    assert_non_null(strstr(box, "diverges after 54 characters"));
+    free(box);
     /* The summary names the best policy near 2.5x; goals carry badges; the command is shown. */
     assert_non_null(strstr(html, "2.5&times; compression: <strong>KVCapsule (tiled)</strong> at "
                                  "retention 0.40"));
@@ -186,7 +277,9 @@ static void test_sample_renders(void **state)
     assert_int_equal(count(csv, "\n"), n_runs + 1);
     assert_memory_equal(csv, CSV_HEADER, strlen(CSV_HEADER));
     assert_int_equal(csv[strlen(CSV_HEADER)], '\n');
-    assert_non_null(strstr(csv, "\n" "full@1.00,full,Full cache,1,1,1,32,"));
+    assert_non_null(strstr(csv, "\n" "full@1.00,full,Full cache,1,1,1,1,32,"));
+    assert_non_null(strstr(csv, "\nkvcapsule-tiled@0.40,kvcapsule,KVCapsule (tiled),0.4,2.455,"
+                                "0.991,0.996,"));
     /* A label with a comma is quoted; nulls (VL-Cache has no timing) are empty fields. */
     assert_non_null(strstr(csv, ",\"Composition (KVCapsule, FreeKV)\",0.2,"));
     const char *vl = strstr(csv, "\nvlcache@0.20,");
@@ -217,16 +310,90 @@ static void test_minimal_metrics(void **state)
                           "{\"id\": \"full\", \"policy\": \"full\", \"label\": \"Full\", "
                           "\"retention\": 1},"
                           "{\"id\": \"s\", \"policy\": \"streaming\", \"label\": \"Streaming\", "
-                          "\"retention\": 0.5, \"token_agreement\": null}]}");
+                          "\"retention\": 0.5, \"token_agreement\": null, "
+                          "\"next_token_agreement\": null, \"sample\": null}], "
+                          "\"notes\": null, \"prompt_sample\": null}");
     assert_int_equal(kvcap_report_write(d.metrics, d.html, d.csv), KVCAP_OK);
     char *html = slurp(d.html), *csv = slurp(d.csv);
     assert_non_null(html);
     assert_non_null(csv);
     assert_int_equal(count(html, "<tr class=\"run"), 2);
     assert_non_null(strstr(html, "not measured"));
-    assert_non_null(strstr(csv, "\ns,streaming,Streaming,0.5,,,,,,,,,,,,,,\n"));
+    assert_non_null(strstr(csv, "\ns,streaming,Streaming,0.5,,,,,,,,,,,,,,,\n"));
+    assert_null(strstr(html, "Sample continuations"));
+    assert_null(strstr(html, "class=\"notes\""));
+    assert_non_null(strstr(html, "no run with a measured greedy token agreement"));
     free(html);
     free(csv);
+    dirs_remove(&d);
+}
+
+/* Without next-token agreement the summary ranks by greedy agreement and says so; samples are
+ * compared with full's only when full has one, and the section goes when no run has one. */
+static void test_agreement_fallback_and_samples(void **state)
+{
+    (void)state;
+    struct dirs d;
+    dirs_make(&d);
+    cJSON *doc = load_sample();
+    remove_from_runs(doc, "next_token_agreement");
+    cJSON_DeleteItemFromObject(run_of(doc, 0), "sample");
+    cJSON_ReplaceItemInObject(run_of(doc, 8), "sample", cJSON_CreateString("a\x1b" "b\tc"));
+    write_json(d.metrics, doc);
+    assert_int_equal(kvcap_report_write(d.metrics, d.html, d.csv), KVCAP_OK);
+    char *html = slurp(d.html), *csv = slurp(d.csv);
+    assert_non_null(html);
+    assert_non_null(csv);
+    assert_non_null(strstr(html, "Best by greedy token agreement at about 2.5&times; "
+                                 "compression: <strong>KVCapsule (tiled)</strong> at retention "
+                                 "0.40 (2.46&times;, 99.1&nbsp;% greedy agreement"));
+    assert_null(strstr(html, "next-token agreement ("));
+    /* The panel stays, empty; the table shows the column as not measured. */
+    assert_non_null(strstr(html, ">Next-token agreement (teacher-forced)</text>"));
+    assert_non_null(strstr(html, ">not measured</text>"));
+    const char *row = strstr(html, "title=\"kvcapsule-tiled@0.40\">");
+    assert_non_null(row);
+    const char *cells = strstr(row, "<td class=\"ag-good\">99.1&nbsp;%</td>"
+                                    "<td class=\"na\">&mdash;</td>");
+    assert_true(cells && cells < strstr(row, "</tr>"));
+    assert_non_null(strstr(csv, "\nkvcapsule-tiled@0.40,kvcapsule,KVCapsule (tiled),0.4,2.455,"
+                                "0.991,,"));
+    /* No full sample: 7 boxes, nothing highlighted; a control character is replaced. */
+    assert_int_equal(count(html, "<div class=\"sample\" title="), 7);
+    assert_int_equal(count(html, "no full-cache sample to compare with"), 7);
+    assert_null(strstr(html, "<span class=\"dv\">&lt;"));
+    assert_null(strstr(html, "\x1b"));
+    char *box = sample_box_of(html, "kvcapsule-tiled@0.40");
+    assert_non_null(strstr(box, "<div class=\"st\">a\xef\xbf\xbd" "b\tc"));
+    free(box);
+    free(html);
+    free(csv);
+
+    /* A sample that is a prefix of full's. */
+    cJSON_Delete(doc);
+    doc = load_sample();
+    cJSON_ReplaceItemInObject(run_of(doc, 5), "sample",
+                              cJSON_CreateString(" \xe2\x80\x98Who in the world"));
+    write_json(d.metrics, doc);
+    assert_int_equal(kvcap_report_write(d.metrics, d.html, NULL), KVCAP_OK);
+    html = slurp(d.html);
+    assert_non_null(html);
+    box = sample_box_of(html, "kvcapsule-dense@0.40");
+    assert_non_null(strstr(box, "as full, but ends after 18 characters"));
+    assert_null(strstr(box, "class=\"dv\""));
+    free(box);
+    free(html);
+
+    /* No samples at all: no section, even with the prompt's tail. */
+    remove_from_runs(doc, "sample");
+    write_json(d.metrics, doc);
+    cJSON_Delete(doc);
+    assert_int_equal(kvcap_report_write(d.metrics, d.html, NULL), KVCAP_OK);
+    html = slurp(d.html);
+    assert_non_null(html);
+    assert_null(strstr(html, "Sample continuations"));
+    assert_null(strstr(html, "class=\"sample"));
+    free(html);
     dirs_remove(&d);
 }
 
@@ -241,6 +408,9 @@ static void test_html_escaping(void **state)
     const char *label = "<script>alert('x')</script> & \"co\"";
     cJSON_ReplaceItemInObject(run_of(doc, 4), "label", cJSON_CreateString(label));
     cJSON_ReplaceItemInObject(doc, "title", cJSON_CreateString("A & B <i>"));
+    cJSON_AddItemToArray(cJSON_GetObjectItem(doc, "notes"),
+                         cJSON_CreateString("<script>x</script> & <i>note</i>"));
+    cJSON_ReplaceItemInObject(doc, "prompt_sample", cJSON_CreateString("\"<i>\" & 'q'"));
     write_json(d.metrics, doc);
     cJSON_Delete(doc);
     assert_int_equal(kvcap_report_write(d.metrics, d.html, d.csv), KVCAP_OK);
@@ -251,8 +421,11 @@ static void test_html_escaping(void **state)
     assert_null(strstr(html, "<i>"));
     assert_non_null(strstr(html, "<h1>A &amp; B &lt;i&gt;</h1>"));
     const char *escaped = "&lt;script&gt;alert(&#39;x&#39;)&lt;/script&gt; &amp; &quot;co&quot;";
-    /* In the table, the legend, the heatmap and the bars. */
-    assert_true(count(html, escaped) >= 4);
+    /* In the table, the legend, the heatmap, the samples and the bars. */
+    assert_true(count(html, escaped) >= 5);
+    assert_non_null(strstr(html, "<li>&lt;script&gt;x&lt;/script&gt; &amp; &lt;i&gt;note&lt;/i&gt;"
+                                 "</li>"));
+    assert_non_null(strstr(html, "&hellip;&quot;&lt;i&gt;&quot; &amp; &#39;q&#39;</div>"));
     free(html);
 
     char *csv = slurp(d.csv);
@@ -326,6 +499,30 @@ static void goal_met(cJSON *doc)
     cJSON *goal = cJSON_GetArrayItem(cJSON_GetObjectItem(doc, "goals"), 0);
     cJSON_ReplaceItemInObject(goal, "met", cJSON_CreateString("yes"));
 }
+static void next_token_string(cJSON *doc)
+{
+    cJSON_ReplaceItemInObject(run_of(doc, 2), "next_token_agreement", cJSON_CreateString("99%"));
+}
+static void next_token_range(cJSON *doc)
+{
+    cJSON_ReplaceItemInObject(run_of(doc, 2), "next_token_agreement", cJSON_CreateNumber(1.2));
+}
+static void sample_number(cJSON *doc)
+{
+    cJSON_ReplaceItemInObject(run_of(doc, 4), "sample", cJSON_CreateNumber(3));
+}
+static void notes_string(cJSON *doc)
+{
+    cJSON_ReplaceItemInObject(doc, "notes", cJSON_CreateString("one note"));
+}
+static void notes_element(cJSON *doc)
+{
+    cJSON_ReplaceItemInArray(cJSON_GetObjectItem(doc, "notes"), 1, cJSON_CreateNumber(7));
+}
+static void prompt_sample_object(cJSON *doc)
+{
+    cJSON_ReplaceItemInObject(doc, "prompt_sample", cJSON_CreateObject());
+}
 static void model_string(cJSON *doc)
 {
     cJSON_ReplaceItemInObject(doc, "model", cJSON_CreateString("SmolLM2"));
@@ -358,6 +555,19 @@ static void test_malformed_inputs(void **state)
         {"mask head count", "masks[0].kept[7]: 2 entries, expected 3", mask_heads, NULL},
         {"goal met", "goals[0].met: expected true or false", goal_met, NULL},
         {"model not an object", "model: expected an object", model_string, NULL},
+        {"next_token_agreement of the wrong type",
+         "runs[2].next_token_agreement: expected a fraction in [0, 1] or null, got a string",
+         next_token_string, NULL},
+        {"next_token_agreement out of range",
+         "runs[2].next_token_agreement: expected a fraction in [0, 1], got 1.2", next_token_range,
+         NULL},
+        {"sample not a string", "runs[4].sample: expected a string or null, got a number",
+         sample_number, NULL},
+        {"notes not an array", "notes: expected an array of strings, got a string", notes_string,
+         NULL},
+        {"notes element", "notes[1]: expected a string, got a number", notes_element, NULL},
+        {"prompt_sample not a string", "prompt_sample: expected a string or null, got an object",
+         prompt_sample_object, NULL},
         {"not JSON at all", "not valid JSON", NULL, "kvcap metrics, honest\n"},
         {"truncated JSON", "not valid JSON (syntax error at line 4, byte 29)", NULL,
          "{\n  \"format\": 1,\n  \"runs\": [\n"},
@@ -464,7 +674,9 @@ static void test_unwritable_output(void **state)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_sample_renders),    cmocka_unit_test(test_minimal_metrics),
+        cmocka_unit_test(test_sample_renders),
+        cmocka_unit_test(test_minimal_metrics),
+        cmocka_unit_test(test_agreement_fallback_and_samples),
         cmocka_unit_test(test_html_escaping),     cmocka_unit_test(test_malformed_inputs),
         cmocka_unit_test(test_missing_input),     cmocka_unit_test(test_bad_arguments),
         cmocka_unit_test(test_unwritable_output),
