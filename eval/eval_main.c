@@ -981,17 +981,11 @@ static void generated_text(const struct model_ctx *mc, const int32_t *ids, int n
     out[len] = '\0';
     /* A token may end inside a UTF-8 sequence: replace what is not valid UTF-8 by '?'. */
     for (size_t i = 0; i < len;) {
-        const unsigned char c = (unsigned char)out[i];
-        size_t w = c < 0x80 ? 1 : (c & 0xE0) == 0xC0 ? 2 : (c & 0xF0) == 0xE0 ? 3
-                 : (c & 0xF8) == 0xF0 ? 4 : 0;
-        int ok = w > 0 && i + w <= len && !(w == 2 && c < 0xC2);
-        for (size_t k = 1; ok && k < w; k++)
-            ok = ((unsigned char)out[i + k] & 0xC0) == 0x80;
-        if (!ok) {
+        size_t w = kvcap_utf8_seq_len((const unsigned char *)out + i, len - i);
+        if (w == 0)
             out[i++] = '?';
-            continue;
-        }
-        i += w;
+        else
+            i += w;
     }
 }
 
@@ -1144,20 +1138,7 @@ static enum kvcap_status write_metrics(const struct options *o, const struct mod
     cJSON_Delete(root);
     if (!text)
         return kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "no memory for metrics.json");
-    char tmp[4300];
-    snprintf(tmp, sizeof tmp, "%s.tmp", path);
-    FILE *f = fopen(tmp, "wb");
-    enum kvcap_status s = KVCAP_OK;
-    if (!f)
-        s = kvcap_fail(KVCAP_ERR_IO, "%s: cannot create: %s", tmp, strerror(errno));
-    else {
-        int ok = fputs(text, f) >= 0 && fputc('\n', f) != EOF;
-        ok = (fclose(f) == 0) && ok;
-        if (!ok || rename(tmp, path) != 0) {
-            unlink(tmp);
-            s = kvcap_fail(KVCAP_ERR_IO, "%s: cannot write", path);
-        }
-    }
+    enum kvcap_status s = kvcap_write_file_atomic(path, text, strlen(text));
     free(text);
     return s;
 }

@@ -788,87 +788,6 @@ static void besc(struct buf *b, const char *s)
 
 /* ---- Atomic file writes -------------------------------------------------------------------- */
 
-/* fsync of the directory holding `path` so that the rename is durable; filesystems that
- * cannot sync a directory (EINVAL, ENOTSUP) have nothing more to do. */
-static int fsync_dir_of(const char *path)
-{
-    const char *slash = strrchr(path, '/');
-    char *dir = !slash ? strdup(".") : slash == path ? strdup("/")
-                                                     : strndup(path, (size_t)(slash - path));
-    if (!dir) {
-        errno = ENOMEM;
-        return -1;
-    }
-    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    free(dir);
-    if (fd < 0)
-        return -1;
-    int rc = fsync(fd), e = errno;
-    close(fd);
-    if (rc != 0 && (e == EINVAL || e == ENOTSUP))
-        rc = 0;
-    errno = e;
-    return rc;
-}
-
-/* Writes `len` bytes to PATH.tmp-XXXXXX, syncs it and renames it over `path`; on any failure
- * the temporary file is removed and `path` is untouched. */
-static enum kvcap_status write_atomic(const char *path, const char *data, size_t len)
-{
-    size_t n = strlen(path) + sizeof ".tmp-XXXXXX";
-    char *tmp = malloc(n);
-    KVCAP_RETURN_IF(!tmp, KVCAP_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
-    snprintf(tmp, n, "%s.tmp-XXXXXX", path);
-    int fd = mkstemp(tmp);
-    if (fd < 0) {
-        enum kvcap_status st = kvcap_fail(KVCAP_ERR_IO, "%s: cannot create a temporary file: %s",
-                                          path, strerror(errno));
-        free(tmp);
-        return st;
-    }
-    /* mkstemp makes the file private; a report is for sharing. */
-    const char *what = "fchmod";
-    if (fchmod(fd, 0644) != 0)
-        goto fail;
-    what = "write";
-    for (size_t off = 0; off < len;) {
-        ssize_t w = write(fd, data + off, len - off);
-        if (w < 0 && errno == EINTR)
-            continue;
-        if (w <= 0) {
-            if (w == 0)
-                errno = EIO;
-            goto fail;
-        }
-        off += (size_t)w;
-    }
-    what = "fsync";
-    if (fsync(fd) != 0)
-        goto fail;
-    what = "close";
-    int rc = close(fd);
-    fd = -1;
-    if (rc != 0)
-        goto fail;
-    what = "rename";
-    if (rename(tmp, path) != 0)
-        goto fail;
-    free(tmp);
-    if (fsync_dir_of(path) != 0)
-        return kvcap_fail(KVCAP_ERR_IO, "%s: written, but fsync of its directory failed: %s",
-                          path, strerror(errno));
-    return KVCAP_OK;
-fail:;
-    int e = errno;
-    if (fd >= 0)
-        close(fd);
-    unlink(tmp);
-    enum kvcap_status st = kvcap_fail(KVCAP_ERR_IO, "%s: %s of temporary file %s failed: %s",
-                                      path, what, tmp, strerror(e));
-    free(tmp);
-    return st;
-}
-
 /* ---- CSV ----------------------------------------------------------------------------------- */
 
 static void csv_text(struct buf *b, const char *s)
@@ -2268,9 +2187,9 @@ enum kvcap_status kvcap_report_write(const char *metrics_path, const char *html_
         st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "%s: out of memory rendering the report",
                         metrics_path);
     if (st == KVCAP_OK && csv_path)
-        st = write_atomic(csv_path, csv.p ? csv.p : "", csv.len);
+        st = kvcap_write_file_atomic(csv_path, csv.p ? csv.p : "", csv.len);
     if (st == KVCAP_OK && html_path)
-        st = write_atomic(html_path, html.p ? html.p : "", html.len);
+        st = kvcap_write_file_atomic(html_path, html.p ? html.p : "", html.len);
     free(html.p);
     free(csv.p);
     report_free(&r);

@@ -100,40 +100,6 @@ static size_t byte_char_utf8(unsigned b, char *out)
     return 2;
 }
 
-/* Length of the valid UTF-8 sequence at s[0] (n bytes available), 0 when it is not one
- * (overlong forms, surrogates and code points above U+10FFFF are invalid). */
-static size_t utf8_seq_len(const unsigned char *s, size_t n)
-{
-    unsigned c = s[0];
-    if (c < 0x80)
-        return 1;
-    size_t len;
-    unsigned lo = 0x80, hi = 0xBF;
-    if (c >= 0xC2 && c <= 0xDF) {
-        len = 2;
-    } else if (c >= 0xE0 && c <= 0xEF) {
-        len = 3;
-        if (c == 0xE0)
-            lo = 0xA0;
-        else if (c == 0xED)
-            hi = 0x9F;
-    } else if (c >= 0xF0 && c <= 0xF4) {
-        len = 4;
-        if (c == 0xF0)
-            lo = 0x90;
-        else if (c == 0xF4)
-            hi = 0x8F;
-    } else {
-        return 0;
-    }
-    if (n < len || s[1] < lo || s[1] > hi)
-        return 0;
-    for (size_t i = 2; i < len; i++)
-        if (s[i] < 0x80 || s[i] > 0xBF)
-            return 0;
-    return len;
-}
-
 /* Undoes the byte mapping of one token string into out (at most n bytes are written, since
  * every character becomes at most as many bytes as it had); returns the length. */
 static size_t unmap_token(const int16_t *byte_of_cp, const char *s, size_t n, char *out)
@@ -141,7 +107,7 @@ static size_t unmap_token(const int16_t *byte_of_cp, const char *s, size_t n, ch
     const unsigned char *p = (const unsigned char *)s;
     size_t o = 0;
     for (size_t i = 0; i < n;) {
-        size_t l = utf8_seq_len(p + i, n - i);
+        size_t l = kvcap_utf8_seq_len(p + i, n - i);
         if (l == 0) {
             out[o++] = (char)p[i++];
             continue;
@@ -884,7 +850,7 @@ static enum kvcap_status encode_text(struct enc *e, const char *s, size_t n)
             i++;
             continue;
         }
-        size_t l = utf8_seq_len(p + i, n - i);
+        size_t l = kvcap_utf8_seq_len(p + i, n - i);
         if (l) {
             i += l;
             continue;

@@ -674,36 +674,9 @@ enum kvcap_status kvgguf_open(const char *path, struct kvgguf_file **out)
     KVCAP_RETURN_IF(!out, KVCAP_ERR_INVALID_ARGUMENT, "kvgguf_open: out is NULL");
     *out = NULL;
     KVCAP_RETURN_IF(!path || !*path, KVCAP_ERR_INVALID_ARGUMENT, "kvgguf_open: empty path");
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    KVCAP_RETURN_IF(fd < 0, KVCAP_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    struct stat sb;
-    if (fstat(fd, &sb) != 0) {
-        int e = errno;
-        close(fd);
-        return kvcap_fail(KVCAP_ERR_IO, "%s: cannot stat: %s", path, strerror(e));
-    }
-    if (!S_ISREG(sb.st_mode)) {
-        close(fd);
-        return kvcap_fail(KVCAP_ERR_IO, "%s: not a regular file", path);
-    }
-    if (sb.st_size < 4) {
-        close(fd);
-        return kvcap_fail(KVCAP_ERR_FORMAT,
-                          "%s: header: file is %lld bytes, too short for the magic (not a GGUF "
-                          "file)",
-                          path, (long long)sb.st_size);
-    }
-    if ((uint64_t)sb.st_size > SIZE_MAX) {
-        close(fd);
-        return kvcap_fail(KVCAP_ERR_IO, "%s: file of %lld bytes cannot be mapped", path,
-                          (long long)sb.st_size);
-    }
-    size_t size = (size_t)sb.st_size;
-    void *map = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0);
-    int e = errno;
-    close(fd); /* the mapping keeps the file referenced */
-    KVCAP_RETURN_IF(map == MAP_FAILED, KVCAP_ERR_IO, "%s: cannot map %zu bytes: %s", path, size,
-                    strerror(e));
+    void *map;
+    size_t size;
+    KVCAP_TRY(kvcap_map_file(path, 4, "too short for the magic (not a GGUF file)", &map, &size));
     struct kvgguf_file *f;
     enum kvcap_status st = parse_file(map, size, path, &f);
     if (st != KVCAP_OK) {

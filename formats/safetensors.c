@@ -40,48 +40,12 @@ static int dtype_from_file_name(const char *s, enum kvcap_dtype *out)
     return 0;
 }
 
-/* Returns the length of the valid UTF-8 sequence starting at s[0] (at most n bytes
- * available), or 0 when it is not one (overlong forms, surrogates and > U+10FFFF rejected). */
-static size_t utf8_seq_len(const unsigned char *s, size_t n)
-{
-    unsigned c = s[0];
-    if (c < 0x80)
-        return 1;
-    size_t len;
-    unsigned lo = 0x80, hi = 0xBF;
-    if (c >= 0xC2 && c <= 0xDF) {
-        len = 2;
-    } else if (c >= 0xE0 && c <= 0xEF) {
-        len = 3;
-        if (c == 0xE0)
-            lo = 0xA0;
-        else if (c == 0xED)
-            hi = 0x9F;
-    } else if (c >= 0xF0 && c <= 0xF4) {
-        len = 4;
-        if (c == 0xF0)
-            lo = 0x90;
-        else if (c == 0xF4)
-            hi = 0x8F;
-    } else {
-        return 0;
-    }
-    if (n < len)
-        return 0;
-    if (s[1] < lo || s[1] > hi)
-        return 0;
-    for (size_t i = 2; i < len; i++)
-        if (s[i] < 0x80 || s[i] > 0xBF)
-            return 0;
-    return len;
-}
-
 static int utf8_valid(const char *s)
 {
     const unsigned char *p = (const unsigned char *)s;
     size_t n = strlen(s);
     for (size_t i = 0; i < n;) {
-        size_t l = utf8_seq_len(p + i, n - i);
+        size_t l = kvcap_utf8_seq_len(p + i, n - i);
         if (!l)
             return 0;
         i += l;
@@ -140,7 +104,7 @@ static enum kvcap_status check_header_text(const char *label, const unsigned cha
     for (size_t i = 0; i < n;) {
         unsigned c = h[i];
         if (c >= 0x80) {
-            size_t l = utf8_seq_len(h + i, n - i);
+            size_t l = kvcap_utf8_seq_len(h + i, n - i);
             KVCAP_RETURN_IF(!l, KVCAP_ERR_FORMAT,
                             "%s: header: byte %zu (0x%02x) is not valid UTF-8", label, i, c);
             i += l;
@@ -656,36 +620,10 @@ enum kvcap_status kvst_open(const char *path, struct kvst_file **out)
     KVCAP_RETURN_IF(!out, KVCAP_ERR_INVALID_ARGUMENT, "kvst_open: out is NULL");
     *out = NULL;
     KVCAP_RETURN_IF(!path || !*path, KVCAP_ERR_INVALID_ARGUMENT, "kvst_open: empty path");
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    KVCAP_RETURN_IF(fd < 0, KVCAP_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    struct stat sb;
-    if (fstat(fd, &sb) != 0) {
-        int e = errno;
-        close(fd);
-        return kvcap_fail(KVCAP_ERR_IO, "%s: cannot stat: %s", path, strerror(e));
-    }
-    if (!S_ISREG(sb.st_mode)) {
-        close(fd);
-        return kvcap_fail(KVCAP_ERR_IO, "%s: not a regular file", path);
-    }
-    if (sb.st_size < 8) {
-        close(fd);
-        return kvcap_fail(KVCAP_ERR_FORMAT,
-                          "%s: file is %lld bytes, shorter than the 8-byte header length "
-                          "(truncated)",
-                          path, (long long)sb.st_size);
-    }
-    if ((uint64_t)sb.st_size > SIZE_MAX) {
-        close(fd);
-        return kvcap_fail(KVCAP_ERR_IO, "%s: file of %lld bytes cannot be mapped", path,
-                          (long long)sb.st_size);
-    }
-    size_t size = (size_t)sb.st_size;
-    void *map = mmap(NULL, size, PROT_READ, MAP_PRIVATE, fd, 0);
-    int e = errno;
-    close(fd); /* the mapping keeps the file referenced */
-    KVCAP_RETURN_IF(map == MAP_FAILED, KVCAP_ERR_IO, "%s: cannot map %zu bytes: %s", path, size,
-                    strerror(e));
+    void *map;
+    size_t size;
+    KVCAP_TRY(kvcap_map_file(path, 8, "shorter than the 8-byte header length (truncated)", &map,
+                             &size));
     struct kvst_file *f;
     enum kvcap_status st = parse_file(map, size, path, &f);
     if (st != KVCAP_OK) {
@@ -1105,36 +1043,6 @@ static int write_all(int fd, const void *buf, size_t n)
     return 0;
 }
 
-/* fsync of the directory holding `path`, so the rename itself is durable. Filesystems that
- * cannot sync a directory (EINVAL, ENOTSUP) are accepted: there is nothing more to do. */
-static int fsync_parent(const char *path)
-{
-    const char *slash = strrchr(path, '/');
-    char *dir;
-    if (!slash) {
-        dir = strdup(".");
-    } else if (slash == path) {
-        dir = strdup("/");
-    } else {
-        dir = strndup(path, (size_t)(slash - path));
-    }
-    if (!dir) {
-        errno = ENOMEM;
-        return -1;
-    }
-    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    free(dir);
-    if (fd < 0)
-        return -1;
-    int rc = fsync(fd);
-    int e = errno;
-    close(fd);
-    if (rc != 0 && (e == EINVAL || e == ENOTSUP))
-        rc = 0;
-    errno = e;
-    return rc;
-}
-
 enum kvcap_status kvst_writer_commit(struct kvst_writer *w, const char *path)
 {
     KVCAP_RETURN_IF(!w, KVCAP_ERR_INVALID_ARGUMENT, "kvst_writer_commit: writer is NULL");
@@ -1259,7 +1167,7 @@ enum kvcap_status kvst_writer_commit(struct kvst_writer *w, const char *path)
         goto io_fail;
     free(tmp);
     tmp = NULL; /* renamed: it is the file now */
-    if (fsync_parent(path) != 0) {
+    if (kvcap_fsync_parent(path) != 0) {
         st = kvcap_fail(KVCAP_ERR_IO, "%s: written, but fsync of its directory failed: %s",
                         path, strerror(errno));
         goto out;

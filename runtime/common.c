@@ -1,9 +1,16 @@
 /* common.c — version, status strings, per-thread last error and the log callback: the
  * conventions every libkvcap call relies on. */
+#include <errno.h>
+#include <fcntl.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "internal.h"
 
@@ -175,4 +182,147 @@ double kvcap_seconds(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+enum kvcap_status kvcap_map_file(const char *path, size_t min_size, const char *too_short,
+                                 void **map, size_t *size)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    KVCAP_RETURN_IF(fd < 0, KVCAP_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    struct stat sb;
+    if (fstat(fd, &sb) != 0) {
+        int e = errno;
+        close(fd);
+        return kvcap_fail(KVCAP_ERR_IO, "%s: cannot stat: %s", path, strerror(e));
+    }
+    if (!S_ISREG(sb.st_mode)) {
+        close(fd);
+        return kvcap_fail(KVCAP_ERR_IO, "%s: not a regular file", path);
+    }
+    if ((uint64_t)sb.st_size < min_size) {
+        close(fd);
+        return kvcap_fail(KVCAP_ERR_FORMAT, "%s: file is %lld bytes, %s", path,
+                          (long long)sb.st_size, too_short);
+    }
+    if ((uint64_t)sb.st_size > SIZE_MAX) {
+        close(fd);
+        return kvcap_fail(KVCAP_ERR_IO, "%s: file of %lld bytes cannot be mapped", path,
+                          (long long)sb.st_size);
+    }
+    *size = (size_t)sb.st_size;
+    *map = mmap(NULL, *size, PROT_READ, MAP_PRIVATE, fd, 0);
+    int e = errno;
+    close(fd); /* the mapping keeps the file referenced */
+    KVCAP_RETURN_IF(*map == MAP_FAILED, KVCAP_ERR_IO, "%s: cannot map %zu bytes: %s", path,
+                    *size, strerror(e));
+    return KVCAP_OK;
+}
+
+int kvcap_fsync_parent(const char *path)
+{
+    const char *slash = strrchr(path, '/');
+    char *dir = !slash ? strdup(".") : slash == path ? strdup("/")
+                                                     : strndup(path, (size_t)(slash - path));
+    if (!dir) {
+        errno = ENOMEM;
+        return -1;
+    }
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    free(dir);
+    if (fd < 0)
+        return -1;
+    int rc = fsync(fd), e = errno;
+    close(fd);
+    if (rc != 0 && (e == EINVAL || e == ENOTSUP))
+        rc = 0;
+    errno = e;
+    return rc;
+}
+
+enum kvcap_status kvcap_write_file_atomic(const char *path, const void *data, size_t len)
+{
+    size_t n = strlen(path) + sizeof ".tmp-XXXXXX";
+    char *tmp = malloc(n);
+    KVCAP_RETURN_IF(!tmp, KVCAP_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
+    snprintf(tmp, n, "%s.tmp-XXXXXX", path);
+    int fd = mkstemp(tmp);
+    if (fd < 0) {
+        enum kvcap_status st = kvcap_fail(KVCAP_ERR_IO, "%s: cannot create a temporary file: %s",
+                                          path, strerror(errno));
+        free(tmp);
+        return st;
+    }
+    /* mkstemp makes the file private; outputs are for sharing. */
+    const char *what = "fchmod";
+    if (fchmod(fd, 0644) != 0)
+        goto fail;
+    what = "write";
+    for (size_t off = 0; off < len;) {
+        ssize_t w = write(fd, (const char *)data + off, len - off);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w <= 0) {
+            if (w == 0)
+                errno = EIO;
+            goto fail;
+        }
+        off += (size_t)w;
+    }
+    what = "fsync";
+    if (fsync(fd) != 0)
+        goto fail;
+    what = "close";
+    int rc = close(fd);
+    fd = -1;
+    if (rc != 0)
+        goto fail;
+    what = "rename";
+    if (rename(tmp, path) != 0)
+        goto fail;
+    free(tmp);
+    if (kvcap_fsync_parent(path) != 0)
+        return kvcap_fail(KVCAP_ERR_IO, "%s: written, but fsync of its directory failed: %s",
+                          path, strerror(errno));
+    return KVCAP_OK;
+fail:;
+    int e = errno;
+    if (fd >= 0)
+        close(fd);
+    unlink(tmp);
+    enum kvcap_status st = kvcap_fail(KVCAP_ERR_IO, "%s: %s of temporary file %s failed: %s",
+                                      path, what, tmp, strerror(e));
+    free(tmp);
+    return st;
+}
+
+size_t kvcap_utf8_seq_len(const unsigned char *s, size_t n)
+{
+    unsigned c = s[0];
+    if (c < 0x80)
+        return 1;
+    size_t len;
+    unsigned lo = 0x80, hi = 0xBF;
+    if (c >= 0xC2 && c <= 0xDF) {
+        len = 2;
+    } else if (c >= 0xE0 && c <= 0xEF) {
+        len = 3;
+        if (c == 0xE0)
+            lo = 0xA0;
+        else if (c == 0xED)
+            hi = 0x9F;
+    } else if (c >= 0xF0 && c <= 0xF4) {
+        len = 4;
+        if (c == 0xF0)
+            lo = 0x90;
+        else if (c == 0xF4)
+            hi = 0x8F;
+    } else {
+        return 0;
+    }
+    if (n < len || s[1] < lo || s[1] > hi)
+        return 0;
+    for (size_t i = 2; i < len; i++)
+        if (s[i] < 0x80 || s[i] > 0xBF)
+            return 0;
+    return len;
 }

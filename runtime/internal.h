@@ -43,6 +43,25 @@ enum kvcap_status kvcap_parallel_status(const struct kvcap_parallel_error *e);
 /* Seconds on a monotonic clock (timings in reports and benchmarks). */
 double kvcap_seconds(void);
 
+/* Maps the regular file `path` read-only (file readers: safetensors, GGUF). Open, stat, mmap
+ * failures and non-regular files are KVCAP_ERR_IO; a file shorter than min_size is
+ * KVCAP_ERR_FORMAT "PATH: file is N bytes, <too_short>". Unmap with munmap(*map, *size). */
+enum kvcap_status kvcap_map_file(const char *path, size_t min_size, const char *too_short,
+                                 void **map, size_t *size);
+
+/* fsync of the directory holding `path`, so a rename into it is durable; filesystems that
+ * cannot sync a directory (EINVAL, ENOTSUP) count as success. 0 or -1 with errno. */
+int kvcap_fsync_parent(const char *path);
+
+/* Writes `len` bytes to PATH.tmp-XXXXXX (mode 0644), syncs it and renames it over `path`, then
+ * syncs the directory: on failure (KVCAP_ERR_IO naming the call) the temporary file is removed
+ * and `path` is untouched. */
+enum kvcap_status kvcap_write_file_atomic(const char *path, const void *data, size_t len);
+
+/* Length of the valid UTF-8 sequence at s[0] (n >= 1 bytes available), 0 when it is not one:
+ * overlong forms, surrogates and code points above U+10FFFF are invalid. */
+size_t kvcap_utf8_seq_len(const unsigned char *s, size_t n);
+
 /* Clears this thread's last error (done by API entry points that succeed partially). */
 void kvcap_clear_error(void);
 
