@@ -272,6 +272,48 @@ ATTN_INLINE void exp_cols_body(float *s, const float *cmax, float *csum, size_t 
     }
 }
 
+/* Small capsule maps (tiled: h, rv <= ATTN_SMALL_MAP) skip BLAS, whose packing and beta pass
+ * cost more than the product itself at these sizes, and fuse the steps around it. */
+#define ATTN_SMALL_MAP 16
+
+/* Columns [c0, c1) of S = scale (W2ᵀ Z + b2 ⊗ cv) and their column max. */
+ATTN_INLINE void map_scores_body(const float *w2, const float *b2, int m, int h, const float *z,
+                                 const float *cv, size_t cols, size_t c0, size_t c1,
+                                 float scale, float *s, float *cmax)
+{
+    for (size_t c = c0; c < c1; c++) {
+        float mx = -INFINITY;
+        for (int j = 0; j < m; j++) {
+            float acc = 0.0f;
+            for (int a = 0; a < h; a++)
+                acc += w2[(size_t)a * m + j] * z[(size_t)a * cols + c];
+            float x = scale * (acc + b2[j] * cv[c]);
+            s[(size_t)j * cols + c] = x;
+            mx = x > mx ? x : mx;
+        }
+        cmax[c] = mx;
+    }
+}
+
+/* Columns [c0, c1): p_j = exp(s_j - cmax), csum = Σ_j p_j, Y = U P (P is not stored). */
+ATTN_INLINE void map_values_body(const float *u, int rv, int m, const float *s,
+                                 const float *cmax, size_t cols, size_t c0, size_t c1, float *y,
+                                 float *csum)
+{
+    for (size_t c = c0; c < c1; c++) {
+        float acc[ATTN_SMALL_MAP] = {0}, sum = 0.0f;
+        for (int j = 0; j < m; j++) {
+            float p = exp_approx(s[(size_t)j * cols + c] - cmax[c]);
+            sum += p;
+            for (int r = 0; r < rv; r++)
+                acc[r] += u[(size_t)r * m + j] * p;
+        }
+        for (int r = 0; r < rv; r++)
+            y[(size_t)r * cols + c] = acc[r];
+        csum[c] = sum;
+    }
+}
+
 /* ---- Portable kernels --------------------------------------------------------------------- */
 
 static size_t elem_size(enum kvcap_dtype t)
@@ -377,6 +419,18 @@ static void bias_max_generic(float *s, float b, const float *sq, float *cmax, si
 static void exp_cols_generic(float *s, const float *cmax, float *csum, size_t n)
 {
     exp_cols_body(s, cmax, csum, n);
+}
+
+static void map_scores_generic(const float *w2, const float *b2, int m, int h, const float *z,
+                               const float *cv, size_t cols, float scale, float *s, float *cmax)
+{
+    map_scores_body(w2, b2, m, h, z, cv, cols, 0, cols, scale, s, cmax);
+}
+
+static void map_values_generic(const float *u, int rv, int m, const float *s, const float *cmax,
+                               size_t cols, float *y, float *csum)
+{
+    map_values_body(u, rv, m, s, cmax, cols, 0, cols, y, csum);
 }
 
 /* ---- AVX2 + FMA + F16C kernels (x86, chosen at run time) ---------------------------------- */
@@ -683,6 +737,53 @@ static ATTN_AVX2 void exp_cols_avx2(float *s, const float *cmax, float *csum, si
     }
     exp_cols_body(s + i, cmax + i, csum + i, n - i);
 }
+
+static ATTN_AVX2 void map_scores_avx2(const float *w2, const float *b2, int m, int h,
+                                      const float *z, const float *cv, size_t cols, float scale,
+                                      float *s, float *cmax)
+{
+    const __m256 vscale = _mm256_set1_ps(scale);
+    size_t c = 0;
+    for (; c + 8 <= cols; c += 8) {
+        __m256 zc[ATTN_SMALL_MAP];
+        for (int a = 0; a < h; a++)
+            zc[a] = _mm256_loadu_ps(z + (size_t)a * cols + c);
+        const __m256 vcv = _mm256_loadu_ps(cv + c);
+        __m256 mx = _mm256_set1_ps(-INFINITY);
+        for (int j = 0; j < m; j++) {
+            __m256 acc = _mm256_setzero_ps();
+            for (int a = 0; a < h; a++)
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(w2[(size_t)a * m + j]), zc[a], acc);
+            __m256 x = _mm256_mul_ps(vscale, _mm256_fmadd_ps(_mm256_set1_ps(b2[j]), vcv, acc));
+            _mm256_storeu_ps(s + (size_t)j * cols + c, x);
+            mx = _mm256_max_ps(x, mx);
+        }
+        _mm256_storeu_ps(cmax + c, mx);
+    }
+    map_scores_body(w2, b2, m, h, z, cv, cols, c, cols, scale, s, cmax);
+}
+
+static ATTN_AVX2 void map_values_avx2(const float *u, int rv, int m, const float *s,
+                                      const float *cmax, size_t cols, float *y, float *csum)
+{
+    size_t c = 0;
+    for (; c + 8 <= cols; c += 8) {
+        __m256 acc[ATTN_SMALL_MAP], sum = _mm256_setzero_ps();
+        for (int r = 0; r < rv; r++)
+            acc[r] = _mm256_setzero_ps();
+        const __m256 mx = _mm256_loadu_ps(cmax + c);
+        for (int j = 0; j < m; j++) {
+            __m256 p = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + (size_t)j * cols + c), mx));
+            sum = _mm256_add_ps(sum, p);
+            for (int r = 0; r < rv; r++)
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(u[(size_t)r * m + j]), p, acc[r]);
+        }
+        for (int r = 0; r < rv; r++)
+            _mm256_storeu_ps(y + (size_t)r * cols + c, acc[r]);
+        _mm256_storeu_ps(csum + c, sum);
+    }
+    map_values_body(u, rv, m, s, cmax, cols, c, cols, y, csum);
+}
 #endif /* ATTN_X86 */
 
 /* ---- Dispatch ----------------------------------------------------------------------------- */
@@ -696,13 +797,19 @@ struct attn_isa {
     void (*softmax)(float *sc, int nr, float scale, float *m8, float *s8, float *a8);
     void (*bias_max)(float *s, float b, const float *sq, float *cmax, size_t n, float scale);
     void (*exp_cols)(float *s, const float *cmax, float *csum, size_t n);
+    void (*map_scores)(const float *w2, const float *b2, int m, int h, const float *z,
+                       const float *cv, size_t cols, float scale, float *s, float *cmax);
+    void (*map_values)(const float *u, int rv, int m, const float *s, const float *cmax,
+                       size_t cols, float *y, float *csum);
 };
 
-static const struct attn_isa isa_generic = {scores_generic,  accum_generic,    load_generic,
-                                            softmax_generic, bias_max_generic, exp_cols_generic};
+static const struct attn_isa isa_generic = {
+    scores_generic,   accum_generic,    load_generic,       softmax_generic,
+    bias_max_generic, exp_cols_generic, map_scores_generic, map_values_generic};
 #if ATTN_X86
-static const struct attn_isa isa_avx2 = {scores_avx2,  accum_avx2,    load_avx2,
-                                         softmax_avx2, bias_max_avx2, exp_cols_avx2};
+static const struct attn_isa isa_avx2 = {scores_avx2,   accum_avx2,    load_avx2,
+                                         softmax_avx2,  bias_max_avx2, exp_cols_avx2,
+                                         map_scores_avx2, map_values_avx2};
 #endif
 
 static atomic_int attn_simd_enabled = 1;
@@ -1014,7 +1121,8 @@ size_t kvcap_capsule_scratch_floats(const struct kvcap_capsule_maps *maps, int n
  *   cv   [cols]              sum(q') per column, later Σ_j p per column
  *   cmax [cols]              column max, then the max of the column's (span, query)
  * Steps: Z (per span, streaming H) -> S = W2ᵀ Z (one sgemm: W2 read once) -> bias, scale, max
- * -> P = exp -> Y = U P (one sgemm) -> per span: merge factors, o += Ṽᵀ y (+ Σp μ). */
+ * -> P = exp -> Y = U P (one sgemm) -> per span: merge factors, o += Ṽᵀ y (+ Σp μ). Small maps
+ * (tiled) do S with its bias and max in one pass, and P with its sums and Y in another. */
 uint64_t kvcap_capsule_attend(const struct kvcap_capsule_maps *maps,
                               const struct kvcap_capsule_span *spans, int n_spans, int nq, int d,
                               float scale, float *scratch, size_t scratch_floats)
@@ -1068,15 +1176,20 @@ uint64_t kvcap_capsule_attend(const struct kvcap_capsule_maps *maps,
     }
 
     /* S = W2ᵀ Z: the map is read once for every span and query of the call. */
-    if (h > 0)
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, m, (int)cols, h, 1.0f, maps->w2, m,
-                    ZY, (int)cols, 0.0f, S, (int)cols);
-    else
-        memset(S, 0, sizeof(float) * (size_t)m * cols);
-    for (size_t c = 0; c < cols; c++)
-        cmax[c] = -INFINITY;
-    for (int j = 0; j < m; j++)
-        isa->bias_max(S + (size_t)j * cols, maps->b2[j], cv, cmax, cols, scale);
+    const int small = h <= ATTN_SMALL_MAP && rv <= ATTN_SMALL_MAP;
+    if (small) {
+        isa->map_scores(maps->w2, maps->b2, m, h, ZY, cv, cols, scale, S, cmax);
+    } else {
+        if (h > 0)
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, m, (int)cols, h, 1.0f, maps->w2,
+                        m, ZY, (int)cols, 0.0f, S, (int)cols);
+        else
+            memset(S, 0, sizeof(float) * (size_t)m * cols);
+        for (size_t c = 0; c < cols; c++)
+            cmax[c] = -INFINITY;
+        for (int j = 0; j < m; j++)
+            isa->bias_max(S + (size_t)j * cols, maps->b2[j], cv, cmax, cols, scale);
+    }
 
     /* One softmax shift per (span, query): the max over its tiles' columns. */
     off = 0;
@@ -1091,14 +1204,17 @@ uint64_t kvcap_capsule_attend(const struct kvcap_capsule_maps *maps,
         }
         off += (size_t)T * nq;
     }
-    memset(cv, 0, sizeof(float) * cols);
-    for (int j = 0; j < m; j++)
-        isa->exp_cols(S + (size_t)j * cols, cmax, cv, cols);
-
-    /* Y = U P: the value basis, also read once. */
-    if (rv > 0)
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rv, (int)cols, m, 1.0f, maps->u, m,
-                    S, (int)cols, 0.0f, ZY, (int)cols);
+    /* P = exp(S - max), Σ_j p per column into cv, Y = U P: the value basis, also read once. */
+    if (small) {
+        isa->map_values(maps->u, rv, m, S, cmax, cols, ZY, cv);
+    } else {
+        memset(cv, 0, sizeof(float) * cols);
+        for (int j = 0; j < m; j++)
+            isa->exp_cols(S + (size_t)j * cols, cmax, cv, cols);
+        if (rv > 0)
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rv, (int)cols, m, 1.0f,
+                        maps->u, m, S, (int)cols, 0.0f, ZY, (int)cols);
+    }
 
     /* Per span: merge the span's partial (max cmax, sum Σp, o = Ṽᵀy + Σp μ) into its acc,
      * scaling the new terms by b = exp(max - new max) as they are accumulated. The factors
