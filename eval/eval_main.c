@@ -584,7 +584,7 @@ static int cmd_record(const struct options *o)
                 ids[i] = corpus.chunks[first + i].ids[prompt_len(o) + t];
                 pos[i] = prompt_len(o) + t;
             }
-            struct kvllama_group grp = {cache, nb, 0.0};
+            struct kvllama_group grp = {.cache = cache, .n_seqs = nb};
             s = kvllama_decode(dec, &grp, 1, ids, pos, logits);
         }
         if (s == KVCAP_OK)
@@ -708,7 +708,7 @@ static enum kvcap_status phase_setup(const struct options *o, const struct model
             KVCAP_TRY(prompt_to_cache(mc, o, &prompts[p], run->cache, p));
             KVCAP_TRY(kvcap_cache_end_prefill(run->cache, p));
         }
-        run->group = (struct kvllama_group){run->cache, n_prompts, 0.0};
+        run->group = (struct kvllama_group){.cache = run->cache, .n_seqs = n_prompts};
         if (measure) {
             struct kvcap_cache_stats st;
             KVCAP_TRY(kvcap_cache_stats(run->cache, &st));
@@ -765,6 +765,8 @@ static enum kvcap_status decode_phase(const struct options *o, const struct mode
     for (int t = 0; s == KVCAP_OK && t < steps; t++) {
         for (int i = 0; i < rows; i++)
             pos[i] = P + t;
+        for (int r = 0; r < n_runs; r++)
+            groups[r].measure_bytes = !forced && t == steps - 1; /* the last step, all layers */
         s = kvllama_decode(dec, groups, n_runs, ids, pos, logits);
         for (int r = 0; s == KVCAP_OK && r < n_runs; r++)
             for (int p = 0; p < n_prompts; p++) {
@@ -787,9 +789,7 @@ static enum kvcap_status decode_phase(const struct options *o, const struct mode
     if (s == KVCAP_OK && !forced) {
         for (int r = 0; r < n_runs; r++) {
             runs[r].step_ms = steps ? 1e3 * groups[r].attend_seconds / steps : 0.0;
-            struct kvcap_cache_stats st;
-            if (kvcap_cache_stats(runs[r].cache, &st) == KVCAP_OK)
-                runs[r].bytes_read_step = (double)st.bytes_read_last_attend;
+            runs[r].bytes_read_step = (double)groups[r].bytes_read;
         }
     }
     kvllama_decoder_free(dec);

@@ -503,6 +503,11 @@ enum kvcap_status kvllama_decode(struct kvllama_decoder *dec, struct kvllama_gro
             KVCAP_TRY(kvcap_cache_attend(grp->cache, l, dec->q + (size_t)first * QD,
                                          dec->att + (size_t)first * QD));
             grp->attend_seconds += kvcap_seconds() - t0;
+            if (grp->measure_bytes) {
+                struct kvcap_cache_stats st;
+                KVCAP_TRY(kvcap_cache_stats(grp->cache, &st));
+                grp->bytes_read += st.bytes_read_last_attend;
+            }
             first += grp->n_seqs;
         }
         linear(dec->att, ly->wo, dec->x, rows, QD, E, 1);

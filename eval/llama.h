@@ -58,6 +58,8 @@ struct kvllama_group {
     struct kvcap_cache *cache;
     int n_seqs;
     double attend_seconds; /* accumulated by kvllama_decode: append + attend of this cache */
+    int measure_bytes;     /* nonzero: kvllama_decode adds the bytes each layer's attend read */
+    uint64_t bytes_read;   /* (kvcap_cache_stats after every attend, outside the timing) */
 };
 
 struct kvllama_decoder;

@@ -54,6 +54,11 @@ assert policies == want, policies
 full = runs["full"]
 assert full["token_agreement"] == 1.0 and full["nll_delta"] == 0.0, full
 assert full["next_token_agreement"] == 1.0, full
+# full reads every row it holds (and the generated ones); every policy reads less per step.
+assert full["bytes_read_per_step"] >= full["bytes_held"], full
+for r in m["runs"]:
+    if r["policy"] != "full":
+        assert r["bytes_read_per_step"] < full["bytes_read_per_step"], r["id"]
 assert all(abs(c - 1.0) < 1e-6 for c in full["attn_cosine"]), full["attn_cosine"]
 assert len(full["attn_cosine"]) == m["model"]["layers"] == 30
 for r in m["runs"]:

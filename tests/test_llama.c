@@ -345,7 +345,8 @@ static void test_tiny_decode_through_cache(void **state)
     }
     struct kvllama_decoder *dec = NULL;
     assert_int_equal(kvllama_decoder_create(model, ROWS, &dec), KVCAP_OK);
-    struct kvllama_group groups[2] = {{caches[0], 2, 0.0}, {caches[1], 1, 0.0}};
+    struct kvllama_group groups[2] = {{.cache = caches[0], .n_seqs = 2},
+                                     {.cache = caches[1], .n_seqs = 1}};
     double worst = 0;
     float *refs = alloc_f((size_t)ROWS * N * T_V);
     for (int r = 0; r < ROWS; r++)
@@ -355,6 +356,7 @@ static void test_tiny_decode_through_cache(void **state)
         int pos[ROWS];
         for (int r = 0; r < ROWS; r++)
             step_ids[r] = ids[r][t], pos[r] = t;
+        groups[0].measure_bytes = groups[1].measure_bytes = t == N - 1;
         assert_int_equal(kvllama_decode(dec, groups, 2, step_ids, pos, logits), KVCAP_OK);
         for (int r = 0; r < ROWS; r++) {
             double e = rel_err(logits + (size_t)r * T_V, refs + ((size_t)r * N + t) * T_V, T_V);
@@ -364,6 +366,9 @@ static void test_tiny_decode_through_cache(void **state)
     printf("decode through caches vs naive: worst relative error %.2e\n", worst);
     assert_true(worst < TOL_TINY_REL);
     assert_true(groups[0].attend_seconds > 0.0);
+    /* The last step read, per layer, every row of K and V (f32) of its sequences: N tokens. */
+    assert_int_equal(groups[0].bytes_read, (uint64_t)T_L * 2 * N * 2 * T_KV * T_D * 4);
+    assert_int_equal(groups[1].bytes_read, (uint64_t)T_L * 1 * N * 2 * T_KV * T_D * 4);
     /* Bad calls are named and leave the decoder usable. */
     int32_t bad[ROWS] = {T_V, 0, 0};
     int pos0[ROWS] = {N, N, N};
@@ -502,7 +507,7 @@ static double check_prompt(const struct kvllama_model *model, const cJSON *ids_j
     }
     struct kvllama_decoder *dec = NULL;
     assert_int_equal(kvllama_decoder_create(model, 1, &dec), KVCAP_OK);
-    struct kvllama_group grp = {cache, 1, 0.0};
+    struct kvllama_group grp = {.cache = cache, .n_seqs = 1};
     const cJSON *greedy = cJSON_GetObjectItem(ref, "greedy");
     int32_t tok = kvllama_argmax(last, V);
     for (int t = 0; t < cJSON_GetArraySize(greedy); t++) {
