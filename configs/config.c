@@ -1126,69 +1126,12 @@ done_locale:
     return st;
 }
 
-/* Reads a whole file of at most KVCAP_CONFIG_MAX_BYTES into a heap buffer (NUL-terminated). */
-static enum kvcap_status read_file(const char *path, char **out, size_t *len)
-{
-    char err[128];
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        int e = errno;
-        if (strerror_r(e, err, sizeof err) != 0)
-            snprintf(err, sizeof err, "error %d", e);
-        return kvcap_fail(KVCAP_ERR_IO, "%s: cannot open: %s", path, err);
-    }
-    size_t cap = 4096, n = 0;
-    char *buf = malloc(cap);
-    enum kvcap_status st = KVCAP_OK;
-    while (buf) {
-        if (n == cap - 1) {
-            if (cap > KVCAP_CONFIG_MAX_BYTES) {
-                st = kvcap_fail(KVCAP_ERR_CONFIG, "%s: larger than %d bytes, not a config", path,
-                                KVCAP_CONFIG_MAX_BYTES);
-                break;
-            }
-            char *bigger = realloc(buf, cap * 2);
-            if (!bigger) {
-                free(buf);
-                buf = NULL;
-                break;
-            }
-            buf = bigger;
-            cap *= 2;
-        }
-        size_t got = fread(buf + n, 1, cap - 1 - n, f);
-        n += got;
-        if (got == 0) {
-            if (ferror(f)) {
-                int e = errno;
-                if (strerror_r(e, err, sizeof err) != 0)
-                    snprintf(err, sizeof err, "error %d", e);
-                st = kvcap_fail(KVCAP_ERR_IO, "%s: read failed: %s", path, err);
-            }
-            break;
-        }
-    }
-    fclose(f);
-    if (!buf)
-        return kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "%s: out of memory reading the file", path);
-    if (st == KVCAP_OK && n > KVCAP_CONFIG_MAX_BYTES)
-        st = kvcap_fail(KVCAP_ERR_CONFIG, "%s: larger than %d bytes, not a config", path,
-                        KVCAP_CONFIG_MAX_BYTES);
-    if (st != KVCAP_OK) {
-        free(buf);
-        return st;
-    }
-    buf[n] = '\0';
-    *out = buf;
-    *len = n;
-    return KVCAP_OK;
-}
-
 static enum kvcap_status load_file(const char *path, parse_fn parse, void *out)
 {
     char *text = NULL;
     size_t len = 0;
-    KVCAP_TRY(read_file(path, &text, &len));
+    KVCAP_TRY(kvcap_read_file(path, KVCAP_CONFIG_MAX_BYTES, KVCAP_ERR_CONFIG, ", not a config",
+                              &text, &len));
     const char *slash = strrchr(path, '/');
     size_t dir_len = slash ? (size_t)(slash - path) : 0;
     if (slash && dir_len == 0)

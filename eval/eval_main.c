@@ -290,38 +290,6 @@ static void corpus_free(struct corpus *c)
     memset(c, 0, sizeof *c);
 }
 
-static enum kvcap_status read_file(const char *path, char **out, size_t *len)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return kvcap_fail(KVCAP_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    char *buf = NULL;
-    size_t cap = 0, n = 0;
-    for (;;) {
-        if (n == cap) {
-            cap = cap ? cap * 2 : 65536;
-            char *nb = realloc(buf, cap);
-            if (!nb) {
-                free(buf), fclose(f);
-                return kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "%s: no memory", path);
-            }
-            buf = nb;
-        }
-        size_t got = fread(buf + n, 1, cap - n, f);
-        n += got;
-        if (got == 0)
-            break;
-    }
-    int err = ferror(f);
-    fclose(f);
-    if (err) {
-        free(buf);
-        return kvcap_fail(KVCAP_ERR_IO, "%s: read error", path);
-    }
-    *out = buf, *len = n;
-    return KVCAP_OK;
-}
-
 /* Tokenises every document of the comma-separated list and cuts it into chunks of
  * chunk_len tokens (the remainder of a document is dropped). */
 static enum kvcap_status corpus_load(const struct kvtok *tok, const char *dir, const char *list,
@@ -347,7 +315,8 @@ static enum kvcap_status corpus_load(const struct kvtok *tok, const char *dir, c
         char path[4096], *text = NULL;
         size_t len = 0;
         snprintf(path, sizeof path, "%s/%s", dir, c->names[i]);
-        KVCAP_TRY(read_file(path, &text, &len));
+        KVCAP_TRY(kvcap_read_file(path, (size_t)1 << 30, KVCAP_ERR_INVALID_ARGUMENT,
+                                  " (a document for --docs)", &text, &len));
         enum kvcap_status s = kvtok_encode(tok, text, len, 0, &c->tokens[i], &c->n_tokens[i]);
         free(text);
         KVCAP_TRY(s);
@@ -374,6 +343,12 @@ struct model_ctx {
     const struct kvllama_hparams *hp;
 };
 
+static void model_close(struct model_ctx *mc)
+{
+    kvllama_free(mc->model);
+    kvtok_free(mc->tok);
+}
+
 static enum kvcap_status model_open(const char *path, struct model_ctx *mc, int quiet)
 {
     memset(mc, 0, sizeof *mc);
@@ -381,9 +356,13 @@ static enum kvcap_status model_open(const char *path, struct model_ctx *mc, int 
     struct kvgguf_file *f = NULL;
     KVCAP_TRY(kvgguf_open(path, &f));
     enum kvcap_status s = kvtok_create_gguf(f, &mc->tok);
+    if (s == KVCAP_OK)
+        s = kvllama_load_gguf(f, &mc->model);
     kvgguf_close(f);
-    KVCAP_TRY(s);
-    KVCAP_TRY(kvllama_load(path, &mc->model));
+    if (s != KVCAP_OK) {
+        model_close(mc);
+        return s;
+    }
     kvllama_geometry(mc->model, &mc->g);
     mc->hp = kvllama_hparams(mc->model);
     if (!quiet) {
@@ -394,12 +373,6 @@ static enum kvcap_status model_open(const char *path, struct model_ctx *mc, int 
                 cli_bytes(kvllama_weight_bytes(mc->model), b, sizeof b), kvcap_seconds() - t0);
     }
     return KVCAP_OK;
-}
-
-static void model_close(struct model_ctx *mc)
-{
-    kvllama_free(mc->model);
-    kvtok_free(mc->tok);
 }
 
 /* A prefilled prompt: K/V of every layer and the tail's queries. */
@@ -516,13 +489,6 @@ static enum kvcap_status create_cache(const struct model_ctx *mc, const char *ya
     return s;
 }
 
-static int make_dir(const char *path)
-{
-    char cmd[4200];
-    snprintf(cmd, sizeof cmd, "mkdir -p '%s'", path);
-    return system(cmd) == 0;
-}
-
 /* ---- record ------------------------------------------------------------------------------ */
 static const char *const k_full_yaml =
     "policies: {vision: full, text: full, generated: full}\nfallback: none\n";
@@ -548,9 +514,10 @@ static int cmd_record(const struct options *o)
         return cli_usage_error("%s: the documents (%lld tokens) hold no chunk of %d tokens",
                                o->docs, (long long)corpus.total_tokens, chunk_len);
     }
-    if (!make_dir(o->out)) {
+    s = kvcap_make_dirs(o->out);
+    if (s != KVCAP_OK) {
         corpus_free(&corpus), model_close(&mc);
-        return cli_usage_error("--out: cannot create '%s'", o->out);
+        return cli_fail(s);
     }
     if (!o->quiet)
         fprintf(stderr, "kvcap-eval: record: %d documents, %lld tokens -> %d chunks of %d + %d "
@@ -1204,8 +1171,8 @@ static int cmd_run(const struct options *o, int argc, char **argv)
         if (!(runs[r].generated = calloc((size_t)n_prompts * o->generate, sizeof(int32_t))) ||
             !(runs[r].forced_top1 = calloc((size_t)n_prompts * o->generate, sizeof(int32_t))))
             s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "no memory");
-    if (s == KVCAP_OK && !make_dir(o->out))
-        s = kvcap_fail(KVCAP_ERR_IO, "--out: cannot create '%s'", o->out);
+    if (s == KVCAP_OK)
+        s = kvcap_make_dirs(o->out);
     double t0 = kvcap_seconds();
     if (s == KVCAP_OK && !o->quiet)
         fprintf(stderr, "kvcap-eval: run: %d runs x %d prompts of %d + %d + %d tokens, %d "

@@ -194,26 +194,33 @@ static enum kvcap_status load_weights(struct kvllama_model *m, const struct kvgg
     return KVCAP_OK;
 }
 
-enum kvcap_status kvllama_load(const char *path, struct kvllama_model **out)
+enum kvcap_status kvllama_load_gguf(const struct kvgguf_file *f, struct kvllama_model **out)
 {
-    KVCAP_RETURN_IF(!path || !out, KVCAP_ERR_INVALID_ARGUMENT, "kvllama_load: NULL argument");
+    KVCAP_RETURN_IF(!f || !out, KVCAP_ERR_INVALID_ARGUMENT, "kvllama_load_gguf: NULL argument");
     *out = NULL;
     struct kvllama_model *m = calloc(1, sizeof *m);
     if (!m)
         return kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "llama: no memory");
-    struct kvgguf_file *f = NULL;
-    enum kvcap_status s = kvgguf_open(path, &f);
-    if (s == KVCAP_OK)
-        s = load_hparams(m, f);
+    enum kvcap_status s = load_hparams(m, f);
     if (s == KVCAP_OK)
         s = load_weights(m, f);
-    kvgguf_close(f);
     if (s != KVCAP_OK) {
         kvllama_free(m);
         return s;
     }
     *out = m;
     return KVCAP_OK;
+}
+
+enum kvcap_status kvllama_load(const char *path, struct kvllama_model **out)
+{
+    KVCAP_RETURN_IF(!path || !out, KVCAP_ERR_INVALID_ARGUMENT, "kvllama_load: NULL argument");
+    *out = NULL;
+    struct kvgguf_file *f = NULL;
+    KVCAP_TRY(kvgguf_open(path, &f));
+    enum kvcap_status s = kvllama_load_gguf(f, out);
+    kvgguf_close(f);
+    return s;
 }
 
 void kvllama_free(struct kvllama_model *m)

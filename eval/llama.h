@@ -12,6 +12,7 @@
 
 #include <stdint.h>
 
+#include "gguf.h"
 #include "kvcap.h"
 
 struct kvllama_hparams {
@@ -24,6 +25,8 @@ struct kvllama_model;
 /* Loads a GGUF file of architecture "llama" (tied or separate output matrix). Errors name the
  * file and the key or tensor at fault. */
 enum kvcap_status kvllama_load(const char *path, struct kvllama_model **out);
+/* The same from a file already open (e.g. also read for its tokenizer); f may be closed after. */
+enum kvcap_status kvllama_load_gguf(const struct kvgguf_file *f, struct kvllama_model **out);
 void kvllama_free(struct kvllama_model *m); /* NULL is a no-op */
 
 const struct kvllama_hparams *kvllama_hparams(const struct kvllama_model *m);

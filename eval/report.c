@@ -556,46 +556,16 @@ static void report_free(struct report *r)
     cJSON_Delete(r->root);
 }
 
+/* The metrics file as NUL-terminated text (it must not contain a NUL itself). */
 static enum kvcap_status read_all(const char *path, char **out)
 {
-    FILE *f = fopen(path, "rb");
-    KVCAP_RETURN_IF(!f, KVCAP_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    size_t cap = 1 << 16, n = 0;
-    char *p = malloc(cap);
-    enum kvcap_status st = KVCAP_OK;
-    while (p) {
-        if (n + 1 >= cap) {
-            if (cap >= (size_t)MAX_FILE_BYTES) {
-                st = kvcap_fail(KVCAP_ERR_FORMAT, "%s: larger than %d bytes", path,
-                                MAX_FILE_BYTES);
-                break;
-            }
-            char *q = realloc(p, cap * 2);
-            if (!q)
-                break;
-            p = q;
-            cap *= 2;
-        }
-        size_t got = fread(p + n, 1, cap - n - 1, f);
-        n += got;
-        if (got == 0)
-            break;
+    size_t n = 0;
+    KVCAP_TRY(kvcap_read_file(path, MAX_FILE_BYTES, KVCAP_ERR_FORMAT, "", out, &n));
+    if (memchr(*out, '\0', n)) {
+        free(*out);
+        *out = NULL;
+        return kvcap_fail(KVCAP_ERR_FORMAT, "%s: not JSON text (contains a NUL byte)", path);
     }
-    if (st == KVCAP_OK && !p)
-        st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "%s: out of memory reading it", path);
-    else if (st == KVCAP_OK && ferror(f))
-        st = kvcap_fail(KVCAP_ERR_IO, "%s: read failed: %s", path, strerror(errno));
-    else if (st == KVCAP_OK && n + 1 >= cap)
-        st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "%s: out of memory reading it", path);
-    else if (st == KVCAP_OK && memchr(p, '\0', n))
-        st = kvcap_fail(KVCAP_ERR_FORMAT, "%s: not JSON text (contains a NUL byte)", path);
-    fclose(f);
-    if (st != KVCAP_OK) {
-        free(p);
-        return st;
-    }
-    p[n] = '\0';
-    *out = p;
     return KVCAP_OK;
 }
 

@@ -57,28 +57,6 @@ void kvcap_dataset_writer_default_params(struct kvcap_dataset_writer_params *p)
     p->shard_bytes = 256ull << 20;
 }
 
-static enum kvcap_status make_dirs(const char *dir)
-{
-    char path[PATH_CAP];
-    KVCAP_RETURN_IF(snprintf(path, sizeof path, "%s", dir) >= (int)sizeof path,
-                    KVCAP_ERR_INVALID_ARGUMENT, "%s: path too long", dir);
-    for (char *p = path + 1;; p++) {
-        if (*p == '/' || *p == '\0') {
-            char saved = *p;
-            *p = '\0';
-            KVCAP_RETURN_IF(mkdir(path, 0777) != 0 && errno != EEXIST, KVCAP_ERR_IO,
-                            "%s: cannot create folder: %s", path, strerror(errno));
-            *p = saved;
-            if (saved == '\0')
-                break;
-        }
-    }
-    struct stat st;
-    KVCAP_RETURN_IF(stat(dir, &st) != 0 || !S_ISDIR(st.st_mode), KVCAP_ERR_IO,
-                    "%s: not a folder", dir);
-    return KVCAP_OK;
-}
-
 /* The number N of DIR/PREFIX-N.safetensors, or -1 for any other name. */
 static long shard_number(const char *name, const char *prefix)
 {
@@ -132,7 +110,7 @@ enum kvcap_status kvcap_dataset_writer_create(const struct kvcap_model_geometry 
     KVCAP_RETURN_IF(strlen(prefix) < 1 || strlen(prefix) >= 64 || strchr(prefix, '/'),
                     KVCAP_ERR_INVALID_ARGUMENT, "dataset writer: prefix '%s' is not a plain name",
                     prefix);
-    KVCAP_TRY(make_dirs(p->dir));
+    KVCAP_TRY(kvcap_make_dirs(p->dir));
 
     struct kvcap_dataset_writer *w = calloc(1, sizeof *w);
     int L = g->n_layers;

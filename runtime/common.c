@@ -326,3 +326,69 @@ size_t kvcap_utf8_seq_len(const unsigned char *s, size_t n)
             return 0;
     return len;
 }
+
+enum kvcap_status kvcap_read_file(const char *path, size_t max_bytes, enum kvcap_status too_big,
+                                  const char *too_big_suffix, char **out, size_t *len)
+{
+    FILE *f = fopen(path, "rb");
+    KVCAP_RETURN_IF(!f, KVCAP_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    size_t cap = 4096, n = 0;
+    char *buf = malloc(cap);
+    enum kvcap_status st = KVCAP_OK;
+    while (buf) {
+        if (n == cap - 1) {
+            if (n > max_bytes)
+                break;
+            char *bigger = realloc(buf, cap * 2);
+            if (!bigger) {
+                free(buf);
+                buf = NULL;
+                break;
+            }
+            buf = bigger;
+            cap *= 2;
+        }
+        size_t got = fread(buf + n, 1, cap - 1 - n, f);
+        n += got;
+        if (got == 0) {
+            if (ferror(f))
+                st = kvcap_fail(KVCAP_ERR_IO, "%s: read failed: %s", path, strerror(errno));
+            break;
+        }
+    }
+    fclose(f);
+    if (!buf)
+        return kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "%s: out of memory reading the file", path);
+    if (st == KVCAP_OK && n > max_bytes)
+        st = kvcap_fail(too_big, "%s: larger than %zu bytes%s", path, max_bytes, too_big_suffix);
+    if (st != KVCAP_OK) {
+        free(buf);
+        return st;
+    }
+    buf[n] = '\0';
+    *out = buf;
+    *len = n;
+    return KVCAP_OK;
+}
+
+enum kvcap_status kvcap_make_dirs(const char *dir)
+{
+    char path[4096];
+    KVCAP_RETURN_IF(snprintf(path, sizeof path, "%s", dir) >= (int)sizeof path,
+                    KVCAP_ERR_INVALID_ARGUMENT, "%s: path too long", dir);
+    for (char *p = path + 1;; p++) {
+        if (*p == '/' || *p == '\0') {
+            char saved = *p;
+            *p = '\0';
+            KVCAP_RETURN_IF(mkdir(path, 0777) != 0 && errno != EEXIST, KVCAP_ERR_IO,
+                            "%s: cannot create folder: %s", path, strerror(errno));
+            *p = saved;
+            if (saved == '\0')
+                break;
+        }
+    }
+    struct stat st;
+    KVCAP_RETURN_IF(stat(dir, &st) != 0 || !S_ISDIR(st.st_mode), KVCAP_ERR_IO,
+                    "%s: not a folder", dir);
+    return KVCAP_OK;
+}

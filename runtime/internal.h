@@ -58,6 +58,16 @@ int kvcap_fsync_parent(const char *path);
  * and `path` is untouched. */
 enum kvcap_status kvcap_write_file_atomic(const char *path, const void *data, size_t len);
 
+/* Reads the whole file `path` into a heap buffer with a NUL after its *len bytes. Open and
+ * read failures are KVCAP_ERR_IO; a file of more than max_bytes fails with `too_big` and
+ * "PATH: larger than MAX bytes<too_big_suffix>". */
+enum kvcap_status kvcap_read_file(const char *path, size_t max_bytes, enum kvcap_status too_big,
+                                  const char *too_big_suffix, char **out, size_t *len);
+
+/* Creates the folder `dir` and its missing parents (mkdir -p); KVCAP_ERR_IO naming the part
+ * that could not be made, or `dir` when it exists but is not a folder. */
+enum kvcap_status kvcap_make_dirs(const char *dir);
+
 /* Length of the valid UTF-8 sequence at s[0] (n >= 1 bytes available), 0 when it is not one:
  * overlong forms, surrogates and code points above U+10FFFF are invalid. */
 size_t kvcap_utf8_seq_len(const unsigned char *s, size_t n);
