@@ -590,7 +590,6 @@ struct run {
     int64_t attn_count;
 };
 
-static const char *policy_name(const struct run *r) { return r->policy; }
 
 static void add_run(struct run *runs, int *n, const char *policy, const char *label,
                     double retention, const char *yaml_fmt, ...) KVCAP_PRINTF(6, 7);
@@ -1029,7 +1028,7 @@ static enum kvcap_status write_metrics(const struct options *o, const struct mod
         const struct run *run = &runs[r];
         cJSON *j = cJSON_CreateObject();
         cJSON_AddStringToObject(j, "id", run->id);
-        cJSON_AddStringToObject(j, "policy", policy_name(run));
+        cJSON_AddStringToObject(j, "policy", run->policy);
         cJSON_AddStringToObject(j, "label", run->label);
         cJSON_AddNumberToObject(j, "retention", run->retention);
         double compression = run->bytes_held_span > 0 ? full->bytes_held_span / run->bytes_held_span
