@@ -590,7 +590,6 @@ struct run {
     int64_t attn_count;
 };
 
-
 static void add_run(struct run *runs, int *n, const char *policy, const char *label,
                     double retention, const char *yaml_fmt, ...) KVCAP_PRINTF(6, 7);
 
