@@ -14,7 +14,7 @@
  * Limits: d in 1..ATTN_MAX_D (4096). Outside the limits, with NULL inputs, or with too little
  * scratch (capsule), the fast functions read nothing, leave the partials untouched and return 0.
  * The _ref functions allocate working memory; if that fails they also return 0 untouched.
- * No function here starts threads; BLAS is called for the capsule's two map products only. */
+ * No function here starts threads; BLAS is called for the dense capsule maps' two products only. */
 #include <limits.h>
 #include <math.h>
 #include <stdatomic.h>
@@ -181,6 +181,34 @@ ATTN_INLINE float exp_approx(float x)
     return bits_f32(f32_bits(y * bits_f32(e)) & keep);
 }
 
+/* 2^x for the tiled capsule maps, whose scores are kept in log2 units (log2 e folded into the
+ * score scale), so the range reduction is one rounding: n = round(x), r = x - n (exact), 2^r
+ * by a degree-5 polynomial fitted for relative error on [-1/2, 1/2] (2.4e-7 in float, about
+ * 2 ulp), 2^n added to the exponent field. x is clamped at -126 (2^-126, a weight of ~1e-38
+ * rather than 0); x must be <= 0 (a softmax shift), and is never -inf or NaN there. */
+#define ATTN_EXP2_LO -126.0f
+#define ATTN_LN2 0.693147180559945f
+#define ATTN_E2_C0 1.000000119e+00f
+#define ATTN_E2_C1 6.931469440e-01f
+#define ATTN_E2_C2 2.402212024e-01f
+#define ATTN_E2_C3 5.550713092e-02f
+#define ATTN_E2_C4 9.675541893e-03f
+#define ATTN_E2_C5 1.327647245e-03f
+
+ATTN_INLINE float exp2_approx(float x)
+{
+    x = x > ATTN_EXP2_LO ? x : ATTN_EXP2_LO;
+    float t = x + ATTN_EXP_MAGIC;
+    float r = x - (t - ATTN_EXP_MAGIC);
+    float y = ATTN_E2_C5;
+    y = y * r + ATTN_E2_C4;
+    y = y * r + ATTN_E2_C3;
+    y = y * r + ATTN_E2_C2;
+    y = y * r + ATTN_E2_C1;
+    y = y * r + ATTN_E2_C0;
+    return bits_f32(f32_bits(y) + (f32_bits(t) << 23)); /* the low bits of t are n */
+}
+
 /* ---- Kernel bodies in portable C (also inlined into the AVX2 set for loads and tails) ------ */
 
 ATTN_INLINE void load_body(enum kvcap_dtype dtype, const void *src, size_t n, float *dst)
@@ -273,44 +301,58 @@ ATTN_INLINE void exp_cols_body(float *s, const float *cmax, float *csum, size_t 
 }
 
 /* Small capsule maps (tiled: h, rv <= ATTN_SMALL_MAP) skip BLAS, whose packing and beta pass
- * cost more than the product itself at these sizes, and fuse the steps around it. */
+ * cost more than the product itself at these sizes, and keep a query group's 8 queries in the
+ * 8 lanes, the layout the row kernels produce and consume: no transposes between the steps. */
 #define ATTN_SMALL_MAP 16
 
-/* Columns [c0, c1) of S = scale (W2ᵀ Z + b2 ⊗ cv) and their column max. */
-ATTN_INLINE void map_scores_body(const float *w2, const float *b2, int m, int h, const float *z,
-                                 const float *cv, size_t cols, size_t c0, size_t c1,
-                                 float scale, float *s, float *cmax)
+/* Tiles whose scores the fast tile_maps keeps at once: [chunk][m][8] floats, 8 KiB at most
+ * unless one tile alone is larger. */
+static int tile_chunk(int m)
 {
-    for (size_t c = c0; c < c1; c++) {
-        float mx = -INFINITY;
-        for (int j = 0; j < m; j++) {
-            float acc = 0.0f;
-            for (int a = 0; a < h; a++)
-                acc += w2[(size_t)a * m + j] * z[(size_t)a * cols + c];
-            float x = scale * (acc + b2[j] * cv[c]);
-            s[(size_t)j * cols + c] = x;
-            mx = x > mx ? x : mx;
-        }
-        cmax[c] = mx;
-    }
+    return m >= 256 ? 1 : 256 / m;
 }
 
-/* Columns [c0, c1): p_j = exp(s_j - cmax), csum = Σ_j p_j, Y = U P (P is not stored). */
-ATTN_INLINE void map_values_body(const float *u, int rv, int m, const float *s,
-                                 const float *cmax, size_t cols, size_t c0, size_t c1, float *y,
-                                 float *csum)
+/* The maps of T tiles for one query group, each tile on its own shift (merged by the caller):
+ *   s_j = scale log2(e) (W2[:, j]ᵀ z_t + b2_j cv), mt = max_j s_j, p_j = 2^(s_j - mt),
+ *   st = Σ_j p_j, y_t = U p  (p is never stored; s and mt in log2 units).
+ * z [T][h][8], y [T][rv][8], mt and st [T][8], sbuf [tile_chunk(m)][m][8] (scores). */
+ATTN_INLINE void tile_maps_body(const float *w2, const float *b2, const float *u, int m, int h,
+                                int rv, const float *z, const float *cv, float scale, int T,
+                                float *y, float *mt, float *st, float *sbuf)
 {
-    for (size_t c = c0; c < c1; c++) {
-        float acc[ATTN_SMALL_MAP] = {0}, sum = 0.0f;
-        for (int j = 0; j < m; j++) {
-            float p = exp_approx(s[(size_t)j * cols + c] - cmax[c]);
-            sum += p;
+    scale *= ATTN_LOG2E;
+    for (int t = 0; t < T; t++) {
+        const float *zt = z + (size_t)t * h * ATTN_LANES;
+        float mx[ATTN_LANES], sum[ATTN_LANES], acc[ATTN_SMALL_MAP][ATTN_LANES];
+        for (int l = 0; l < ATTN_LANES; l++)
+            mx[l] = -INFINITY;
+        for (int j = 0; j < m; j++)
+            for (int l = 0; l < ATTN_LANES; l++) {
+                float a = b2[j] * cv[l];
+                for (int k = 0; k < h; k++)
+                    a += w2[(size_t)k * m + j] * zt[k * ATTN_LANES + l];
+                a *= scale;
+                sbuf[j * ATTN_LANES + l] = a;
+                mx[l] = a > mx[l] ? a : mx[l];
+            }
+        for (int l = 0; l < ATTN_LANES; l++) {
+            sum[l] = 0.0f;
             for (int r = 0; r < rv; r++)
-                acc[r] += u[(size_t)r * m + j] * p;
+                acc[r][l] = 0.0f;
         }
-        for (int r = 0; r < rv; r++)
-            y[(size_t)r * cols + c] = acc[r];
-        csum[c] = sum;
+        for (int j = 0; j < m; j++)
+            for (int l = 0; l < ATTN_LANES; l++) {
+                float p = exp2_approx(sbuf[j * ATTN_LANES + l] - mx[l]);
+                sum[l] += p;
+                for (int r = 0; r < rv; r++)
+                    acc[r][l] += u[(size_t)r * m + j] * p;
+            }
+        for (int l = 0; l < ATTN_LANES; l++) {
+            for (int r = 0; r < rv; r++)
+                y[((size_t)t * rv + r) * ATTN_LANES + l] = acc[r][l];
+            mt[(size_t)t * ATTN_LANES + l] = mx[l];
+            st[(size_t)t * ATTN_LANES + l] = sum[l];
+        }
     }
 }
 
@@ -421,16 +463,11 @@ static void exp_cols_generic(float *s, const float *cmax, float *csum, size_t n)
     exp_cols_body(s, cmax, csum, n);
 }
 
-static void map_scores_generic(const float *w2, const float *b2, int m, int h, const float *z,
-                               const float *cv, size_t cols, float scale, float *s, float *cmax)
+static void tile_maps_generic(const float *w2, const float *b2, const float *u, int m, int h,
+                              int rv, const float *z, const float *cv, float scale, int T,
+                              float *y, float *mt, float *st, float *sbuf)
 {
-    map_scores_body(w2, b2, m, h, z, cv, cols, 0, cols, scale, s, cmax);
-}
-
-static void map_values_generic(const float *u, int rv, int m, const float *s, const float *cmax,
-                               size_t cols, float *y, float *csum)
-{
-    map_values_body(u, rv, m, s, cmax, cols, 0, cols, y, csum);
+    tile_maps_body(w2, b2, u, m, h, rv, z, cv, scale, T, y, mt, st, sbuf);
 }
 
 /* ---- AVX2 + FMA + F16C kernels (x86, chosen at run time) ---------------------------------- */
@@ -692,6 +729,23 @@ ATTN_AVX2_INLINE __m256 exp_avx2(__m256 x)
     return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), keep);
 }
 
+/* exp2_approx on 8 lanes. */
+ATTN_AVX2_INLINE __m256 exp2_avx2(__m256 x)
+{
+    const __m256 magic = _mm256_set1_ps(ATTN_EXP_MAGIC);
+    x = _mm256_max_ps(x, _mm256_set1_ps(ATTN_EXP2_LO));
+    __m256 t = _mm256_add_ps(x, magic);
+    __m256 r = _mm256_sub_ps(x, _mm256_sub_ps(t, magic));
+    __m256 y = _mm256_set1_ps(ATTN_E2_C5);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(ATTN_E2_C4));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(ATTN_E2_C3));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(ATTN_E2_C2));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(ATTN_E2_C1));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(ATTN_E2_C0));
+    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(y),
+                                                _mm256_slli_epi32(_mm256_castps_si256(t), 23)));
+}
+
 static ATTN_AVX2 void softmax_avx2(float *sc, int nr, float scale, float *m8, float *s8,
                                    float *a8)
 {
@@ -738,51 +792,85 @@ static ATTN_AVX2 void exp_cols_avx2(float *s, const float *cmax, float *csum, si
     exp_cols_body(s + i, cmax + i, csum + i, n - i);
 }
 
-static ATTN_AVX2 void map_scores_avx2(const float *w2, const float *b2, int m, int h,
-                                      const float *z, const float *cv, size_t cols, float scale,
-                                      float *s, float *cmax)
+/* Scores of tiles [t0, t1) with a compile-time reconstructor width H (so the scaled z_t stay in
+ * registers): s [t - t0][m][8] in log2 units and each tile's max into mt. */
+ATTN_AVX2_INLINE void tile_scores_avx2(const float *w2, const float *b2, int m, const float *z,
+                                       __m256 vcv, __m256 vscale, int t0, int t1, float *s,
+                                       float *mt, const int H)
 {
-    const __m256 vscale = _mm256_set1_ps(scale);
-    size_t c = 0;
-    for (; c + 8 <= cols; c += 8) {
-        __m256 zc[ATTN_SMALL_MAP];
-        for (int a = 0; a < h; a++)
-            zc[a] = _mm256_loadu_ps(z + (size_t)a * cols + c);
-        const __m256 vcv = _mm256_loadu_ps(cv + c);
+    for (int t = t0; t < t1; t++) {
+        const float *zt = z + (size_t)t * H * ATTN_LANES;
+        float *st = s + (size_t)(t - t0) * m * ATTN_LANES;
+        __m256 zc[ATTN_SMALL_MAP + 1];
+#  pragma GCC unroll 16
+        for (int k = 0; k < H; k++) /* scale folded into z: s_j = W2[:, j]ᵀ (scale z) + ... */
+            zc[k] = _mm256_mul_ps(_mm256_loadu_ps(zt + k * ATTN_LANES), vscale);
         __m256 mx = _mm256_set1_ps(-INFINITY);
         for (int j = 0; j < m; j++) {
-            __m256 acc = _mm256_setzero_ps();
-            for (int a = 0; a < h; a++)
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(w2[(size_t)a * m + j]), zc[a], acc);
-            __m256 x = _mm256_mul_ps(vscale, _mm256_fmadd_ps(_mm256_set1_ps(b2[j]), vcv, acc));
-            _mm256_storeu_ps(s + (size_t)j * cols + c, x);
-            mx = _mm256_max_ps(x, mx);
+            __m256 a = _mm256_mul_ps(_mm256_set1_ps(b2[j]), vcv);
+#  pragma GCC unroll 16
+            for (int k = 0; k < H; k++)
+                a = _mm256_fmadd_ps(_mm256_set1_ps(w2[(size_t)k * m + j]), zc[k], a);
+            _mm256_storeu_ps(st + j * ATTN_LANES, a);
+            mx = _mm256_max_ps(a, mx);
         }
-        _mm256_storeu_ps(cmax + c, mx);
+        _mm256_storeu_ps(mt + (size_t)t * ATTN_LANES, mx);
     }
-    map_scores_body(w2, b2, m, h, z, cv, cols, c, cols, scale, s, cmax);
 }
 
-static ATTN_AVX2 void map_values_avx2(const float *u, int rv, int m, const float *s,
-                                      const float *cmax, size_t cols, float *y, float *csum)
+/* Probabilities, sums and y = U p of tiles [t0, t1) with a compile-time value rank RV (the
+ * RV accumulators stay in registers). */
+ATTN_AVX2_INLINE void tile_values_avx2(const float *u, int m, const float *s, int t0, int t1,
+                                       float *y, const float *mt, float *st, const int RV)
 {
-    size_t c = 0;
-    for (; c + 8 <= cols; c += 8) {
-        __m256 acc[ATTN_SMALL_MAP], sum = _mm256_setzero_ps();
-        for (int r = 0; r < rv; r++)
+    for (int t = t0; t < t1; t++) {
+        const float *sc = s + (size_t)(t - t0) * m * ATTN_LANES;
+        const __m256 mx = _mm256_loadu_ps(mt + (size_t)t * ATTN_LANES);
+        __m256 acc[ATTN_SMALL_MAP + 1], sum = _mm256_setzero_ps();
+#  pragma GCC unroll 16
+        for (int r = 0; r < RV; r++)
             acc[r] = _mm256_setzero_ps();
-        const __m256 mx = _mm256_loadu_ps(cmax + c);
         for (int j = 0; j < m; j++) {
-            __m256 p = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + (size_t)j * cols + c), mx));
+            __m256 p = exp2_avx2(_mm256_sub_ps(_mm256_loadu_ps(sc + j * ATTN_LANES), mx));
             sum = _mm256_add_ps(sum, p);
-            for (int r = 0; r < rv; r++)
+#  pragma GCC unroll 16
+            for (int r = 0; r < RV; r++)
                 acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(u[(size_t)r * m + j]), p, acc[r]);
         }
-        for (int r = 0; r < rv; r++)
-            _mm256_storeu_ps(y + (size_t)r * cols + c, acc[r]);
-        _mm256_storeu_ps(csum + c, sum);
+#  pragma GCC unroll 16
+        for (int r = 0; r < RV; r++)
+            _mm256_storeu_ps(y + ((size_t)t * RV + r) * ATTN_LANES, acc[r]);
+        _mm256_storeu_ps(st + (size_t)t * ATTN_LANES, sum);
     }
-    map_values_body(u, rv, m, s, cmax, cols, c, cols, y, csum);
+}
+
+#  define ATTN_SMALL_CASES(CALL, v)                                                          \
+      switch (v) {                                                                           \
+      case 0: CALL(0); break;   case 1: CALL(1); break;   case 2: CALL(2); break;            \
+      case 3: CALL(3); break;   case 4: CALL(4); break;   case 5: CALL(5); break;            \
+      case 6: CALL(6); break;   case 7: CALL(7); break;   case 8: CALL(8); break;            \
+      case 9: CALL(9); break;   case 10: CALL(10); break; case 11: CALL(11); break;          \
+      case 12: CALL(12); break; case 13: CALL(13); break; case 14: CALL(14); break;          \
+      case 15: CALL(15); break; default: CALL(16); break;                                    \
+      }
+
+/* Tiles in chunks whose scores stay in L1 (tile_chunk): scores, then values, per chunk. */
+static ATTN_AVX2 void tile_maps_avx2(const float *w2, const float *b2, const float *u, int m,
+                                     int h, int rv, const float *z, const float *cv, float scale,
+                                     int T, float *y, float *mt, float *st, float *sbuf)
+{
+    const __m256 vscale = _mm256_set1_ps(scale * ATTN_LOG2E);
+    const __m256 vcv = _mm256_mul_ps(_mm256_loadu_ps(cv), vscale);
+    int chunk = tile_chunk(m);
+    for (int t0 = 0; t0 < T; t0 += chunk) {
+        int t1 = T - t0 < chunk ? T : t0 + chunk;
+#  define ATTN_SCORES_H(H) tile_scores_avx2(w2, b2, m, z, vcv, vscale, t0, t1, sbuf, mt, H)
+#  define ATTN_VALUES_R(R) tile_values_avx2(u, m, sbuf, t0, t1, y, mt, st, R)
+        ATTN_SMALL_CASES(ATTN_SCORES_H, h)
+        ATTN_SMALL_CASES(ATTN_VALUES_R, rv)
+#  undef ATTN_SCORES_H
+#  undef ATTN_VALUES_R
+    }
 }
 #endif /* ATTN_X86 */
 
@@ -797,19 +885,18 @@ struct attn_isa {
     void (*softmax)(float *sc, int nr, float scale, float *m8, float *s8, float *a8);
     void (*bias_max)(float *s, float b, const float *sq, float *cmax, size_t n, float scale);
     void (*exp_cols)(float *s, const float *cmax, float *csum, size_t n);
-    void (*map_scores)(const float *w2, const float *b2, int m, int h, const float *z,
-                       const float *cv, size_t cols, float scale, float *s, float *cmax);
-    void (*map_values)(const float *u, int rv, int m, const float *s, const float *cmax,
-                       size_t cols, float *y, float *csum);
+    void (*tile_maps)(const float *w2, const float *b2, const float *u, int m, int h, int rv,
+                      const float *z, const float *cv, float scale, int T, float *y, float *mt,
+                      float *st, float *sbuf);
 };
 
 static const struct attn_isa isa_generic = {
     scores_generic,   accum_generic,    load_generic,       softmax_generic,
-    bias_max_generic, exp_cols_generic, map_scores_generic, map_values_generic};
+    bias_max_generic, exp_cols_generic, tile_maps_generic};
 #if ATTN_X86
 static const struct attn_isa isa_avx2 = {scores_avx2,   accum_avx2,    load_avx2,
                                          softmax_avx2,  bias_max_avx2, exp_cols_avx2,
-                                         map_scores_avx2, map_values_avx2};
+                                         tile_maps_avx2};
 #endif
 
 static atomic_int attn_simd_enabled = 1;
@@ -1107,33 +1194,70 @@ size_t kvcap_capsule_scratch_floats(const struct kvcap_capsule_maps *maps, int n
     if (!maps || n_spans <= 0 || max_tiles <= 0 || nq <= 0 || maps->m <= 0 || maps->h < 0 ||
         maps->rv < 0)
         return 0;
+    size_t total;
+    if (maps->h <= ATTN_SMALL_MAP && maps->rv <= ATTN_SMALL_MAP) { /* see capsule_attend_tiled */
+        size_t per = (size_t)maps->h + (size_t)maps->rv + 2, tiles;
+        size_t sbuf = (size_t)tile_chunk(maps->m) * (size_t)maps->m;
+        if (!kvcap_mul_size(per, (size_t)max_tiles, &tiles) ||
+            !kvcap_mul_size(tiles + sbuf, ATTN_LANES, &total))
+            return SIZE_MAX;
+        return total;
+    }
     size_t hv = (size_t)(maps->h > maps->rv ? maps->h : maps->rv);
-    size_t per = hv + (size_t)maps->m + 2, cols, total;
+    size_t per = hv + (size_t)maps->m + 2, cols;
     if (!kvcap_mul_size((size_t)n_spans, (size_t)max_tiles, &cols) ||
         !kvcap_mul_size(cols, (size_t)nq, &cols) || !kvcap_mul_size(per, cols, &total))
         return SIZE_MAX;
     return total;
 }
 
-/* Scratch layout (floats), cols = Σ_i tiles_i × nq, column (i, t, q) = off_i + t*nq + q:
+/* Σ x[0..n) in 8 independent partial sums (vectorisable; one chain would be latency-bound). */
+static float sum_f32(const float *x, int n)
+{
+    float a[8] = {0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int u = 0; u < 8; u++)
+            a[u] += x[i + u];
+    for (; i < n; i++)
+        a[0] += x[i];
+    return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
+}
+
+/* Folds a span's partial for query q (shift mx, sum) into its accumulator: rescales acc.o and
+ * returns b = exp(mx - new max), the factor by which the caller must scale the span's own
+ * output terms as it adds them. */
+static float merge_factor(struct kvcap_partial acc, int q, int d, float mx, float sum)
+{
+    float im = acc.mx[q], is = acc.sum[q], b = 1.0f;
+    if (partial_empty(im, is)) {
+        rescale(acc.o + (size_t)q * d, d, 0.0f);
+        acc.mx[q] = mx;
+        acc.sum[q] = sum;
+    } else {
+        float nm = im > mx ? im : mx, a = expf(im - nm);
+        b = expf(mx - nm);
+        rescale(acc.o + (size_t)q * d, d, a);
+        acc.mx[q] = nm;
+        acc.sum[q] = a * is + b * sum;
+    }
+    return b;
+}
+
+/* Dense maps. Scratch layout (floats), cols = Σ_i tiles_i × nq, column (i, t, q) =
+ * off_i + t*nq + q:
  *   ZY   [max(h, rv)][cols]  Z = H q' per column, later Y = U P
  *   S    [m][cols]           scores, then probabilities
  *   cv   [cols]              sum(q') per column, later Σ_j p per column
  *   cmax [cols]              column max, then the max of the column's (span, query)
  * Steps: Z (per span, streaming H) -> S = W2ᵀ Z (one sgemm: W2 read once) -> bias, scale, max
- * -> P = exp -> Y = U P (one sgemm) -> per span: merge factors, o += Ṽᵀ y (+ Σp μ). Small maps
- * (tiled) do S with its bias and max in one pass, and P with its sums and Y in another. */
-uint64_t kvcap_capsule_attend(const struct kvcap_capsule_maps *maps,
-                              const struct kvcap_capsule_span *spans, int n_spans, int nq, int d,
-                              float scale, float *scratch, size_t scratch_floats)
+ * -> P = exp -> Y = U P (one sgemm) -> per span: merge factors, o += Ṽᵀ y (+ Σp μ). */
+static void capsule_attend_dense(const struct kvcap_capsule_maps *maps,
+                                 const struct kvcap_capsule_span *spans, int n_spans, int nq,
+                                 int d, float scale, size_t cols, float *scratch)
 {
-    size_t cols = capsule_cols(maps, spans, n_spans, nq, d);
-    if (cols == 0 || cols > INT_MAX || d > ATTN_MAX_D || !scratch)
-        return 0;
     int m = maps->m, h = maps->h, rv = maps->rv;
-    size_t hv = (size_t)(h > rv ? h : rv), need;
-    if (!kvcap_mul_size(hv + (size_t)m + 2, cols, &need) || scratch_floats < need)
-        return 0;
+    size_t hv = (size_t)(h > rv ? h : rv);
     float *ZY = scratch, *S = ZY + hv * cols, *cv = S + (size_t)m * cols, *cmax = cv + cols;
     const struct attn_isa *isa = attn_isa();
     int B = block_rows(d);
@@ -1176,20 +1300,15 @@ uint64_t kvcap_capsule_attend(const struct kvcap_capsule_maps *maps,
     }
 
     /* S = W2ᵀ Z: the map is read once for every span and query of the call. */
-    const int small = h <= ATTN_SMALL_MAP && rv <= ATTN_SMALL_MAP;
-    if (small) {
-        isa->map_scores(maps->w2, maps->b2, m, h, ZY, cv, cols, scale, S, cmax);
-    } else {
-        if (h > 0)
-            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, m, (int)cols, h, 1.0f, maps->w2,
-                        m, ZY, (int)cols, 0.0f, S, (int)cols);
-        else
-            memset(S, 0, sizeof(float) * (size_t)m * cols);
-        for (size_t c = 0; c < cols; c++)
-            cmax[c] = -INFINITY;
-        for (int j = 0; j < m; j++)
-            isa->bias_max(S + (size_t)j * cols, maps->b2[j], cv, cmax, cols, scale);
-    }
+    if (h > 0)
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, m, (int)cols, h, 1.0f, maps->w2, m,
+                    ZY, (int)cols, 0.0f, S, (int)cols);
+    else
+        memset(S, 0, sizeof(float) * (size_t)m * cols);
+    for (size_t c = 0; c < cols; c++)
+        cmax[c] = -INFINITY;
+    for (int j = 0; j < m; j++)
+        isa->bias_max(S + (size_t)j * cols, maps->b2[j], cv, cmax, cols, scale);
 
     /* One softmax shift per (span, query): the max over its tiles' columns. */
     off = 0;
@@ -1205,21 +1324,16 @@ uint64_t kvcap_capsule_attend(const struct kvcap_capsule_maps *maps,
         off += (size_t)T * nq;
     }
     /* P = exp(S - max), Σ_j p per column into cv, Y = U P: the value basis, also read once. */
-    if (small) {
-        isa->map_values(maps->u, rv, m, S, cmax, cols, ZY, cv);
-    } else {
-        memset(cv, 0, sizeof(float) * cols);
-        for (int j = 0; j < m; j++)
-            isa->exp_cols(S + (size_t)j * cols, cmax, cv, cols);
-        if (rv > 0)
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rv, (int)cols, m, 1.0f,
-                        maps->u, m, S, (int)cols, 0.0f, ZY, (int)cols);
-    }
+    memset(cv, 0, sizeof(float) * cols);
+    for (int j = 0; j < m; j++)
+        isa->exp_cols(S + (size_t)j * cols, cmax, cv, cols);
+    if (rv > 0)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rv, (int)cols, m, 1.0f, maps->u,
+                    m, S, (int)cols, 0.0f, ZY, (int)cols);
 
     /* Per span: merge the span's partial (max cmax, sum Σp, o = Ṽᵀy + Σp μ) into its acc,
-     * scaling the new terms by b = exp(max - new max) as they are accumulated. The factors
-     * b and b·Σp of query q are kept in the span's first columns of cmax and cv, which are
-     * free once read. */
+     * scaling the new terms by b as they are accumulated. The factors b and b·Σp of query q
+     * are kept in the span's first columns of cmax and cv, which are free once read. */
     off = 0;
     for (int i = 0; i < n_spans; i++) {
         const struct kvcap_capsule_span *sp = &spans[i];
@@ -1228,21 +1342,10 @@ uint64_t kvcap_capsule_attend(const struct kvcap_capsule_maps *maps,
             continue;
         float *bq = cmax + off, *psum = cv + off;
         for (int qi = 0; qi < nq; qi++) {
-            float mx = cmax[off + (size_t)qi], sum = 0.0f;
+            float sum = 0.0f;
             for (int t = 0; t < T; t++)
                 sum += cv[off + (size_t)t * nq + qi];
-            float im = sp->acc.mx[qi], is = sp->acc.sum[qi], b = 1.0f;
-            if (partial_empty(im, is)) {
-                rescale(sp->acc.o + (size_t)qi * d, d, 0.0f);
-                sp->acc.mx[qi] = mx;
-                sp->acc.sum[qi] = sum;
-            } else {
-                float nm = im > mx ? im : mx, a = expf(im - nm);
-                b = expf(mx - nm);
-                rescale(sp->acc.o + (size_t)qi * d, d, a);
-                sp->acc.mx[qi] = nm;
-                sp->acc.sum[qi] = a * is + b * sum;
-            }
+            float b = merge_factor(sp->acc, qi, d, cmax[off + (size_t)qi], sum);
             bq[qi] = b;
             psum[qi] = b * sum;
         }
@@ -1273,5 +1376,95 @@ uint64_t kvcap_capsule_attend(const struct kvcap_capsule_maps *maps,
         }
         off += (size_t)T * nq;
     }
+}
+
+/* Small (tiled) maps, span by span and query group by query group, the queries in the lanes:
+ *   Z [T][h][8]  = H q' (the row kernel's output layout, written in place)
+ *   per tile: scores, own shift mt, Σp and y = U p (tile_maps; the maps stay in L1)
+ *   one shift per query: f_t = 2^(mt - max_t mt), folded with the merge factor b into y
+ *   o += Ṽᵀ y  (y [T][rv][8] is the row kernel's weight layout) + (Σp) μ.
+ * Scratch: Z [T][h][8], Y [T][rv][8], mt and st [T][8], sbuf [tile_chunk(m)][m][8], T = the
+ * most tiles. */
+static void capsule_attend_tiled(const struct kvcap_capsule_maps *maps,
+                                 const struct kvcap_capsule_span *spans, int n_spans, int nq,
+                                 int d, float scale, int max_tiles, float *scratch)
+{
+    int m = maps->m, h = maps->h, rv = maps->rv;
+    float *Z = scratch, *Y = Z + (size_t)max_tiles * h * ATTN_LANES;
+    float *mt = Y + (size_t)max_tiles * rv * ATTN_LANES, *st = mt + (size_t)max_tiles * ATTN_LANES;
+    float *sbuf = st + (size_t)max_tiles * ATTN_LANES;
+    const struct attn_isa *isa = attn_isa();
+    int B = block_rows(d);
+    for (int i = 0; i < n_spans; i++) {
+        const struct kvcap_capsule_span *sp = &spans[i];
+        int T = sp->tiles;
+        if (T == 0)
+            continue;
+        for (int g = 0; g < nq; g += ATTN_LANES) {
+            int ng = nq - g < ATTN_LANES ? nq - g : ATTN_LANES;
+            const float *q = sp->q + (size_t)g * d;
+            float *o = sp->acc.o + (size_t)g * d;
+            size_t nrows = (size_t)T * h;
+            for (size_t r0 = 0; r0 < nrows; r0 += (size_t)B) {
+                int nr = nrows - r0 < (size_t)B ? (int)(nrows - r0) : B;
+                isa->scores(sp->dtype, row_at(sp->hs, sp->dtype, (size_t)d, r0), (size_t)d, nr,
+                            q, ng, d, Z + r0 * ATTN_LANES);
+            }
+            float cv[ATTN_LANES] = {0}, mx[ATTN_LANES], sum[ATTN_LANES] = {0};
+            float w[ATTN_LANES] = {0}, psum[ATTN_LANES] = {0};
+            for (int l = 0; l < ng; l++)
+                cv[l] = sum_f32(q + (size_t)l * d, d);
+            isa->tile_maps(maps->w2, maps->b2, maps->u, m, h, rv, Z, cv, scale, T, Y, mt, st,
+                           sbuf);
+            for (int l = 0; l < ATTN_LANES; l++)
+                mx[l] = -INFINITY;
+            for (int t = 0; t < T; t++)
+                for (int l = 0; l < ATTN_LANES; l++)
+                    mx[l] = mt[t * ATTN_LANES + l] > mx[l] ? mt[t * ATTN_LANES + l] : mx[l];
+            for (int t = 0; t < T; t++) /* mt becomes the tile's factor f_t */
+                for (int l = 0; l < ATTN_LANES; l++) {
+                    float f = exp2_approx(mt[t * ATTN_LANES + l] - mx[l]);
+                    mt[t * ATTN_LANES + l] = f;
+                    sum[l] += f * st[t * ATTN_LANES + l];
+                }
+            for (int l = 0; l < ng; l++) {
+                w[l] = merge_factor(sp->acc, g + l, d, mx[l] * ATTN_LN2, sum[l]);
+                psum[l] = w[l] * sum[l];
+            }
+            for (int t = 0; t < T; t++) {
+                float *f = mt + (size_t)t * ATTN_LANES, *yt = Y + (size_t)t * rv * ATTN_LANES;
+                for (int l = 0; l < ATTN_LANES; l++)
+                    f[l] *= w[l];
+                for (int r = 0; r < rv; r++)
+                    for (int l = 0; l < ATTN_LANES; l++)
+                        yt[r * ATTN_LANES + l] *= f[l];
+            }
+            nrows = (size_t)T * rv;
+            for (size_t r0 = 0; r0 < nrows; r0 += (size_t)B) {
+                int nr = nrows - r0 < (size_t)B ? (int)(nrows - r0) : B;
+                isa->accum(sp->dtype, row_at(sp->vt, sp->dtype, (size_t)d, r0), (size_t)d, nr,
+                           Y + r0 * ATTN_LANES, ng, d, o);
+            }
+            isa->accum(sp->dtype, sp->mu, (size_t)d, 1, psum, ng, d, o);
+        }
+    }
+}
+
+uint64_t kvcap_capsule_attend(const struct kvcap_capsule_maps *maps,
+                              const struct kvcap_capsule_span *spans, int n_spans, int nq, int d,
+                              float scale, float *scratch, size_t scratch_floats)
+{
+    size_t cols = capsule_cols(maps, spans, n_spans, nq, d);
+    if (cols == 0 || cols > INT_MAX || d > ATTN_MAX_D || !scratch)
+        return 0;
+    int max_tiles = 0;
+    for (int i = 0; i < n_spans; i++)
+        max_tiles = spans[i].tiles > max_tiles ? spans[i].tiles : max_tiles;
+    if (scratch_floats < kvcap_capsule_scratch_floats(maps, n_spans, max_tiles, nq, d))
+        return 0;
+    if (maps->h <= ATTN_SMALL_MAP && maps->rv <= ATTN_SMALL_MAP)
+        capsule_attend_tiled(maps, spans, n_spans, nq, d, scale, max_tiles, scratch);
+    else
+        capsule_attend_dense(maps, spans, n_spans, nq, d, scale, cols, scratch);
     return capsule_bytes(maps, spans, n_spans, d);
 }

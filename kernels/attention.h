@@ -67,8 +67,10 @@ struct kvcap_capsule_span {
 /* Fused attention for `n_spans` spans of the same bucket and KV head, nq queries each:
  *   s_t = W2ᵀ (H_t q') + b2 (1ᵀ q')   (m scores per tile, times scale)
  *   o  += Σ_t (U p_t)ᵀ Ṽ_t + (Σ p) μ
- * without materialising K̂ or V̂. The fast version reads the maps once for all spans (batched
- * sgemm over spans × queries). Returns bytes read: maps once + each span's H, Ṽ, μ. */
+ * without materialising K̂ or V̂. The fast version reads the maps from memory once for all
+ * spans: dense maps through two sgemms over spans × queries; small (tiled) maps, which stay in
+ * L1, tile by tile with the queries in vector lanes. Returns bytes read: maps once + each
+ * span's H, Ṽ, μ. */
 uint64_t kvcap_capsule_attend_ref(const struct kvcap_capsule_maps *maps,
                                   const struct kvcap_capsule_span *spans, int n_spans, int nq,
                                   int d, float scale);
