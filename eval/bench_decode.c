@@ -10,6 +10,9 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 #include "artifact.h"
 #include "cli.h"
@@ -81,6 +84,53 @@ static double read_bandwidth(int threads)
     (void)sink;
     free(buf);
     return best;
+}
+
+#if defined(__GNUC__) && defined(__x86_64__)
+/* fp32 FMA throughput (GFLOP/s) of one thread: 12 independent 8-lane chains, enough to cover
+ * the FMA latency on current x86 cores. */
+__attribute__((target("avx2,fma"))) static double fma_rate_avx2(long iters)
+{
+    __m256 acc[12], x = _mm256_set1_ps(0.999999f), y = _mm256_set1_ps(1e-7f);
+    for (int i = 0; i < 12; i++)
+        acc[i] = _mm256_set1_ps((float)i);
+    double t0 = kvcap_seconds();
+    for (long it = 0; it < iters; it++)
+        for (int i = 0; i < 12; i++)
+            acc[i] = _mm256_fmadd_ps(acc[i], x, y);
+    double dt = kvcap_seconds() - t0;
+    float sink[8];
+    __m256 s = acc[0];
+    for (int i = 1; i < 12; i++)
+        s = _mm256_add_ps(s, acc[i]);
+    _mm256_storeu_ps(sink, s);
+    volatile float keep = sink[0];
+    (void)keep;
+    return (double)iters * 12 * 8 * 2 / dt * 1e-9;
+}
+#endif
+
+/* Best-of-3 fp32 FMA peak (GFLOP/s) over `threads` threads; 0 where it is not measured (no
+ * AVX2+FMA). The compute roof of the decode kernels, which use the same instructions. */
+static double fma_peak(int threads)
+{
+#if defined(__GNUC__) && defined(__x86_64__)
+    __builtin_cpu_init();
+    if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma"))
+        return 0.0;
+    double best = 0.0;
+    for (int rep = 0; rep < 3; rep++) {
+        double total = 0.0;
+#pragma omp parallel for num_threads(threads) reduction(+ : total)
+        for (int t = 0; t < threads; t++)
+            total += fma_rate_avx2(20000000L);
+        best = total > best ? total : best;
+    }
+    return best;
+#else
+    (void)threads;
+    return 0.0;
+#endif
 }
 
 /* A random artifact for geometry g and one bucket (timing only): one set of maps shared by
@@ -397,7 +447,7 @@ int main(int argc, char **argv)
         kvcap_artifact_free(a);
         return 0;
     }
-    double bw = read_bandwidth(nthreads);
+    double bw = read_bandwidth(nthreads), flops = fma_peak(nthreads);
     const char *policies[6] = {"full", "streaming", "kvcapsule", "flashcache", "vlcache", "freekv"};
     int n_policies = 6;
     if (only) {
@@ -426,7 +476,20 @@ int main(int argc, char **argv)
            kvcap_structure_name(bk->structure),
            bk->structure == KVCAP_STRUCTURE_TILED ? " (tiles)" : "", u->h, u->rv, u->m,
            artifact_path ? "" : " (random: timing only)");
-    printf("read bandwidth, measured now (%d threads): %.1f GB/s\n\n", nthreads, bw);
+    printf("read bandwidth, measured now (%d thread%s): %.1f GB/s\n", nthreads,
+           nthreads == 1 ? "" : "s", bw);
+    if (flops > 0) {
+        /* Plain attention: 2·G·d FLOP for the scores and 2·G·d for the values per token, over
+         * 2·d elements read; KVCapsule's rows cost the same per byte and its maps add work. */
+        double G = (double)g.n_q_heads / g.n_kv_heads, per_byte = 2 * G / kvcap_dtype_size(storage);
+        printf("fp32 FMA peak, measured now (%d thread%s): %.1f GFLOP/s; decode at G = %g does "
+               "%.1f FLOP per %s byte,\nso the compute roof of plain attention is %.1f GB/s = %.0f%% of "
+               "the read bandwidth\n",
+               nthreads, nthreads == 1 ? "" : "s", flops, G, per_byte, kvcap_dtype_name(storage),
+               flops / per_byte,
+               100 * flops / per_byte / bw);
+    }
+    printf("\n");
     printf("%-10s %10s %12s %9s %7s %12s %9s %9s %9s\n", "policy", "ms/step", "bytes/step",
            "GB/s", "% bw", "bytes held", "time/full", "read/full", "held/full");
     for (int i = 0; i < n_policies; i++) {
@@ -448,6 +511,16 @@ int main(int argc, char **argv)
         if (res[i].map_bytes_per_step)
             printf("%s: bytes include the maps, %s per step\n", res[i].name,
                    cli_bytes(res[i].map_bytes_per_step, per, sizeof per));
+        if (flops > 0 && strcmp(res[i].name, "kvcapsule") == 0) {
+            /* Per tile: 2·G·d FLOP per row of H and Ṽ (h + R_v rows of d elements) and
+             * 2·G·m per row for the two map products; the exps are not counted. */
+            double G = (double)g.n_q_heads / g.n_kv_heads, d = g.head_dim;
+            double per_byte = 2 * G * (d + u->m) / (d * kvcap_dtype_size(storage));
+            printf("kvcapsule: at least %.1f FLOP per byte (rows and map products, exps not "
+                   "counted),\nso its compute roof is at most %.1f GB/s = %.0f%% of the read "
+                   "bandwidth\n",
+                   per_byte, flops / per_byte, 100 * flops / per_byte / bw);
+        }
     }
     kvcap_artifact_free(a);
     return 0;
