@@ -1,7 +1,7 @@
 /* calibrate.c — kvcap_calibrate(): stream the dataset once, accumulating per (layer, KV head,
  * bucket) the Grams of centred values and offset-free keys over the training split (batched
- * dsyrk in double), fit value bases and key maps, optionally train the key maps, and measure
- * the fit on the validation split. */
+ * dsyrk in double, on the CPU or a CUDA device), fit value bases and key maps, optionally train
+ * the key maps, and measure the fit on the validation split. */
 #include <cblas.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -114,23 +114,50 @@ static void unplace(const struct kvcap_bucket *b, const float *buf, size_t ld, i
 /* ---- Accumulation ------------------------------------------------------------------------- */
 
 struct accumulator {
-    double *kbuf, *vbuf; /* [m][cap] pending columns */
+    double *kbuf, *vbuf; /* [m][cap] pending columns (pinned and owned by the GPU accumulator
+                          * on the CUDA path, else malloc'd) */
     size_t cols, cap;
     float *train;        /* trained path: [m][train_cap] offset-free key columns */
     size_t train_cols, train_cap;
     int train_spans;
 };
 
-static void flush(struct kvcap_calib_unit *u, struct accumulator *a, double *flops)
+static int omp_thread(void)
+{
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+static int omp_threads(void)
+{
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+/* Adds unit i's pending columns to its Grams: the only step that differs between the CPU and
+ * the CUDA path (gpu non-NULL), which fill the same batch buffers the same way. */
+static enum kvcap_status flush(struct kvcap_gpu_gram *gpu, size_t i, struct kvcap_calib_unit *u,
+                               struct accumulator *a, double *flops)
 {
     if (a->cols == 0)
-        return;
-    cblas_dsyrk(CblasRowMajor, CblasUpper, CblasNoTrans, u->m, (int)a->cols, 1.0, a->kbuf,
-                (int)a->cap, 1.0, u->k_gram, u->m);
-    cblas_dsyrk(CblasRowMajor, CblasUpper, CblasNoTrans, u->m, (int)a->cols, 1.0, a->vbuf,
-                (int)a->cap, 1.0, u->v_gram, u->m);
+        return KVCAP_OK;
+    if (gpu) {
+        KVCAP_TRY(kvcap_gpu_gram_flush(gpu, omp_thread(), i, a->cols));
+    } else {
+        cblas_dsyrk(CblasRowMajor, CblasUpper, CblasNoTrans, u->m, (int)a->cols, 1.0, a->kbuf,
+                    (int)a->cap, 1.0, u->k_gram, u->m);
+        cblas_dsyrk(CblasRowMajor, CblasUpper, CblasNoTrans, u->m, (int)a->cols, 1.0, a->vbuf,
+                    (int)a->cap, 1.0, u->v_gram, u->m);
+    }
     *flops += 2.0 * (double)u->m * (double)(u->m + 1) * (double)a->cols;
     a->cols = 0;
+    return KVCAP_OK;
 }
 
 static void symmetrize(double *g, int m)
@@ -140,14 +167,21 @@ static void symmetrize(double *g, int m)
             g[(size_t)i * m + j] = g[(size_t)j * m + i];
 }
 
-static void free_accumulators(struct accumulator *acc, size_t n)
+/* Frees the accumulators; the batch buffers of a CUDA run belong to *gpu, freed with it. */
+static void free_accumulators(struct accumulator *acc, size_t n, struct kvcap_gpu_gram **gpu)
 {
     for (size_t i = 0; acc && i < n; i++) {
-        free(acc[i].kbuf);
-        free(acc[i].vbuf);
+        if (!*gpu) {
+            free(acc[i].kbuf);
+            free(acc[i].vbuf);
+        }
+        acc[i].kbuf = acc[i].vbuf = NULL;
         free(acc[i].train);
+        acc[i].train = NULL;
     }
     free(acc);
+    kvcap_gpu_gram_free(*gpu);
+    *gpu = NULL;
 }
 
 /* Which buckets a grid belongs to: a bit per bucket. */
@@ -257,26 +291,9 @@ static enum kvcap_status append_samples(float **buf, size_t *cols, size_t *cap, 
     return KVCAP_OK;
 }
 
-static int omp_thread(void)
-{
-#ifdef _OPENMP
-    return omp_get_thread_num();
-#else
-    return 0;
-#endif
-}
-
-static int omp_threads(void)
-{
-#ifdef _OPENMP
-    return omp_get_max_threads();
-#else
-    return 1;
-#endif
-}
-
 /* One (layer, head) of one training span into the accumulators of its matching buckets. */
 static enum kvcap_status accumulate_head(struct kvcap_calib_state *state, struct accumulator *acc,
+                                         struct kvcap_gpu_gram *gpu,
                                          const struct kvcap_calibrate_options *o,
                                          const struct kvcap_span_view *span, int l, int h,
                                          unsigned bits, int trained, struct scratch *sc,
@@ -293,7 +310,7 @@ static enum kvcap_status accumulate_head(struct kvcap_calib_state *state, struct
         const struct kvcap_bucket *bk = &state->buckets[b];
         size_t add = (size_t)span_columns(bk, d);
         if (a->cols + add > a->cap)
-            flush(u, a, flops);
+            KVCAP_TRY(flush(gpu, i, u, a, flops));
         place_double(bk, sc->kf, d, a->kbuf, a->cap, a->cols);
         place_double(bk, sc->vc, d, a->vbuf, a->cap, a->cols);
         a->cols += add;
@@ -306,6 +323,42 @@ static enum kvcap_status accumulate_head(struct kvcap_calib_state *state, struct
     return KVCAP_OK;
 }
 
+/* Sets up the device-resident Grams of every unit, one lane per host thread. With `fallback`
+ * (device AUTO) a setup failure is a warning and *device becomes the CPU. */
+static enum kvcap_status gpu_setup(struct kvcap_calib_state *state, const struct accumulator *acc,
+                                   size_t n_units, int lanes, int fallback,
+                                   struct kvcap_gpu_gram **gpu, enum kvcap_calib_device *device)
+{
+    int *m = malloc(sizeof *m * n_units);
+    size_t *cap = malloc(sizeof *cap * n_units);
+    double **k = malloc(sizeof *k * n_units), **v = malloc(sizeof *v * n_units);
+    enum kvcap_status st = KVCAP_OK;
+    if (!m || !cap || !k || !v)
+        st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "calibrate: out of memory (%zu units)", n_units);
+    for (size_t i = 0; st == KVCAP_OK && i < n_units; i++) {
+        m[i] = state->units[i].m;
+        cap[i] = acc[i].cap;
+        k[i] = state->units[i].k_gram;
+        v[i] = state->units[i].v_gram;
+    }
+    if (st == KVCAP_OK) {
+        struct kvcap_gpu_gram_params p = {n_units, m, cap, k, v, lanes};
+        if (fallback)
+            kvcap_quiet_push();
+        st = kvcap_gpu_gram_create(&p, gpu);
+        if (fallback)
+            kvcap_quiet_pop();
+        if (st != KVCAP_OK && fallback) {
+            kvcap_log(KVCAP_LOG_WARN, "%s; calibrating on the CPU", kvcap_last_error());
+            kvcap_clear_error();
+            *device = KVCAP_CALIB_DEVICE_CPU;
+            st = KVCAP_OK;
+        }
+    }
+    free(m), free(cap), free(k), free(v);
+    return st;
+}
+
 enum kvcap_status kvcap_calibrate(const struct kvcap_calib_config *cfg,
                                   const struct kvcap_calibrate_options *o,
                                   struct kvcap_calib_state *state,
@@ -315,6 +368,8 @@ enum kvcap_status kvcap_calibrate(const struct kvcap_calib_config *cfg,
                     "kvcap_calibrate: NULL argument");
     memset(report, 0, sizeof *report);
     memset(state, 0, sizeof *state);
+    enum kvcap_calib_device device;
+    KVCAP_TRY(kvcap_calib_device_resolve(o->device, &device));
     struct kvcap_dataset *ds = NULL;
     KVCAP_TRY(open_dataset(cfg, o, &ds));
     enum kvcap_status st = kvcap_calib_state_init(state, cfg);
@@ -338,9 +393,22 @@ enum kvcap_status kvcap_calibrate(const struct kvcap_calib_config *cfg,
     openblas_set_num_threads(1);
     /* Batch buffers: at least 1024 columns per dsyrk so BLAS runs near its peak. */
     for (size_t i = 0; st == KVCAP_OK && i < n_units; i++) {
-        const struct kvcap_bucket *bk = &state->buckets[i % (size_t)B];
-        size_t per_span = (size_t)span_columns(bk, d), m = (size_t)state->units[i].m;
+        size_t per_span = (size_t)span_columns(&state->buckets[i % (size_t)B], d);
         acc[i].cap = per_span * (per_span >= 1024 ? 1 : (1024 + per_span - 1) / per_span);
+    }
+    struct kvcap_gpu_gram *gpu = NULL;
+    if (st == KVCAP_OK && device == KVCAP_CALIB_DEVICE_CUDA)
+        st = gpu_setup(state, acc, n_units, threads, o->device == KVCAP_CALIB_DEVICE_AUTO, &gpu,
+                       &device);
+    report->device = device;
+    if (st == KVCAP_OK && gpu)
+        st = kvcap_gpu_device_name(report->device_name, sizeof report->device_name);
+    for (size_t i = 0; st == KVCAP_OK && i < n_units; i++) {
+        size_t m = (size_t)state->units[i].m;
+        if (gpu) {
+            kvcap_gpu_gram_buffers(gpu, i, &acc[i].kbuf, &acc[i].vbuf);
+            continue;
+        }
         acc[i].kbuf = malloc(sizeof(double) * m * acc[i].cap);
         acc[i].vbuf = malloc(sizeof(double) * m * acc[i].cap);
         if (!acc[i].kbuf || !acc[i].vbuf)
@@ -382,8 +450,8 @@ enum kvcap_status kvcap_calibrate(const struct kvcap_calib_config *cfg,
         for (int lh = 0; lh < L * H; lh++) {
             if (kvcap_parallel_failed(&err))
                 continue;
-            enum kvcap_status s2 = accumulate_head(state, acc, o, span, lh / H, lh % H, bits,
-                                                   trained, &sc[omp_thread()], &flops);
+            enum kvcap_status s2 = accumulate_head(state, acc, gpu, o, span, lh / H, lh % H,
+                                                   bits, trained, &sc[omp_thread()], &flops);
             if (s2 != KVCAP_OK)
                 kvcap_parallel_fail(&err, s2);
         }
@@ -393,11 +461,23 @@ enum kvcap_status kvcap_calibrate(const struct kvcap_calib_config *cfg,
         report_progress(o, "accumulate", report->spans_seen, total);
     }
     double tail_flops = 0.0;
+    struct kvcap_parallel_error tail_err = {0};
 #pragma omp parallel for schedule(dynamic) reduction(+ : tail_flops)
+    for (size_t i = 0; i < n_units; i++) {
+        if (st != KVCAP_OK || kvcap_parallel_failed(&tail_err))
+            continue;
+        enum kvcap_status s2 = flush(gpu, i, &state->units[i], &acc[i], &tail_flops);
+        if (s2 != KVCAP_OK)
+            kvcap_parallel_fail(&tail_err, s2);
+    }
+    if (st == KVCAP_OK)
+        st = kvcap_parallel_status(&tail_err);
+    if (st == KVCAP_OK && gpu) /* the Grams come back in the layout the CPU path leaves */
+        st = kvcap_gpu_gram_finish(gpu);
+#pragma omp parallel for schedule(dynamic)
     for (size_t i = 0; i < n_units; i++) {
         if (st != KVCAP_OK)
             continue;
-        flush(&state->units[i], &acc[i], &tail_flops);
         symmetrize(state->units[i].k_gram, state->units[i].m);
         symmetrize(state->units[i].v_gram, state->units[i].m);
     }
@@ -414,10 +494,21 @@ enum kvcap_status kvcap_calibrate(const struct kvcap_calib_config *cfg,
                             (long long)state->val_spans[b]);
     kvcap_dataset_close(ds);
     ds = NULL;
+    /* The device's memory goes to the eigensolver next; the batch buffers are not needed. */
+    if (gpu) {
+        for (size_t i = 0; i < n_units; i++)
+            acc[i].kbuf = acc[i].vbuf = NULL;
+        kvcap_gpu_gram_free(gpu);
+        gpu = NULL;
+    }
 
     t0 = kvcap_seconds();
+    /* The value PCA follows the Grams: on the device when they ran there (AUTO may still fall
+     * back if the eigensolver cannot be set up), else on the CPU. */
+    enum kvcap_calib_device fit_device =
+        device == KVCAP_CALIB_DEVICE_CUDA ? o->device : KVCAP_CALIB_DEVICE_CPU;
     if (st == KVCAP_OK)
-        st = kvcap_calib_state_fit(state, 1, &report->fit, NULL, NULL);
+        st = kvcap_calib_state_fit(state, 1, fit_device, &report->fit, NULL, NULL);
     report_progress(o, "fit", 1, 1);
     report->seconds_fit = kvcap_seconds() - t0;
 
@@ -478,7 +569,7 @@ enum kvcap_status kvcap_calibrate(const struct kvcap_calib_config *cfg,
         free(val), free(val_cols), free(val_cap), free(val_spans);
         report->seconds_train = kvcap_seconds() - t0;
     }
-    free_accumulators(acc, n_units);
+    free_accumulators(acc, n_units, &gpu);
     for (int t = 0; sc && t < threads; t++)
         free_scratch(&sc[t]);
     free(sc);

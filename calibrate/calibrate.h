@@ -18,6 +18,12 @@ struct kvcap_calibrate_options {
     /* Progress: phase names "accumulate", "fit", "train", "validate"; called often. */
     void (*progress)(const char *phase, int64_t done, int64_t total, void *user);
     void *user;
+    /* Where the Grams are accumulated and the value PCA runs (gpu.h). AUTO (the default):
+     * CUDA when a device is visible, else the CPU, and the CPU with a warning if the device
+     * cannot be set up (e.g. the Grams do not fit in its memory); CUDA: the device or
+     * KVCAP_ERR_UNSUPPORTED / the setup's error. Loading and preprocessing the spans,
+     * closed-form keys, key training and validation run on the CPU either way. */
+    enum kvcap_calib_device device;
 };
 
 void kvcap_calibrate_default_options(struct kvcap_calibrate_options *o);
@@ -28,11 +34,15 @@ struct kvcap_calibrate_report {
     double seconds_accumulate, seconds_fit, seconds_train, seconds_validate;
     struct kvcap_fit_timing fit;  /* the fit phase split into value PCA and closed-form keys */
     double gram_flops; /* flops of the Gram accumulation (2 · m² · columns per Gram, syrk) */
+    enum kvcap_calib_device device; /* where the Grams were accumulated: CPU or CUDA (the value
+                                     * PCA's device is fit.values_device) */
+    char device_name[128];          /* the CUDA device's name; "" on the CPU */
 };
 
 /* Streams the dataset, accumulates Grams over the training split, fits value bases and key
  * maps (closed form, then trained if configured), measures validation metrics, and fills
- * `state` (initialised here; the caller frees it). Nothing is written to disk. */
+ * `state` (initialised here; the caller frees it). Nothing is written to disk. On CUDA the
+ * Grams and the value PCA agree with the CPU's to rounding (double precision throughout). */
 enum kvcap_status kvcap_calibrate(const struct kvcap_calib_config *cfg,
                                   const struct kvcap_calibrate_options *o,
                                   struct kvcap_calib_state *state,

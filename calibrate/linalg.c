@@ -39,17 +39,22 @@ enum kvcap_status kvcap_values_fit(const double *gram, int m, double *eigval, fl
     }
     memcpy(a, gram, sizeof(double) * mm);
     enum kvcap_status st = kvcap_dsyevd(m, a, w);
-    if (st == KVCAP_OK) {
-        for (int i = 0; i < m; i++) /* i-th largest = column m-1-i; a Gram is PSD: clip noise */
-            eigval[i] = w[m - 1 - i] > 0 ? w[m - 1 - i] : 0.0;
-        enum { TILE = 32 }; /* transpose in tiles so both sides stay in cache */
-        for (int j0 = 0; j0 < m; j0 += TILE)
-            for (int i0 = 0; i0 < m; i0 += TILE)
-                for (int j = j0; j < j0 + TILE && j < m; j++)
-                    for (int i = i0; i < i0 + TILE && i < m; i++)
-                        eigvec[(size_t)i * m + j] = (float)a[(size_t)j * m + (m - 1 - i)];
-    }
+    if (st == KVCAP_OK)
+        kvcap_values_from_eigen(a, w, m, eigval, eigvec);
     free(a);
     free(w);
     return st;
+}
+
+void kvcap_values_from_eigen(const double *a, const double *w, int m, double *eigval,
+                             float *eigvec)
+{
+    for (int i = 0; i < m; i++) /* i-th largest = column m-1-i; a Gram is PSD: clip noise */
+        eigval[i] = w[m - 1 - i] > 0 ? w[m - 1 - i] : 0.0;
+    enum { TILE = 32 }; /* transpose in tiles so both sides stay in cache */
+    for (int j0 = 0; j0 < m; j0 += TILE)
+        for (int i0 = 0; i0 < m; i0 += TILE)
+            for (int j = j0; j < j0 + TILE && j < m; j++)
+                for (int i = i0; i < i0 + TILE && i < m; i++)
+                    eigvec[(size_t)i * m + j] = (float)a[(size_t)j * m + (m - 1 - i)];
 }

@@ -14,4 +14,10 @@ enum kvcap_status kvcap_dsyevd(int n, double *a, double *w);
  * eigenvectors as the ROWS of eigvec (m x m floats), so the top-R basis U is its first R rows. */
 enum kvcap_status kvcap_values_fit(const double *gram, int m, double *eigval, float *eigvec);
 
+/* The second half of kvcap_values_fit, shared with the CUDA path: from a decomposition in the
+ * kvcap_dsyevd contract (a: m x m row-major, eigenvector of w[j] in column j, w ascending) to
+ * eigval descending (clipped at 0: a Gram is PSD) and eigvec rows. */
+void kvcap_values_from_eigen(const double *a, const double *w, int m, double *eigval,
+                             float *eigvec);
+
 #endif

@@ -30,6 +30,14 @@ static void usage(FILE *out)
             "  -o, --out FILE           calibration state to write\n"
             "  -m, --metrics-json FILE  also write the per layer/head/bucket metrics as JSON\n"
             "      --skip-unmatched     skip spans whose grid matches no bucket (default: error)\n"
+            "      --device DEV         where the Grams are accumulated and the value PCA runs:\n"
+            "                           cuda, cpu or auto (default: cuda when a CUDA device is\n"
+            "                           visible, else cpu). Both agree to rounding (double\n"
+            "                           precision). Reading and preprocessing the spans,\n"
+            "                           closed-form keys, key training (keys.method: trained) and\n"
+            "                           validation run on the CPU either way. All Grams must\n"
+            "                           fit in device memory: cuda fails naming the sizes, auto\n"
+            "                           falls back to cpu; cuda without a device is an error\n"
             "  -q, --quiet              no progress or summary\n"
             "  -v, --verbose            also print per-unit training reports\n"
             "  -V, --version            print the kvcap version\n"
@@ -73,9 +81,25 @@ static void cell(double v, const char *fmt)
         printf(fmt, v);
 }
 
+static void print_device(const struct kvcap_calib_state *s, const struct kvcap_calibrate_report *r)
+{
+    if (r->device != KVCAP_CALIB_DEVICE_CUDA) {
+        printf("device: cpu\n");
+        return;
+    }
+    printf("device: cuda (%s): Gram accumulation%s; span preprocessing, closed-form keys%s and "
+           "validation on the CPU\n",
+           r->device_name,
+           r->fit.values_device == KVCAP_CALIB_DEVICE_CUDA ? " and value PCA"
+                                                           : " (value PCA on the CPU)",
+           s->key_method == KVCAP_KEY_METHOD_TRAINED ? ", key training" : "");
+}
+
 static void print_summary(const struct kvcap_calib_state *s, const struct kvcap_calibrate_report *r)
 {
-    printf("\nspans: %lld seen, %lld skipped;", (long long)r->spans_seen, (long long)r->spans_skipped);
+    printf("\n");
+    print_device(s, r);
+    printf("spans: %lld seen, %lld skipped;", (long long)r->spans_seen, (long long)r->spans_skipped);
     for (int b = 0; b < s->n_buckets; b++)
         printf(" bucket %d: %lld train / %lld validation;", b, (long long)s->train_spans[b],
                (long long)s->val_spans[b]);
@@ -119,6 +143,9 @@ static int write_metrics_json(const char *path, const struct kvcap_calib_state *
 {
     cJSON *root = cJSON_CreateObject();
     cJSON_AddStringToObject(root, "model", s->model.name);
+    cJSON_AddStringToObject(root, "device", kvcap_calib_device_name(r->device));
+    cJSON_AddStringToObject(root, "value_pca_device",
+                            kvcap_calib_device_name(r->fit.values_device));
     cJSON *units = cJSON_AddArrayToObject(root, "units");
     for (int l = 0; l < s->model.n_layers; l++)
         for (int h = 0; h < s->model.n_kv_heads; h++)
@@ -162,17 +189,19 @@ static int write_metrics_json(const char *path, const struct kvcap_calib_state *
 
 int main(int argc, char **argv)
 {
-    enum { SKIP = 1000 };
+    enum { SKIP = 1000, DEVICE };
     static const struct option options[] = {
         {"config", required_argument, NULL, 'c'},       {"data", required_argument, NULL, 'd'},
         {"out", required_argument, NULL, 'o'},          {"metrics-json", required_argument, NULL, 'm'},
-        {"skip-unmatched", no_argument, NULL, SKIP},    {"quiet", no_argument, NULL, 'q'},
-        {"verbose", no_argument, NULL, 'v'},            {"version", no_argument, NULL, 'V'},
-        {"help", no_argument, NULL, 'h'},               {NULL, 0, NULL, 0}};
+        {"skip-unmatched", no_argument, NULL, SKIP},    {"device", required_argument, NULL, DEVICE},
+        {"quiet", no_argument, NULL, 'q'},              {"verbose", no_argument, NULL, 'v'},
+        {"version", no_argument, NULL, 'V'},            {"help", no_argument, NULL, 'h'},
+        {NULL, 0, NULL, 0}};
     cli_init("kvcap-calibrate", 0);
     const char *config_path = NULL, *out = NULL, *metrics = NULL;
     const char **data = calloc((size_t)argc + 1, sizeof *data);
     int n_data = 0, quiet = 0, verbose = 0, skip = 0, c;
+    enum kvcap_calib_device device = KVCAP_CALIB_DEVICE_AUTO;
     if (!data)
         return 1;
     while ((c = getopt_long(argc, argv, "c:d:o:m:qvVh", options, NULL)) != -1) {
@@ -182,6 +211,12 @@ int main(int argc, char **argv)
         case 'o': out = optarg; break;
         case 'm': metrics = optarg; break;
         case SKIP: skip = 1; break;
+        case DEVICE:
+            if (!kvcap_calib_device_parse(optarg, &device)) {
+                free(data);
+                return cli_usage_error("--device: '%s' is not cuda, cpu or auto", optarg);
+            }
+            break;
         case 'q': quiet = 1; break;
         case 'v': verbose = 1; break;
         case 'V': printf("kvcap-calibrate %s\n", kvcap_version()); free(data); return 0;
@@ -196,6 +231,13 @@ int main(int argc, char **argv)
         return cli_usage_error(!out ? "--out STATE.kvcs is required" : "--data PATH is required");
     }
     cli_init("kvcap-calibrate", verbose);
+    const char *no_cuda = kvcap_calib_cuda_unavailable();
+    if (device == KVCAP_CALIB_DEVICE_CUDA && no_cuda) {
+        fprintf(stderr, "kvcap-calibrate: error: --device cuda: %s; use --device cpu or auto\n",
+                no_cuda);
+        free(data);
+        return 1;
+    }
 
     struct kvcap_calib_config cfg;
     enum kvcap_status st =
@@ -211,6 +253,7 @@ int main(int argc, char **argv)
     o.data = data;
     o.n_data = n_data;
     o.skip_unmatched = skip;
+    o.device = device;
     struct phase_progress progress = {.quiet = quiet};
     o.progress = on_progress;
     o.user = &progress;

@@ -113,12 +113,21 @@ static int unit_key_size(const struct kvcap_calib_state *s, int l, int m, int *h
     return rk;
 }
 
+/* Layer, KV head and bucket of unit i. */
+static void unit_position(const struct kvcap_calib_state *s, size_t i, int *l, int *h, int *b)
+{
+    int H = s->model.n_kv_heads, B = s->n_buckets;
+    *l = (int)(i / ((size_t)H * B));
+    *h = (int)(i / (size_t)B % (size_t)H);
+    *b = (int)(i % (size_t)B);
+}
+
 /* Value PCA and closed-form keys of one unit (whichever are missing or stale). */
 static enum kvcap_status fit_unit(struct kvcap_calib_state *s, size_t i, int keys, int refit_keys)
 {
     struct kvcap_calib_unit *u = &s->units[i];
-    int H = s->model.n_kv_heads, B = s->n_buckets;
-    int l = (int)(i / ((size_t)H * B)), h = (int)(i / (size_t)B % (size_t)H), b = (int)(i % (size_t)B);
+    int l, h, b;
+    unit_position(s, i, &l, &h, &b);
     if (!keys) {
         if (u->v_eigval)
             return KVCAP_OK;
@@ -141,7 +150,94 @@ static enum kvcap_status fit_unit(struct kvcap_calib_state *s, size_t i, int key
     return KVCAP_OK;
 }
 
+/* The CUDA value PCA: hands each eigen-decomposition's host copy to the shared
+ * post-processing of kvcap_values_fit. */
+struct gpu_values {
+    struct kvcap_calib_state *s;
+    const size_t *units; /* batch index -> unit index */
+};
+
+static enum kvcap_status gpu_values_consume(int i, const double *a, const double *w, void *user)
+{
+    struct gpu_values *g = user;
+    struct kvcap_calib_unit *u = &g->s->units[g->units[i]];
+    kvcap_values_from_eigen(a, w, u->m, u->v_eigval, u->v_eigvec);
+    return KVCAP_OK;
+}
+
+/* Value PCA of every unit still without one, on the CUDA device. *on_gpu = 0 (and nothing is
+ * changed) when `fallback` is set and the device could not be set up: the caller runs the CPU
+ * path instead. */
+static enum kvcap_status fit_values_gpu(struct kvcap_calib_state *s, int fallback, int *on_gpu)
+{
+    *on_gpu = 0;
+    size_t n = unit_count(s), count = 0;
+    size_t *todo = malloc(sizeof *todo * n);
+    const double **mats = malloc(sizeof *mats * n);
+    int *sizes = malloc(sizeof *sizes * n), m_max = 0;
+    struct kvcap_gpu_eigen *e = NULL;
+    enum kvcap_status st = KVCAP_OK;
+    if (!todo || !mats || !sizes)
+        st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "value PCA: out of memory (%zu units)", n);
+    for (size_t i = 0; st == KVCAP_OK && i < n; i++) {
+        const struct kvcap_calib_unit *u = &s->units[i];
+        if (u->v_eigval)
+            continue;
+        todo[count] = i;
+        mats[count] = u->v_gram;
+        sizes[count++] = u->m;
+        m_max = u->m > m_max ? u->m : m_max;
+    }
+    if (st == KVCAP_OK && count > 0) {
+        if (fallback)
+            kvcap_quiet_push();
+        st = kvcap_gpu_eigen_create(m_max, &e);
+        if (fallback)
+            kvcap_quiet_pop();
+        if (st != KVCAP_OK && fallback) {
+            kvcap_log(KVCAP_LOG_WARN, "%s; the value PCA runs on the CPU", kvcap_last_error());
+            kvcap_clear_error();
+            free(todo), free(mats), free(sizes);
+            return KVCAP_OK;
+        }
+    }
+    *on_gpu = 1;
+    for (size_t k = 0; st == KVCAP_OK && k < count; k++) {
+        struct kvcap_calib_unit *u = &s->units[todo[k]];
+        u->v_eigval = malloc(sizeof(double) * (size_t)u->m);
+        u->v_eigvec = malloc(sizeof(float) * (size_t)u->m * (size_t)u->m);
+        if (!u->v_eigval || !u->v_eigvec) {
+            int l, h, b;
+            unit_position(s, todo[k], &l, &h, &b);
+            st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "l%d.h%d.b%d: value PCA: out of memory", l,
+                            h, b);
+        }
+    }
+    if (st == KVCAP_OK && count > 0) {
+        struct gpu_values g = {s, todo};
+        int failed = -1;
+        st = kvcap_gpu_dsyevd_batch(e, (int)count, mats, sizes, gpu_values_consume, &g, &failed);
+        if (st != KVCAP_OK && failed >= 0) {
+            int l, h, b;
+            unit_position(s, todo[failed], &l, &h, &b);
+            st = kvcap_fail(st, "l%d.h%d.b%d: %s", l, h, b, kvcap_last_error());
+        }
+    }
+    /* A failed batch leaves no half-fitted unit behind. */
+    for (size_t k = 0; st != KVCAP_OK && todo && k < count; k++) {
+        struct kvcap_calib_unit *u = &s->units[todo[k]];
+        free(u->v_eigval);
+        free(u->v_eigvec);
+        u->v_eigval = NULL;
+        u->v_eigvec = NULL;
+    }
+    kvcap_gpu_eigen_free(e);
+    free(todo), free(mats), free(sizes);
+    return st;
+}
+
 enum kvcap_status kvcap_calib_state_fit(struct kvcap_calib_state *s, int refit_keys,
+                                        enum kvcap_calib_device device,
                                         struct kvcap_fit_timing *timing,
                                         int (*progress)(int64_t, int64_t, void *), void *user)
 {
@@ -149,6 +245,9 @@ enum kvcap_status kvcap_calib_state_fit(struct kvcap_calib_state *s, int refit_k
     if (!timing)
         timing = &local;
     memset(timing, 0, sizeof *timing);
+    enum kvcap_calib_device dev;
+    KVCAP_TRY(kvcap_calib_device_resolve(device, &dev));
+    timing->values_device = KVCAP_CALIB_DEVICE_CPU;
     long n = (long)unit_count(s);
     /* Units are independent: two single-threaded LAPACK calls at a time use two cores better
      * than one call with two BLAS threads (the tridiagonal reduction scales poorly). */
@@ -157,16 +256,27 @@ enum kvcap_status kvcap_calib_state_fit(struct kvcap_calib_state *s, int refit_k
     enum kvcap_status st = KVCAP_OK;
     for (int keys = 0; keys < 2 && st == KVCAP_OK; keys++) {
         struct kvcap_parallel_error err = {0};
-        int fits = 0;
+        int fits = 0, on_gpu = 0;
         double t0 = kvcap_seconds();
+        if (!keys && dev == KVCAP_CALIB_DEVICE_CUDA) {
+            st = fit_values_gpu(s, device == KVCAP_CALIB_DEVICE_AUTO, &on_gpu);
+            if (on_gpu) {
+                fits = (int)n;
+                timing->values_device = KVCAP_CALIB_DEVICE_CUDA;
+            }
+        }
+        if (st != KVCAP_OK)
+            break;
+        if (!on_gpu) {
 #pragma omp parallel for schedule(dynamic) reduction(+ : fits)
-        for (long i = 0; i < n; i++) {
-            if (kvcap_parallel_failed(&err))
-                continue;
-            enum kvcap_status s2 = fit_unit(s, (size_t)i, keys, refit_keys);
-            if (s2 != KVCAP_OK)
-                kvcap_parallel_fail(&err, s2);
-            fits++;
+            for (long i = 0; i < n; i++) {
+                if (kvcap_parallel_failed(&err))
+                    continue;
+                enum kvcap_status s2 = fit_unit(s, (size_t)i, keys, refit_keys);
+                if (s2 != KVCAP_OK)
+                    kvcap_parallel_fail(&err, s2);
+                fits++;
+            }
         }
         *(keys ? &timing->keys_seconds : &timing->values_seconds) = kvcap_seconds() - t0;
         *(keys ? &timing->key_fits : &timing->value_fits) = fits;

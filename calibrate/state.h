@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "config.h"
+#include "gpu.h"
 #include "keys.h"
 #include "schema.h"
 
@@ -80,13 +81,20 @@ enum kvcap_status kvcap_calib_state_merge(struct kvcap_calib_state *dst,
 
 /* Fits every unit from its Grams: value eigen-decomposition, and closed-form key maps for the
  * state's key ratios (units whose key maps are present and of the right size are kept unless
- * `refit_keys`). Units run in parallel (OpenMP, one BLAS thread each). `progress` is called
- * after each of the two phases. */
+ * `refit_keys`). `device` says where the value eigen-decompositions run: CPU (LAPACK, units in
+ * parallel, one BLAS thread each) or CUDA (cuSOLVER, one handle and workspace for all units,
+ * the host's post-processing of one unit overlapping the device's solve of the next); AUTO is
+ * resolved by kvcap_calib_device_resolve, and falls back to the CPU with a warning if the
+ * device cannot be set up; CUDA without a device is KVCAP_ERR_UNSUPPORTED. Closed-form keys
+ * always run on the CPU, units in parallel (OpenMP). `progress` is called after each of the
+ * two phases. */
 struct kvcap_fit_timing {
     double values_seconds, keys_seconds; /* wall time of each phase (units run in parallel) */
     int value_fits, key_fits;            /* units visited by each phase */
+    enum kvcap_calib_device values_device; /* where the value PCA ran: CPU or CUDA */
 };
 enum kvcap_status kvcap_calib_state_fit(struct kvcap_calib_state *s, int refit_keys,
+                                        enum kvcap_calib_device device,
                                         struct kvcap_fit_timing *timing,
                                         int (*progress)(int64_t, int64_t, void *), void *user);
 

@@ -117,7 +117,8 @@ enum kvcap_status kvcap_convert(const struct kvcap_convert_options *o,
     report->trained_discarded |= merged && was_trained;
     report->keys_refit = merged || keys_changed;
     if (st == KVCAP_OK)
-        st = kvcap_calib_state_fit(&s, report->keys_refit, NULL, NULL, NULL);
+        st = kvcap_calib_state_fit(&s, report->keys_refit, KVCAP_CALIB_DEVICE_CPU, NULL, NULL,
+                                   NULL);
     if (st == KVCAP_OK && report->trained_discarded)
         kvcap_log(KVCAP_LOG_WARN,
                   "trained key maps were replaced by closed-form ones (%s); recalibrate with the "

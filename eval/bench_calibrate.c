@@ -1,6 +1,8 @@
 /* bench_calibrate.c — kvcap-bench-calibrate: times calibration at a realistic scale against
  * this machine's own ceilings measured in the same run: Gram accumulation vs the best dsyrk
- * rate, value PCA vs a bare LAPACKE_dsyevd of the same size, and the total wall time. */
+ * rate (and, on a CUDA device, vs cuBLAS DSYRK/DGEMM and the host-to-device copy rate), value
+ * PCA vs a bare LAPACKE_dsyevd of the same size, and the total wall time; with a CUDA device
+ * the same job runs on the CPU and on the device, side by side. */
 #include <cblas.h>
 #include <getopt.h>
 #include <lapacke.h>
@@ -11,6 +13,7 @@
 
 #include "calibrate.h"
 #include "cli.h"
+#include "gpu.h"
 #include "internal.h"
 #include "rng.h"
 
@@ -31,6 +34,10 @@ static void usage(FILE *out)
             "                     match the options)\n"
             "  -w, --work DIR     where to generate the dataset (default: $TMPDIR or /tmp)\n"
             "  -k, --keep         keep the generated dataset\n"
+            "      --device DEV   auto (default): the job on the CPU, then on the CUDA device\n"
+            "                     when one is visible (else those rows say skipped); cpu or\n"
+            "                     cuda: that device only. On cuda the Grams and value PCA run on\n"
+            "                     the device, everything else on the CPU (as kvcap-calibrate)\n"
             "  -h, --help         show this help\n");
 }
 
@@ -95,14 +102,96 @@ static void rm_dataset(const char *dir, int shards)
     rmdir(dir);
 }
 
+/* The ceilings a run is compared with; measured twice, the best kept. */
+struct ceilings {
+    double roof, at512, eig_bare; /* CPU dsyrk GF/s (best k, k = 512), bare dsyevd seconds */
+    int best_k;
+    struct kvcap_gpu_peak peak; /* CUDA: best of each figure */
+};
+
+static enum kvcap_status measure_ceilings(int cpu, int gpu, int m, struct ceilings *c)
+{
+    if (cpu) {
+        int k = 0;
+        double a512 = 0.0, r = dsyrk_roofline(m, &k, &a512), e = bare_dsyevd(m);
+        if (r > c->roof)
+            c->roof = r, c->best_k = k, c->at512 = a512;
+        c->eig_bare = c->eig_bare == 0.0 || e < c->eig_bare ? e : c->eig_bare;
+    }
+    if (gpu) {
+        struct kvcap_gpu_peak p;
+        KVCAP_TRY(kvcap_gpu_peak_measure(m, &p));
+        if (p.dsyrk_gflops > c->peak.dsyrk_gflops)
+            c->peak.dsyrk_gflops = p.dsyrk_gflops, c->peak.dsyrk_k = p.dsyrk_k;
+        if (p.dgemm_gflops > c->peak.dgemm_gflops)
+            c->peak.dgemm_gflops = p.dgemm_gflops;
+        if (p.h2d_gbps > c->peak.h2d_gbps)
+            c->peak.h2d_gbps = p.h2d_gbps;
+    }
+    return KVCAP_OK;
+}
+
+/* One calibration job and its wall time. */
+struct job {
+    int ran;
+    struct kvcap_calibrate_report r;
+    double total;
+    int64_t train_spans;
+};
+
+static enum kvcap_status run_job(const struct kvcap_calib_config *cfg, const char *data,
+                                 enum kvcap_calib_device device, struct job *j)
+{
+    struct kvcap_calibrate_options o;
+    kvcap_calibrate_default_options(&o);
+    const char *paths[1] = {data};
+    o.data = paths;
+    o.n_data = 1;
+    o.device = device;
+    struct kvcap_calib_state state;
+    double t0 = kvcap_seconds();
+    enum kvcap_status st = kvcap_calibrate(cfg, &o, &state, &j->r);
+    j->total = kvcap_seconds() - t0;
+    if (st != KVCAP_OK)
+        return st;
+    j->ran = 1;
+    j->train_spans = state.train_spans[0];
+    kvcap_calib_state_free(&state);
+    return KVCAP_OK;
+}
+
+/* "  12.34" seconds, or the reason the job has no figure. */
+static void seconds_cell(const struct job *j, double v, const char *absent)
+{
+    if (j->ran)
+        printf(" %10.4f", v);
+    else
+        printf(" %10s", absent);
+}
+
+static void row(const char *label, const struct job *cpu, double vc, const struct job *gpu,
+                double vg, const char *gpu_absent)
+{
+    printf("%-40s", label);
+    seconds_cell(cpu, vc, "-");
+    seconds_cell(gpu, vg, gpu_absent);
+    if (cpu->ran && gpu->ran && vg > 0)
+        printf(" %9.2fx\n", vc / vg);
+    else
+        printf(" %10s\n", "-");
+}
+
 int main(int argc, char **argv)
 {
+    enum { DEVICE = 1000 };
     static const struct option options[] = {
         {"spans", required_argument, NULL, 'n'}, {"layers", required_argument, NULL, 'l'},
         {"grid", required_argument, NULL, 'g'},  {"data", required_argument, NULL, 'd'},
         {"work", required_argument, NULL, 'w'},  {"keep", no_argument, NULL, 'k'},
+        {"device", required_argument, NULL, DEVICE},
         {"help", no_argument, NULL, 'h'},        {NULL, 0, NULL, 0}};
     int spans = 200, layers = 28, rows = 32, cols = 32, keep = 0, c;
+    enum kvcap_calib_device device = KVCAP_CALIB_DEVICE_AUTO;
     const char *data = NULL, *work = getenv("TMPDIR");
     cli_init("kvcap-bench-calibrate", 0);
     while ((c = getopt_long(argc, argv, "n:l:g:d:w:kh", options, NULL)) != -1) {
@@ -116,12 +205,24 @@ int main(int argc, char **argv)
         case 'd': data = optarg; break;
         case 'w': work = optarg; break;
         case 'k': keep = 1; break;
+        case DEVICE:
+            if (!kvcap_calib_device_parse(optarg, &device))
+                return cli_usage_error("--device: '%s' is not cuda, cpu or auto", optarg);
+            break;
         case 'h': usage(stdout); return 0;
         default: return cli_usage_error("unknown option");
         }
     }
     if (spans < 2 || layers < 1 || layers > 1024 || rows < 1 || cols < 1)
         return cli_usage_error("--spans >= 2, --layers in 1..1024 and a positive grid are needed");
+    const char *no_cuda = kvcap_calib_cuda_unavailable();
+    if (device == KVCAP_CALIB_DEVICE_CUDA && no_cuda) {
+        fprintf(stderr, "kvcap-bench-calibrate: error: --device cuda: %s\n", no_cuda);
+        return 1;
+    }
+    int run_cpu = device != KVCAP_CALIB_DEVICE_CUDA;
+    int run_gpu =
+        device == KVCAP_CALIB_DEVICE_CUDA || (device == KVCAP_CALIB_DEVICE_AUTO && !no_cuda);
 
     char yaml[1024];
     snprintf(yaml, sizeof yaml,
@@ -166,53 +267,82 @@ int main(int argc, char **argv)
         generated = 1;
     }
 
-    int best_k = 0;
-    double at512 = 0.0;
-    double roof = dsyrk_roofline(m, &best_k, &at512);
-    double eig_bare = bare_dsyevd(m);
-
-    struct kvcap_calibrate_options o;
-    kvcap_calibrate_default_options(&o);
-    const char *paths[1] = {data};
-    o.data = paths;
-    o.n_data = 1;
-    struct kvcap_calib_state state;
-    struct kvcap_calibrate_report r;
-    double t0 = kvcap_seconds();
-    st = kvcap_calibrate(&cfg, &o, &state, &r);
-    double t_total = kvcap_seconds() - t0;
-    /* The machine's speed drifts (shared host): measure the ceilings again after the run and
-     * keep the best, so the ratio is never flattered by a slow ceiling measurement. */
-    int best_k2 = 0;
-    double at512_2 = 0.0, roof2 = dsyrk_roofline(m, &best_k2, &at512_2);
-    if (roof2 > roof)
-        roof = roof2, best_k = best_k2, at512 = at512_2;
-    double eig_bare2 = bare_dsyevd(m);
-    eig_bare = eig_bare2 < eig_bare ? eig_bare2 : eig_bare;
+    /* Ceilings before and after the runs: the machine's speed drifts (shared host), so the
+     * best of the two is kept and a ratio is never flattered by a slow measurement. */
+    struct ceilings ceil = {0};
+    char gpu_name[128] = "";
+    if (run_gpu)
+        st = kvcap_gpu_device_name(gpu_name, sizeof gpu_name);
+    if (st == KVCAP_OK)
+        st = measure_ceilings(run_cpu, run_gpu, m, &ceil);
+    struct job cpu = {0}, gpu = {0};
+    if (run_cpu && st == KVCAP_OK)
+        st = run_job(&cfg, data, KVCAP_CALIB_DEVICE_CPU, &cpu);
+    if (run_gpu && st == KVCAP_OK)
+        st = run_job(&cfg, data, KVCAP_CALIB_DEVICE_CUDA, &gpu);
+    if (st == KVCAP_OK)
+        st = measure_ceilings(run_cpu, run_gpu, m, &ceil);
     if (generated && !keep)
         rm_dataset(dir, spans);
-    if (st != KVCAP_OK)
+    if (st != KVCAP_OK) {
+        kvcap_calib_config_free(&cfg);
         return cli_fail(st);
+    }
 
-    double gram_rate = r.gram_flops / r.seconds_accumulate * 1e-9;
-    double per_eig = r.fit.value_fits ? r.fit.values_seconds / r.fit.value_fits : 0.0;
+    const struct job *any = cpu.ran ? &cpu : &gpu;
     printf("\nkvcap calibration benchmark: %d layers x 4 KV heads x d128, bucket %dx%d (n = %d), "
            "%lld spans (%lld training)\n",
-           layers, rows, cols, m, (long long)r.spans_seen, (long long)state.train_spans[0]);
-    printf("%-34s %12s %14s %10s\n", "phase", "seconds", "rate", "vs ceiling");
-    printf("%-34s %12.2f %10.1f GF/s %9.0f%%   (ceiling: best 2-core dsyrk m=%d, %.1f GF/s at "
-           "k=%d; %.1f at k=512; best of before and after the run)\n",
-           "Gram accumulation (K and V)", r.seconds_accumulate, gram_rate, 100 * gram_rate / roof,
-           m, roof, best_k, at512);
-    printf("%-34s %12.2f %10.3f s/op %9.2fx   (ceiling: bare LAPACKE_dsyevd n=%d, %.3f s)\n",
-           "value PCA per unit (wall / units)", r.fit.values_seconds, per_eig,
-           eig_bare > 0 ? per_eig / eig_bare : 0.0, m, eig_bare);
-    printf("%-34s %12.2f %10.3f s/op\n", "closed-form keys per unit (wall)", r.fit.keys_seconds,
-           r.fit.key_fits ? r.fit.keys_seconds / r.fit.key_fits : 0.0);
-    printf("%-34s %12.2f\n", "validation metrics", r.seconds_validate);
-    printf("%-34s %12.2f   (dataset generation, not included: %.2f s)\n", "total kvcap_calibrate",
-           t_total, t_synth);
-    kvcap_calib_state_free(&state);
+           layers, rows, cols, m, (long long)any->r.spans_seen, (long long)any->train_spans);
+    if (gpu.ran)
+        printf("cuda device: %s (Grams and value PCA on the device; span preprocessing, "
+               "closed-form keys and validation on the CPU in both runs)\n",
+               gpu.r.device_name);
+    printf("%-40s %10s %10s %10s\n", "phase (seconds)", "cpu", "cuda", "cpu/cuda");
+    const struct kvcap_calibrate_report *rc = &cpu.r, *rg = &gpu.r;
+    const char *absent = run_gpu ? "-" : "skipped";
+    row("Gram accumulation (K and V)", &cpu, rc->seconds_accumulate, &gpu, rg->seconds_accumulate,
+        absent);
+    row("value PCA, all units (wall)", &cpu, rc->fit.values_seconds, &gpu, rg->fit.values_seconds,
+        absent);
+    double eig_c = rc->fit.value_fits ? rc->fit.values_seconds / rc->fit.value_fits : 0.0;
+    double eig_g = rg->fit.value_fits ? rg->fit.values_seconds / rg->fit.value_fits : 0.0;
+    row("value PCA per unit, bucket 0", &cpu, eig_c, &gpu, eig_g, absent);
+    row("closed-form keys (CPU in both)", &cpu, rc->fit.keys_seconds, &gpu, rg->fit.keys_seconds,
+        absent);
+    row("validation metrics (CPU in both)", &cpu, rc->seconds_validate, &gpu,
+        rg->seconds_validate, absent);
+    row("total kvcap_calibrate", &cpu, cpu.total, &gpu, gpu.total, absent);
+
+    if (cpu.ran) {
+        double rate = rc->gram_flops / rc->seconds_accumulate * 1e-9;
+        printf("\nGram rate, cpu:  %8.1f GF/s = %3.0f%% of the best %d-thread dsyrk m=%d "
+               "(%.1f GF/s at k=%d; %.1f at k=512)\n",
+               rate, 100 * rate / ceil.roof, openblas_get_num_threads(), m, ceil.roof,
+               ceil.best_k, ceil.at512);
+    }
+    if (gpu.ran) {
+        double rate = rg->gram_flops / rg->seconds_accumulate * 1e-9;
+        /* Each batch moves 8 bytes per element up and does 2(m+1) flops per element pair of K
+         * and V: (m+1)/8 flop per byte copied, so the copy rate bounds the device's rate. */
+        double copy_bound = ceil.peak.h2d_gbps * (m + 1) / 8.0;
+        printf("%sGram rate, cuda: %8.1f GF/s = %3.0f%% of the best cublasDsyrk m=%d (%.0f GF/s at "
+               "k=%d; cublasDgemm %dx%dx%d: %.0f GF/s), %3.0f%% of the copy bound (pinned "
+               "host-to-device %.1f GB/s x (m+1)/8 flop/byte = %.0f GF/s)\n",
+               cpu.ran ? "" : "\n", rate, 100 * rate / ceil.peak.dsyrk_gflops, m,
+               ceil.peak.dsyrk_gflops, ceil.peak.dsyrk_k, m, m, m, ceil.peak.dgemm_gflops,
+               100 * rate / copy_bound, ceil.peak.h2d_gbps, copy_bound);
+    } else if (device == KVCAP_CALIB_DEVICE_AUTO) {
+        printf("cuda rows skipped: %s\n", no_cuda);
+    }
+    if (cpu.ran)
+        printf("value PCA, cpu:  %.4f s/unit = %.2fx a bare LAPACKE_dsyevd n=%d (%.4f s, best of "
+               "6)\n",
+               eig_c, ceil.eig_bare > 0 ? eig_c / ceil.eig_bare : 0.0, m, ceil.eig_bare);
+    if (gpu.ran)
+        printf("value PCA, cuda: %.4f s/unit (cusolverDnXsyevd, one handle and workspace; the "
+               "host's post-processing of a unit overlaps the next solve)\n",
+               eig_g);
+    printf("dataset generation, not included: %.2f s\n", t_synth);
     kvcap_calib_config_free(&cfg);
     return 0;
 }

@@ -47,10 +47,30 @@ expect synth_inspect 0 "spans      2 (K/V BF16" "$convert" -i "$work/synth/shard
 
 calibrate="$bin/kvcap-calibrate"
 expect cal_help 0 "usage: kvcap-calibrate" "$calibrate" --help
+expect cal_help_device 0 "--device DEV" "$calibrate" --help
 expect cal_no_out 2 "--out STATE.kvcs is required" "$calibrate" --data "$work/synth"
 expect cal_no_data 2 "--data PATH is required" "$calibrate" --out "$work/s.kvcs"
 expect cal_run 0 "bucket  layer    r_k" "$calibrate" --data "$work/synth16" --out "$work/s.kvcs" --metrics-json "$work/m.json"
 grep -q '"attn_cos"' "$work/m.json" || fail "metrics JSON lacks attn_cos"
+grep -Eq '"device":[[:space:]]*"(cpu|cuda)"' "$work/m.json" || fail "metrics JSON lacks the device"
+# --device: auto is cuda where a device is visible and cpu elsewhere, and writes what that
+# device writes; cuda without a device is an error naming the option that writes nothing.
+expect cal_device_bogus 2 "--device: 'bogus' is not cuda, cpu or auto" "$calibrate" --data "$work/synth16" --out "$work/dev.kvcs" --device bogus
+expect cal_device_cpu 0 "^device: cpu" "$calibrate" --data "$work/synth16" --out "$work/dev-cpu.kvcs" --device cpu
+expect cal_device_auto 0 "^device: c" "$calibrate" --data "$work/synth16" --out "$work/dev-auto.kvcs" --device auto
+"$calibrate" --data "$work/synth16" --out "$work/dev-cuda.kvcs" --device cuda >"$work/cal_device_cuda.out" 2>&1
+rc=$?
+if grep -q "^device: cpu" "$work/cal_device_auto.out"; then
+  [ "$rc" -eq 1 ] || fail "cal_device_cuda: exit $rc without a device, expected 1"
+  grep -q -- "error: --device cuda: " "$work/cal_device_cuda.out" ||
+    fail "cal_device_cuda: no error naming --device: $(head -c 300 "$work/cal_device_cuda.out")"
+  [ -e "$work/dev-cuda.kvcs" ] && fail "a failed --device cuda run left dev-cuda.kvcs behind"
+  cmp -s "$work/dev-auto.kvcs" "$work/dev-cpu.kvcs" || fail "--device auto and cpu wrote different states"
+else
+  [ "$rc" -eq 0 ] || fail "cal_device_cuda: exit $rc with a device: $(head -c 300 "$work/cal_device_cuda.out")"
+  grep -q "^device: cuda" "$work/cal_device_cuda.out" || fail "cal_device_cuda: summary lacks 'device: cuda'"
+  cmp -s "$work/dev-auto.kvcs" "$work/dev-cuda.kvcs" || fail "--device auto and cuda wrote different states"
+fi
 expect cal_inspect 0 "kind       calib" "$convert" -i "$work/s.kvcs"
 expect cal_unmatched 1 "4x4 grid (n = 16), which matches no bucket" "$calibrate" --data "$work/synth" --out "$work/bad.kvcs"
 [ -e "$work/bad.kvcs" ] && fail "a failed calibration left bad.kvcs behind"

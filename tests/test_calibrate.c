@@ -1,6 +1,7 @@
 /* test_calibrate.c — calibration with known answers: exact recovery at the true rank, invariance
  * to the span's start position, exact merging of states, trained keys never worse than the
- * closed form, and named errors for bad inputs. */
+ * closed form, named errors for bad inputs, the device option, and the row/column-major
+ * contract the CUDA path relies on (checked here with column-major BLAS/LAPACK). */
 #include <dirent.h>
 #include <math.h>
 #include <setjmp.h>
@@ -13,9 +14,14 @@
 
 #include <cmocka.h>
 
+#include <cblas.h>
+#include <lapacke.h>
+
 #include "calibrate.h"
 #include "convert.h"
 #include "internal.h"
+#include "linalg.h"
+#include "rng.h"
 #include "test_util.h"
 
 /* Data are stored in f32: exact-rank structure survives storage up to float rounding. */
@@ -367,6 +373,140 @@ static void test_bad_inputs_named(void **state)
     kvcap_calib_config_free(&cfg);
 }
 
+static void test_device_option(void **state)
+{
+    (void)state;
+    struct kvcap_calibrate_options o;
+    kvcap_calibrate_default_options(&o);
+    assert_int_equal(o.device, KVCAP_CALIB_DEVICE_AUTO);
+    static const char *const names[] = {"auto", "cpu", "cuda"};
+    for (int i = 0; i < 3; i++) {
+        enum kvcap_calib_device d;
+        assert_true(kvcap_calib_device_parse(names[i], &d));
+        assert_string_equal(kvcap_calib_device_name(d), names[i]);
+    }
+    enum kvcap_calib_device d = KVCAP_CALIB_DEVICE_CPU;
+    assert_false(kvcap_calib_device_parse("gpu", &d));
+    assert_false(kvcap_calib_device_parse("CUDA", &d));
+    assert_int_equal(d, KVCAP_CALIB_DEVICE_CPU);
+    int have_cuda = kvcap_calib_cuda_unavailable() == NULL;
+    assert_int_equal(have_cuda, kvcap_gpu_built() && kvcap_cuda_device_count() > 0);
+    assert_int_equal(kvcap_calib_device_resolve(KVCAP_CALIB_DEVICE_AUTO, &d), KVCAP_OK);
+    assert_int_equal(d, have_cuda ? KVCAP_CALIB_DEVICE_CUDA : KVCAP_CALIB_DEVICE_CPU);
+
+    struct kvcap_calib_config cfg;
+    load_config(&cfg, "closed_form", "linear", "0.25");
+    char dir[512];
+    tmpdir(dir, sizeof dir, "cal-device");
+    synth_noisy(&cfg, dir, 6, 31, 100, 0.05);
+    const char *dirs[1] = {dir};
+    kvcap_calibrate_default_options(&o);
+    o.data = dirs;
+    o.n_data = 1;
+    struct kvcap_calib_state s_cpu, s_auto;
+    struct kvcap_calibrate_report r;
+    o.device = KVCAP_CALIB_DEVICE_CPU;
+    assert_int_equal(kvcap_calibrate(&cfg, &o, &s_cpu, &r), KVCAP_OK);
+    assert_int_equal(r.device, KVCAP_CALIB_DEVICE_CPU);
+    assert_int_equal(r.fit.values_device, KVCAP_CALIB_DEVICE_CPU);
+    assert_string_equal(r.device_name, "");
+    o.device = KVCAP_CALIB_DEVICE_AUTO;
+    assert_int_equal(kvcap_calibrate(&cfg, &o, &s_auto, &r), KVCAP_OK);
+    if (!have_cuda) {
+        /* auto is the CPU here: the same computation, bit for bit */
+        assert_int_equal(r.device, KVCAP_CALIB_DEVICE_CPU);
+        for (int i = 0; i < 8; i++) {
+            const struct kvcap_calib_unit *a = &s_cpu.units[i], *b = &s_auto.units[i];
+            size_t mm = (size_t)a->m * a->m;
+            assert_memory_equal(a->k_gram, b->k_gram, sizeof(double) * mm);
+            assert_memory_equal(a->v_gram, b->v_gram, sizeof(double) * mm);
+            assert_memory_equal(a->v_eigvec, b->v_eigvec, sizeof(float) * mm);
+        }
+        /* cuda without a device (or without CUDA in the build) is a named error */
+        struct kvcap_calib_state s_cuda;
+        o.device = KVCAP_CALIB_DEVICE_CUDA;
+        assert_int_equal(kvcap_calibrate(&cfg, &o, &s_cuda, &r), KVCAP_ERR_UNSUPPORTED);
+        assert_non_null(strstr(kvcap_last_error(), "device cuda: "));
+        assert_int_equal(kvcap_calib_state_fit(&s_cpu, 1, KVCAP_CALIB_DEVICE_CUDA, NULL, NULL,
+                                               NULL),
+                         KVCAP_ERR_UNSUPPORTED);
+    } else {
+        assert_int_equal(r.device, KVCAP_CALIB_DEVICE_CUDA);
+    }
+    kvcap_calib_state_free(&s_cpu);
+    kvcap_calib_state_free(&s_auto);
+    kvcap_calib_config_free(&cfg);
+    test_rm_tree(dir);
+}
+
+/* The CUDA path (calibrate/cuda/gram.cu) computes in column-major: it copies the first `cols`
+ * columns of a row-major m x cap batch with pitch cols, runs DSYRK (lower, trans) on it, and
+ * solves eigenproblems with SYEVD (lower) followed by a transpose. The same calls through
+ * column-major CBLAS/LAPACKE (the semantics cuBLAS and cuSOLVER follow) must give what the
+ * row-major CPU path gives: the same triangle, the same eigenpairs in the same places. */
+#define LAYOUT_REL_TOL 1e-13 /* same sums in another order: double rounding only */
+
+static void test_cuda_layout_contract(void **state)
+{
+    (void)state;
+    enum { M = 23, CAP = 40, COLS = 33 };
+    struct kvcap_rng rng;
+    kvcap_rng_seed(&rng, 77);
+    static double batch[M * CAP], packed[M * COLS], c_cpu[M * M], c_dev[M * M], init[M * M];
+    for (int i = 0; i < M * CAP; i++)
+        batch[i] = kvcap_rng_normal(&rng);
+    for (int i = 0; i < M * M; i++)
+        init[i] = kvcap_rng_normal(&rng);
+    memcpy(c_cpu, init, sizeof init);
+    memcpy(c_dev, init, sizeof init);
+    cblas_dsyrk(CblasRowMajor, CblasUpper, CblasNoTrans, M, COLS, 1.0, batch, CAP, 1.0, c_cpu, M);
+    /* cudaMemcpy2DAsync(dst, dpitch = COLS, src, spitch = CAP, width = COLS, height = M) */
+    for (int p = 0; p < M; p++)
+        memcpy(packed + (size_t)p * COLS, batch + (size_t)p * CAP, sizeof(double) * COLS);
+    /* cublasDsyrk(LOWER, OP_T, n = M, k = COLS, A = packed, lda = COLS, C, ldc = M) */
+    cblas_dsyrk(CblasColMajor, CblasLower, CblasTrans, M, COLS, 1.0, packed, COLS, 1.0, c_dev, M);
+    double scale = 0.0;
+    for (int i = 0; i < M * M; i++)
+        scale = fmax(scale, fabs(c_cpu[i]));
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < M; j++) {
+            size_t at = (size_t)i * M + j;
+            if (j >= i) /* the accumulated triangle */
+                assert_true(fabs(c_cpu[at] - c_dev[at]) <= LAYOUT_REL_TOL * scale);
+            else /* the other one is left as it was on both paths */
+                assert_true(c_cpu[at] == init[at] && c_dev[at] == init[at]);
+        }
+
+    /* eigen: kvcap_dsyevd vs cusolverDnXsyevd(LOWER) + cublasDgeam(OP_T) */
+    static double g[M * M], a_cpu[M * M], a_dev[M * M], t[M * M], w_cpu[M], w_dev[M];
+    for (int i = 0; i < M; i++)
+        for (int j = 0; j < M; j++)
+            g[(size_t)i * M + j] = c_cpu[(size_t)(i < j ? i : j) * M + (i < j ? j : i)];
+    memcpy(a_cpu, g, sizeof g);
+    memcpy(a_dev, g, sizeof g);
+    assert_int_equal(kvcap_dsyevd(M, a_cpu, w_cpu), KVCAP_OK);
+    assert_int_equal(LAPACKE_dsyevd(LAPACK_COL_MAJOR, 'V', 'L', M, a_dev, M, w_dev), 0);
+    for (int r = 0; r < M; r++) /* column-major t = a_devᵀ: t(r, c) = a_dev(c, r) */
+        for (int c = 0; c < M; c++)
+            t[(size_t)c * M + r] = a_dev[(size_t)r * M + c];
+    /* both in the kvcap_dsyevd contract now: compare eigenvalues, and check each column of t
+     * is an eigenvector of g for its eigenvalue (vectors themselves may differ in sign) */
+    double wmax = fmax(fabs(w_cpu[0]), fabs(w_cpu[M - 1]));
+    for (int j = 0; j < M; j++) {
+        assert_true(fabs(w_cpu[j] - w_dev[j]) <= 1e-12 * wmax);
+        double res = 0.0, dot = 0.0;
+        for (int i = 0; i < M; i++) {
+            double gv = 0.0;
+            for (int k = 0; k < M; k++)
+                gv += g[(size_t)i * M + k] * t[(size_t)k * M + j];
+            res = fmax(res, fabs(gv - w_dev[j] * t[(size_t)i * M + j]));
+            dot += t[(size_t)i * M + j] * a_cpu[(size_t)i * M + j];
+        }
+        assert_true(res <= 1e-12 * wmax);
+        assert_true(fabs(fabs(dot) - 1.0) <= 1e-10); /* distinct eigenvalues: same line */
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -375,6 +515,8 @@ int main(void)
         cmocka_unit_test(test_merge_equals_one_run),
         cmocka_unit_test(test_trained_never_worse),
         cmocka_unit_test(test_bad_inputs_named),
+        cmocka_unit_test(test_device_option),
+        cmocka_unit_test(test_cuda_layout_contract),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,0 +1,120 @@
+/* gpu.h — calibration on a CUDA device: the Gram accumulator (cuBLAS DSYRK on device-resident
+ * double Grams, fed from pinned host batches) and batched symmetric eigen-decompositions
+ * (cuSOLVER). calibrate/cuda/gram.cu implements it; calibrate/gpu_stub.c, in builds without
+ * CUDA, answers KVCAP_ERR_UNSUPPORTED. Only the product of each batch and the eigensolver move
+ * to the device: every preprocessing step stays the CPU code, shared by both paths. */
+#ifndef KVCAP_CALIB_GPU_H
+#define KVCAP_CALIB_GPU_H
+
+#include <stddef.h>
+
+#include "kvcap.h"
+
+/* Where kvcap_calibrate accumulates Grams and runs the value PCA. */
+enum kvcap_calib_device {
+    KVCAP_CALIB_DEVICE_AUTO = 0, /* CUDA when kvcap_cuda_device_count() > 0, else the CPU */
+    KVCAP_CALIB_DEVICE_CPU = 1,
+    KVCAP_CALIB_DEVICE_CUDA = 2,
+};
+
+/* "auto" / "cpu" / "cuda": 1 on success, 0 for an unknown name; name: "?" if unknown. */
+int kvcap_calib_device_parse(const char *s, enum kvcap_calib_device *out);
+const char *kvcap_calib_device_name(enum kvcap_calib_device d);
+
+/* Why CUDA cannot be used here ("this build has no CUDA support", "no CUDA device is
+ * visible"), or NULL when it can. */
+const char *kvcap_calib_cuda_unavailable(void);
+
+/* AUTO becomes CUDA or CPU (never an error); CUDA without a usable device fails with
+ * KVCAP_ERR_UNSUPPORTED "device cuda: <reason>". */
+enum kvcap_status kvcap_calib_device_resolve(enum kvcap_calib_device want,
+                                             enum kvcap_calib_device *out);
+
+/* 1 if this build has the CUDA calibration paths (0 for the stub). */
+int kvcap_gpu_built(void);
+
+/* The name of the current CUDA device ("NVIDIA H100 80GB HBM3") into buf. */
+enum kvcap_status kvcap_gpu_device_name(char *buf, size_t cap);
+
+/* ---- Gram accumulation --------------------------------------------------------------------
+ * Per unit i, two m_i x m_i double Grams live on the device for the whole pass (uploaded from
+ * k_gram[i] / v_gram[i] at create, so accumulation continues from their contents). The unit's
+ * pending columns are staged on the host in pinned memory owned by the accumulator: kbuf and
+ * vbuf are m_i x cap_i row-major, exactly the layout of the CPU path's batch buffers, so the
+ * same code fills them. kvcap_gpu_gram_flush enqueues the product of the first `cols` columns:
+ * on the lane's copy stream an async copy into one of two device slots, then on its compute
+ * stream C += X Xᵀ (cublasDsyrk), so the copy of one batch overlaps the product of the
+ * previous. Lanes are independent (one per host thread: its own streams and cuBLAS handle);
+ * a unit may be flushed from different lanes over time (its products are ordered by an event
+ * per unit), but never from two lanes at once.
+ *
+ * Device memory: all Grams stay resident. kvcap_gpu_gram_create checks the total (Grams, two
+ * slots per lane and a reserve for cuBLAS) against cudaMemGetInfo and fails with
+ * KVCAP_ERR_OUT_OF_MEMORY naming the sizes when it does not fit; kvcap_calibrate then falls
+ * back to the CPU under device AUTO and fails under device CUDA. Resident Grams keep the
+ * traffic one-way (columns up, Grams down once); streaming Grams per batch would move m² per
+ * batch instead of m·cols. */
+struct kvcap_gpu_gram;
+
+struct kvcap_gpu_gram_params {
+    size_t n_units;
+    const int *m;              /* [n_units] Gram sizes */
+    const size_t *cap;         /* [n_units] batch capacity in columns */
+    double *const *k_gram;     /* [n_units] host Grams (m x m row-major): initial contents */
+    double *const *v_gram;
+    int lanes;                 /* host threads that flush concurrently (>= 1) */
+};
+
+enum kvcap_status kvcap_gpu_gram_create(const struct kvcap_gpu_gram_params *p,
+                                        struct kvcap_gpu_gram **out);
+
+/* Unit i's pinned batch buffers (owned by g, valid until kvcap_gpu_gram_free). */
+void kvcap_gpu_gram_buffers(struct kvcap_gpu_gram *g, size_t unit, double **kbuf, double **vbuf);
+
+/* Enqueues the Gram update of unit `unit` with its first `cols` pending columns, from lane
+ * `lane` (0 <= lane < lanes). Returns once the batch buffers may be refilled. */
+enum kvcap_status kvcap_gpu_gram_flush(struct kvcap_gpu_gram *g, int lane, size_t unit,
+                                       size_t cols);
+
+/* Waits for every lane and copies the Grams back into k_gram[i] / v_gram[i] (the pointers
+ * given at create). As on the CPU path only the upper triangle (row-major) was accumulated;
+ * the caller symmetrises. */
+enum kvcap_status kvcap_gpu_gram_finish(struct kvcap_gpu_gram *g);
+
+void kvcap_gpu_gram_free(struct kvcap_gpu_gram *g); /* NULL-safe */
+
+/* ---- Eigen-decompositions -----------------------------------------------------------------
+ * A cuSOLVER handle, one device workspace sized for n_max and pinned staging, reused for
+ * every matrix of a batch. */
+struct kvcap_gpu_eigen;
+
+enum kvcap_status kvcap_gpu_eigen_create(int n_max, struct kvcap_gpu_eigen **out);
+void kvcap_gpu_eigen_free(struct kvcap_gpu_eigen *e); /* NULL-safe */
+
+/* Decomposes `count` full symmetric row-major matrices mats[i] (n[i] x n[i], n[i] <= n_max).
+ * For each, in order, calls consume(i, a, w, user) with the output contract of kvcap_dsyevd:
+ * a (n x n row-major) holds the eigenvector of w[j] in its column j, w ascending; a and w are
+ * valid during the call only. The host's consume of matrix i overlaps the device's work on
+ * matrix i+1. Stops at the first failure: info > 0 (no convergence) is KVCAP_ERR_NUMERIC, and
+ * *failed (if not NULL) is the index of the matrix at fault, else -1. A non-OK status from
+ * consume stops the batch and is returned. */
+enum kvcap_status kvcap_gpu_dsyevd_batch(struct kvcap_gpu_eigen *e, int count,
+                                         const double *const *mats, const int *n,
+                                         enum kvcap_status (*consume)(int i, const double *a,
+                                                                      const double *w,
+                                                                      void *user),
+                                         void *user, int *failed);
+
+/* ---- Ceilings for the benchmark ------------------------------------------------------------ */
+struct kvcap_gpu_peak {
+    double dsyrk_gflops; /* best cublasDsyrk on device-resident data, m x k, k in 256..4096 */
+    int dsyrk_k;         /* the k of the best rate */
+    double dgemm_gflops; /* cublasDgemm m x m x m */
+    double h2d_gbps;     /* pinned host -> device copy bandwidth, GB/s (1e9 bytes) */
+};
+
+/* Measures the ceilings the GPU Gram path is compared with, for Grams of size m. Counts
+ * m(m+1)k flops per DSYRK and 2m³ per DGEMM. */
+enum kvcap_status kvcap_gpu_peak_measure(int m, struct kvcap_gpu_peak *out);
+
+#endif /* KVCAP_CALIB_GPU_H */
