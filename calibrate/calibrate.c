@@ -1,7 +1,7 @@
 /* calibrate.c — kvcap_calibrate(): stream the dataset once, accumulating per (layer, KV head,
  * bucket) the Grams of centred values and offset-free keys over the training split (batched
  * dsyrk in double, on the CPU or a CUDA device), fit value bases and key maps, optionally train
- * the key maps, and measure the fit on the validation split. */
+ * the key maps (on the same device), and measure the fit on the validation split. */
 #include <cblas.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -401,6 +401,7 @@ enum kvcap_status kvcap_calibrate(const struct kvcap_calib_config *cfg,
         st = gpu_setup(state, acc, n_units, threads, o->device == KVCAP_CALIB_DEVICE_AUTO, &gpu,
                        &device);
     report->device = device;
+    report->train_device = KVCAP_CALIB_DEVICE_CPU;
     if (st == KVCAP_OK && gpu)
         st = kvcap_gpu_device_name(report->device_name, sizeof report->device_name);
     for (size_t i = 0; st == KVCAP_OK && i < n_units; i++) {
@@ -544,14 +545,26 @@ enum kvcap_status kvcap_calibrate(const struct kvcap_calib_config *cfg,
         }
         kvcap_dataset_close(ds);
         ds = NULL;
+        /* Training runs where the Grams ran. Under AUTO a unit the device cannot take (e.g.
+         * not enough memory) trains on the CPU with a warning, and so do the units after it. */
+        enum kvcap_calib_device train_device = device;
         for (size_t i = 0; st == KVCAP_OK && i < n_units; i++) {
             struct kvcap_calib_unit *u = &state->units[i];
             struct kvcap_key_maps out;
             struct kvcap_train_report tr;
-            st = kvcap_keys_train(acc[i].train, acc[i].train_cap, acc[i].train_cols, val[i],
-                                  val_cap[i], val_cols[i], &cfg->keys.train,
-                                  cfg->keys.activation == KVCAP_ACTIVATION_GELU, &u->keys, &out,
-                                  &tr);
+            int gelu = cfg->keys.activation == KVCAP_ACTIVATION_GELU;
+            if (train_device == KVCAP_CALIB_DEVICE_CUDA) {
+                st = kvcap_gpu_keys_train(acc[i].train, acc[i].train_cap, acc[i].train_cols,
+                                          val[i], val_cap[i], val_cols[i], &cfg->keys.train,
+                                          gelu, &u->keys, &out, &tr,
+                                          o->device == KVCAP_CALIB_DEVICE_AUTO);
+                if (st == KVCAP_OK && !tr.on_device)
+                    train_device = KVCAP_CALIB_DEVICE_CPU;
+            } else {
+                st = kvcap_keys_train(acc[i].train, acc[i].train_cap, acc[i].train_cols, val[i],
+                                      val_cap[i], val_cols[i], &cfg->keys.train, gelu, &u->keys,
+                                      &out, &tr);
+            }
             if (st == KVCAP_OK) {
                 kvcap_key_maps_free(&u->keys);
                 u->keys = out;
@@ -568,6 +581,7 @@ enum kvcap_status kvcap_calibrate(const struct kvcap_calib_config *cfg,
             free(val[i]);
         free(val), free(val_cols), free(val_cap), free(val_spans);
         report->seconds_train = kvcap_seconds() - t0;
+        report->train_device = train_device;
     }
     free_accumulators(acc, n_units, &gpu);
     for (int t = 0; sc && t < threads; t++)

@@ -18,11 +18,12 @@ struct kvcap_calibrate_options {
     /* Progress: phase names "accumulate", "fit", "train", "validate"; called often. */
     void (*progress)(const char *phase, int64_t done, int64_t total, void *user);
     void *user;
-    /* Where the Grams are accumulated and the value PCA runs (gpu.h). AUTO (the default):
-     * CUDA when a device is visible, else the CPU, and the CPU with a warning if the device
-     * cannot be set up (e.g. the Grams do not fit in its memory); CUDA: the device or
+    /* Where the Grams are accumulated, the value PCA runs and the key maps are trained
+     * (keys.method trained; gpu.h). AUTO (the default): CUDA when a device is visible, else
+     * the CPU, and the CPU with a warning if the device cannot be set up (e.g. the Grams, or
+     * a unit's training columns, do not fit in its memory); CUDA: the device or
      * KVCAP_ERR_UNSUPPORTED / the setup's error. Loading and preprocessing the spans,
-     * closed-form keys, key training and validation run on the CPU either way. */
+     * closed-form keys and validation run on the CPU either way. */
     enum kvcap_calib_device device;
 };
 
@@ -37,12 +38,17 @@ struct kvcap_calibrate_report {
     enum kvcap_calib_device device; /* where the Grams were accumulated: CPU or CUDA (the value
                                      * PCA's device is fit.values_device) */
     char device_name[128];          /* the CUDA device's name; "" on the CPU */
+    enum kvcap_calib_device train_device; /* where the key maps were trained (keys.method
+                                           * trained): CUDA if every unit trained there, else
+                                           * CPU; CPU when nothing was trained */
 };
 
 /* Streams the dataset, accumulates Grams over the training split, fits value bases and key
  * maps (closed form, then trained if configured), measures validation metrics, and fills
  * `state` (initialised here; the caller frees it). Nothing is written to disk. On CUDA the
- * Grams and the value PCA agree with the CPU's to rounding (double precision throughout). */
+ * Grams and the value PCA agree with the CPU's to rounding (double precision throughout); the
+ * trained key maps (float, Adam) agree to rounding amplified by the optimiser
+ * (tests/test_train_cuda.c states by how much). */
 enum kvcap_status kvcap_calibrate(const struct kvcap_calib_config *cfg,
                                   const struct kvcap_calibrate_options *o,
                                   struct kvcap_calib_state *state,

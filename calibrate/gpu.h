@@ -1,8 +1,10 @@
 /* gpu.h — calibration on a CUDA device: the Gram accumulator (cuBLAS DSYRK on device-resident
- * double Grams, fed from pinned host batches) and batched symmetric eigen-decompositions
- * (cuSOLVER). calibrate/cuda/gram.cu implements it; calibrate/gpu_stub.c, in builds without
- * CUDA, answers KVCAP_ERR_UNSUPPORTED. Only the product of each batch and the eigensolver move
- * to the device: every preprocessing step stays the CPU code, shared by both paths. */
+ * double Grams, fed from pinned host batches), batched symmetric eigen-decompositions
+ * (cuSOLVER) and the trained key maps' optimisation (cuBLAS SGEMM + small kernels).
+ * calibrate/cuda/gram.cu and calibrate/cuda/train.cu implement it; calibrate/gpu_stub.c, in
+ * builds without CUDA, answers KVCAP_ERR_UNSUPPORTED. Only the products, the eigensolver and
+ * the training steps move to the device: every preprocessing step, the closed-form start, the
+ * hardening of the mask and the batch order stay the CPU code, shared by both paths. */
 #ifndef KVCAP_CALIB_GPU_H
 #define KVCAP_CALIB_GPU_H
 
@@ -104,6 +106,90 @@ enum kvcap_status kvcap_gpu_dsyevd_batch(struct kvcap_gpu_eigen *e, int count,
                                                                       const double *w,
                                                                       void *user),
                                          void *user, int *failed);
+
+/* ---- Key training -------------------------------------------------------------------------
+ * kvcap_keys_train (keys.h) with its Adam steps, checkpoint scores and MSEs on the current CUDA
+ * device; the start, the hardening and the minibatch order are the CPU code's, so for a seed
+ * the device sees the same batches in the same order. Same arguments and contract, plus
+ * `fallback`: if the device cannot be used for this problem (none visible, a build without
+ * CUDA, not enough device memory), nonzero logs a warning and trains on the CPU
+ * (report->on_device = 0), zero returns that error (KVCAP_ERR_UNSUPPORTED,
+ * KVCAP_ERR_OUT_OF_MEMORY, KVCAP_ERR_DEVICE). Argument errors are reported as by
+ * kvcap_keys_train, before any device is touched; a device failure after setup is an error
+ * either way. Bit-identical from run to run on one GPU model and toolkit; agrees with the CPU
+ * path to float rounding amplified by Adam (tests/test_train_cuda.c). Implemented in train.c
+ * over the kvcap_gpu_train object below. */
+struct kvcap_train_config;
+struct kvcap_key_maps;
+struct kvcap_train_report;
+struct kvcap_train_net;
+
+enum kvcap_status kvcap_gpu_keys_train(const float *x_train, size_t ld_train, size_t n_train,
+                                       const float *x_val, size_t ld_val, size_t n_val,
+                                       const struct kvcap_train_config *cfg, int gelu,
+                                       const struct kvcap_key_maps *init,
+                                       struct kvcap_key_maps *out,
+                                       struct kvcap_train_report *report, int fallback);
+
+/* The device side of one training run. From create to free the training and validation
+ * columns (packed m x n), θ, its gradient, the Adam moments and the scratch of one batch live
+ * in device memory; per step the host sends the batch's column indices and gets back the loss
+ * and a finiteness flag (one small copy each way and one stream synchronisation). θ comes back
+ * only when asked (kvcap_gpu_train_fetch). Products are cuBLAS SGEMMs in FP32 (pedantic math:
+ * no TF32 or emulation, whatever the environment says; atomics not allowed), reductions are
+ * fixed-order block reductions in double: no atomics anywhere, so the results are
+ * bit-identical from run to run. Networks (train_internal.h) must have the given m and h. */
+struct kvcap_gpu_train;
+
+struct kvcap_gpu_train_params {
+    int m, h;               /* points per sample, hidden width */
+    const float *x_train;   /* m x n_train, leading dimension ld_train (host) */
+    size_t ld_train, n_train;
+    const float *x_val;     /* m x n_val (ld_val), or NULL: checkpoints score x_train */
+    size_t ld_val, n_val;
+    size_t batch;           /* columns per step (the order's b): 1 <= batch <= n_train */
+};
+
+/* Checks the device memory needed against what is free (KVCAP_ERR_OUT_OF_MEMORY naming the
+ * sizes), allocates and uploads. Device buffers that receive results start as NaN, so an
+ * entry a kernel fails to write shows. */
+enum kvcap_status kvcap_gpu_train_create(const struct kvcap_gpu_train_params *p,
+                                         struct kvcap_gpu_train **out);
+void kvcap_gpu_train_free(struct kvcap_gpu_train *g); /* NULL-safe */
+
+/* Makes `net` (relaxed or hard) the device's network: uploads θ (and a hard network's rows),
+ * zeroes the Adam moments and the step count, fills the gradient with NaN. The scalars (tau,
+ * lambda_bce, lambda_r, ratio) are read from `net` by every call below, which must pass a
+ * network of the loaded shape. */
+enum kvcap_status kvcap_gpu_train_load(struct kvcap_gpu_train *g,
+                                       const struct kvcap_train_net *net);
+
+/* kvcap_train_loss_grad of the loaded network on the device, on the training columns `pick`
+ * (`batch` increasing indices into x_train) or on the whole training set (pick NULL; then
+ * n_train <= batch). The gradient is copied to grad[n_params] when grad is not NULL. */
+enum kvcap_status kvcap_gpu_train_loss_grad(struct kvcap_gpu_train *g,
+                                            const struct kvcap_train_net *net,
+                                            const size_t *pick, double *loss, float *grad);
+
+/* One Adam step (train_internal.h): the loss and gradient as above, then the update of θ,
+ * skipped on the device when the loss is not finite. *finite = 0 when the loss or the updated
+ * θ is not finite. */
+enum kvcap_status kvcap_gpu_train_step(struct kvcap_gpu_train *g,
+                                       const struct kvcap_train_net *net, const size_t *pick,
+                                       double lr, double *loss, int *finite);
+
+/* Copies the loaded θ into net->theta. */
+enum kvcap_status kvcap_gpu_train_fetch(struct kvcap_gpu_train *g, struct kvcap_train_net *net);
+
+/* The loaded hard network's MSE on the validation columns (kvcap_key_maps_mse's mse). */
+enum kvcap_status kvcap_gpu_train_score(struct kvcap_gpu_train *g,
+                                        const struct kvcap_train_net *net, double *mse);
+
+/* The MSE of maps k (m and h as created, any rk and gelu) on the validation (on_val) or
+ * training columns. */
+enum kvcap_status kvcap_gpu_train_maps_mse(struct kvcap_gpu_train *g,
+                                           const struct kvcap_key_maps *k, int on_val,
+                                           double *mse);
 
 /* ---- Ceilings for the benchmark ------------------------------------------------------------ */
 struct kvcap_gpu_peak {

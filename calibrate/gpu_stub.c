@@ -82,3 +82,71 @@ enum kvcap_status kvcap_gpu_peak_measure(int m, struct kvcap_gpu_peak *out)
     (void)m, (void)out;
     return UNSUPPORTED("cuda peak");
 }
+
+enum kvcap_status kvcap_gpu_train_create(const struct kvcap_gpu_train_params *p,
+                                         struct kvcap_gpu_train **out)
+{
+    (void)p;
+    if (out)
+        *out = NULL;
+    return UNSUPPORTED("cuda key training");
+}
+
+void kvcap_gpu_train_free(struct kvcap_gpu_train *g)
+{
+    (void)g;
+}
+
+enum kvcap_status kvcap_gpu_train_load(struct kvcap_gpu_train *g,
+                                       const struct kvcap_train_net *net)
+{
+    (void)g, (void)net;
+    return UNSUPPORTED("cuda key training");
+}
+
+enum kvcap_status kvcap_gpu_train_loss_grad(struct kvcap_gpu_train *g,
+                                            const struct kvcap_train_net *net,
+                                            const size_t *pick, double *loss, float *grad)
+{
+    (void)g, (void)net, (void)pick, (void)grad;
+    if (loss)
+        *loss = 0.0;
+    return UNSUPPORTED("cuda key training");
+}
+
+enum kvcap_status kvcap_gpu_train_step(struct kvcap_gpu_train *g,
+                                       const struct kvcap_train_net *net, const size_t *pick,
+                                       double lr, double *loss, int *finite)
+{
+    (void)g, (void)net, (void)pick, (void)lr;
+    if (loss)
+        *loss = 0.0;
+    if (finite)
+        *finite = 0;
+    return UNSUPPORTED("cuda key training");
+}
+
+enum kvcap_status kvcap_gpu_train_fetch(struct kvcap_gpu_train *g, struct kvcap_train_net *net)
+{
+    (void)g, (void)net;
+    return UNSUPPORTED("cuda key training");
+}
+
+enum kvcap_status kvcap_gpu_train_score(struct kvcap_gpu_train *g,
+                                        const struct kvcap_train_net *net, double *mse)
+{
+    (void)g, (void)net;
+    if (mse)
+        *mse = 0.0;
+    return UNSUPPORTED("cuda key training");
+}
+
+enum kvcap_status kvcap_gpu_train_maps_mse(struct kvcap_gpu_train *g,
+                                           const struct kvcap_key_maps *k, int on_val,
+                                           double *mse)
+{
+    (void)g, (void)k, (void)on_val;
+    if (mse)
+        *mse = 0.0;
+    return UNSUPPORTED("cuda key training");
+}

@@ -30,14 +30,16 @@ static void usage(FILE *out)
             "  -o, --out FILE           calibration state to write\n"
             "  -m, --metrics-json FILE  also write the per layer/head/bucket metrics as JSON\n"
             "      --skip-unmatched     skip spans whose grid matches no bucket (default: error)\n"
-            "      --device DEV         where the Grams are accumulated and the value PCA runs:\n"
-            "                           cuda, cpu or auto (default: cuda when a CUDA device is\n"
-            "                           visible, else cpu). Both agree to rounding (double\n"
-            "                           precision). Reading and preprocessing the spans,\n"
-            "                           closed-form keys, key training (keys.method: trained) and\n"
-            "                           validation run on the CPU either way. All Grams must\n"
-            "                           fit in device memory: cuda fails naming the sizes, auto\n"
-            "                           falls back to cpu; cuda without a device is an error\n"
+            "      --device DEV         where the Grams are accumulated, the value PCA runs and\n"
+            "                           the key maps are trained (keys.method: trained): cuda,\n"
+            "                           cpu or auto (default: cuda when a CUDA device is visible,\n"
+            "                           else cpu). Grams and PCA agree to rounding (double\n"
+            "                           precision), trained maps to float rounding amplified by\n"
+            "                           Adam. Reading and preprocessing the spans, closed-form\n"
+            "                           keys and validation run on the CPU either way. All Grams\n"
+            "                           (and each unit's training columns) must fit in device\n"
+            "                           memory: cuda fails naming the sizes, auto falls back to\n"
+            "                           cpu; cuda without a device is an error\n"
             "  -q, --quiet              no progress or summary\n"
             "  -v, --verbose            also print per-unit training reports\n"
             "  -V, --version            print the kvcap version\n"
@@ -81,18 +83,41 @@ static void cell(double v, const char *fmt)
         printf(fmt, v);
 }
 
+/* "a", "a and b", "a, b and c" */
+static void print_list(const char *const *items, int n)
+{
+    for (int i = 0; i < n; i++)
+        printf("%s%s", i == 0 ? "" : i == n - 1 ? " and " : ", ", items[i]);
+}
+
 static void print_device(const struct kvcap_calib_state *s, const struct kvcap_calibrate_report *r)
 {
     if (r->device != KVCAP_CALIB_DEVICE_CUDA) {
         printf("device: cpu\n");
         return;
     }
-    printf("device: cuda (%s): Gram accumulation%s; span preprocessing, closed-form keys%s and "
-           "validation on the CPU\n",
-           r->device_name,
-           r->fit.values_device == KVCAP_CALIB_DEVICE_CUDA ? " and value PCA"
-                                                           : " (value PCA on the CPU)",
-           s->key_method == KVCAP_KEY_METHOD_TRAINED ? ", key training" : "");
+    const char *on_device[3], *on_cpu[5];
+    int nd = 0, nc = 0;
+    int pca = r->fit.values_device == KVCAP_CALIB_DEVICE_CUDA;
+    int trained = s->key_method == KVCAP_KEY_METHOD_TRAINED;
+    int train = trained && r->train_device == KVCAP_CALIB_DEVICE_CUDA;
+    on_device[nd++] = "Gram accumulation";
+    on_cpu[nc++] = "span preprocessing";
+    on_cpu[nc++] = "closed-form keys";
+    if (pca)
+        on_device[nd++] = "value PCA";
+    else
+        on_cpu[nc++] = "value PCA";
+    if (train)
+        on_device[nd++] = "key training";
+    else if (trained)
+        on_cpu[nc++] = "key training";
+    on_cpu[nc++] = "validation";
+    printf("device: cuda (%s): ", r->device_name);
+    print_list(on_device, nd);
+    printf("; ");
+    print_list(on_cpu, nc);
+    printf(" on the CPU\n");
 }
 
 static void print_summary(const struct kvcap_calib_state *s, const struct kvcap_calibrate_report *r)
@@ -146,6 +171,8 @@ static int write_metrics_json(const char *path, const struct kvcap_calib_state *
     cJSON_AddStringToObject(root, "device", kvcap_calib_device_name(r->device));
     cJSON_AddStringToObject(root, "value_pca_device",
                             kvcap_calib_device_name(r->fit.values_device));
+    if (s->key_method == KVCAP_KEY_METHOD_TRAINED)
+        cJSON_AddStringToObject(root, "train_device", kvcap_calib_device_name(r->train_device));
     cJSON *units = cJSON_AddArrayToObject(root, "units");
     for (int l = 0; l < s->model.n_layers; l++)
         for (int h = 0; h < s->model.n_kv_heads; h++)

@@ -6,14 +6,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gpu.h"
 #include "internal.h"
 #include "keys.h"
 #include "rng.h"
 #include "train_internal.h"
 
-#define ADAM_BETA1 0.9
-#define ADAM_BETA2 0.999
-#define ADAM_EPS 1e-8
 /* The relaxed mask starts at 0.95 on the retained points and 0.05 elsewhere: decided enough
  * that the start is the closed form, soft enough that the gradient still reaches α. */
 #define INIT_MASK 0.95
@@ -532,10 +530,8 @@ static void adam_reset(struct adam *a, size_t n)
 static void adam_step(struct adam *a, float *theta, const float *g, double lr)
 {
     a->t++;
-    const float b1 = (float)ADAM_BETA1, b2 = (float)ADAM_BETA2, eps = (float)ADAM_EPS;
-    const float c1 = (float)(1.0 - pow(ADAM_BETA1, a->t));
-    const float c2 = (float)(1.0 - pow(ADAM_BETA2, a->t));
-    const float rate = (float)lr;
+    const struct kvcap_train_adam_step s = kvcap_train_adam_scalars(a->t, lr);
+    const float b1 = s.beta1, b2 = s.beta2, eps = s.eps, c1 = s.c1, c2 = s.c2, rate = s.rate;
     for (size_t i = 0; i < a->n; i++) {
         a->m1[i] = b1 * a->m1[i] + (1.0f - b1) * g[i];
         a->m2[i] = b2 * a->m2[i] + (1.0f - b2) * g[i] * g[i];
@@ -543,24 +539,14 @@ static void adam_step(struct adam *a, float *theta, const float *g, double lr)
     }
 }
 
-/* Minibatches of columns: consecutive slices of a seeded permutation, reshuffled when the
- * rest of it is shorter than a batch; the whole set when it fits in one batch. */
-struct batcher {
-    const float *x;
-    size_t ld, n, b;
-    size_t *perm, *pick, pos;
-    float *buf; /* m x b */
-    struct kvcap_rng rng;
-};
-
-static void shuffle(struct batcher *bt)
+static void shuffle(struct kvcap_train_order *o)
 {
-    for (size_t i = bt->n; i > 1; i--) {
-        size_t j = (size_t)kvcap_rng_below(&bt->rng, i), t = bt->perm[i - 1];
-        bt->perm[i - 1] = bt->perm[j];
-        bt->perm[j] = t;
+    for (size_t i = o->n; i > 1; i--) {
+        size_t j = (size_t)kvcap_rng_below(&o->rng, i), t = o->perm[i - 1];
+        o->perm[i - 1] = o->perm[j];
+        o->perm[j] = t;
     }
-    bt->pos = 0;
+    o->pos = 0;
 }
 
 static int compare_size(const void *pa, const void *pb)
@@ -569,60 +555,104 @@ static int compare_size(const void *pa, const void *pb)
     return (a > b) - (a < b);
 }
 
+enum kvcap_status kvcap_train_order_init(struct kvcap_train_order *o, size_t n, uint64_t seed)
+{
+    memset(o, 0, sizeof *o);
+    o->n = n;
+    o->b = n < KVCAP_TRAIN_BATCH ? n : KVCAP_TRAIN_BATCH;
+    kvcap_rng_seed(&o->rng, seed);
+    if (n <= o->b)
+        return KVCAP_OK;
+    o->perm = malloc(sizeof *o->perm * n);
+    o->pick = malloc(sizeof *o->pick * o->b);
+    if (!o->perm || !o->pick) {
+        kvcap_train_order_free(o);
+        return kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY,
+                          "keys train: out of memory for the order of %zu columns", n);
+    }
+    for (size_t i = 0; i < n; i++)
+        o->perm[i] = i;
+    shuffle(o);
+    return KVCAP_OK;
+}
+
+void kvcap_train_order_free(struct kvcap_train_order *o)
+{
+    if (!o)
+        return;
+    free(o->perm);
+    free(o->pick);
+    memset(o, 0, sizeof *o);
+}
+
+const size_t *kvcap_train_order_next(struct kvcap_train_order *o)
+{
+    if (!o->perm)
+        return NULL;
+    if (o->n - o->pos < o->b)
+        shuffle(o);
+    memcpy(o->pick, o->perm + o->pos, sizeof *o->pick * o->b);
+    o->pos += o->b;
+    qsort(o->pick, o->b, sizeof *o->pick, compare_size);
+    return o->pick;
+}
+
+/* The CPU's minibatches: the shared order, gathered into a buffer of b columns. */
+struct batcher {
+    struct kvcap_train_order order;
+    const float *x;
+    size_t ld;
+    float *buf; /* m x b */
+};
+
 static enum kvcap_status batcher_init(struct batcher *bt, const float *x, size_t ld, size_t n,
                                       int m, uint64_t seed)
 {
     bt->x = x;
     bt->ld = ld;
-    bt->n = n;
-    bt->b = n < KVCAP_TRAIN_BATCH ? n : KVCAP_TRAIN_BATCH;
-    kvcap_rng_seed(&bt->rng, seed);
-    if (n <= bt->b)
+    KVCAP_TRY(kvcap_train_order_init(&bt->order, n, seed));
+    if (!bt->order.perm)
         return KVCAP_OK;
-    bt->perm = malloc(sizeof *bt->perm * n);
-    bt->pick = malloc(sizeof *bt->pick * bt->b);
-    bt->buf = malloc(sizeof *bt->buf * bt->b * (size_t)m);
-    KVCAP_RETURN_IF(!bt->perm || !bt->pick || !bt->buf, KVCAP_ERR_OUT_OF_MEMORY,
-                    "keys train: out of memory for batches of %zu columns (m %d)", bt->b, m);
-    for (size_t i = 0; i < n; i++)
-        bt->perm[i] = i;
-    shuffle(bt);
+    bt->buf = malloc(sizeof *bt->buf * bt->order.b * (size_t)m);
+    KVCAP_RETURN_IF(!bt->buf, KVCAP_ERR_OUT_OF_MEMORY,
+                    "keys train: out of memory for batches of %zu columns (m %d)", bt->order.b, m);
     return KVCAP_OK;
 }
 
 static const float *next_batch(struct batcher *bt, int m, size_t *ld)
 {
-    if (!bt->perm) {
+    const size_t *pick = kvcap_train_order_next(&bt->order), b = bt->order.b;
+    if (!pick) {
         *ld = bt->ld;
         return bt->x;
     }
-    if (bt->n - bt->pos < bt->b)
-        shuffle(bt);
-    memcpy(bt->pick, bt->perm + bt->pos, sizeof *bt->pick * bt->b);
-    bt->pos += bt->b;
-    qsort(bt->pick, bt->b, sizeof *bt->pick, compare_size); /* gather in memory order */
     for (int j = 0; j < m; j++) {
         const float *row = bt->x + (size_t)j * bt->ld;
-        float *dst = bt->buf + (size_t)j * bt->b;
-        for (size_t c = 0; c < bt->b; c++)
-            dst[c] = row[bt->pick[c]];
+        float *dst = bt->buf + (size_t)j * b;
+        for (size_t c = 0; c < b; c++)
+            dst[c] = row[pick[c]];
     }
-    *ld = bt->b;
+    *ld = b;
     return bt->buf;
 }
 
-/* Everything kvcap_keys_train owns, freed in one place whatever happened. */
+/* Everything kvcap_keys_train owns, freed in one place whatever happened. On a CUDA device
+ * (gpu non-NULL) the steps, the gradient, the Adam moments and every MSE live there
+ * (calibrate/gpu.h): the host keeps the network's shape and scalars, computes the start, the
+ * hardening and the batch order, and holds θ only when it is fetched (after the relaxed phase,
+ * at an improving checkpoint); work, the batch buffer, adam and grad stay unallocated. */
 struct trainer {
     struct kvcap_train_net relaxed, hard;
     struct kvcap_train_work work;
     struct batcher batches;
     struct adam adam;
     float *grad;
+    struct kvcap_gpu_train *gpu;
     struct kvcap_key_maps best, cand;
     double best_val;
     /* where checkpoints are scored: x_val, or x_train when there is no validation set */
-    const float *xv;
-    size_t ldv, nv;
+    const float *xt, *xv;
+    size_t ldt, nt, ldv, nv;
 };
 
 static void trainer_free(struct trainer *tr)
@@ -630,23 +660,44 @@ static void trainer_free(struct trainer *tr)
     kvcap_train_net_free(&tr->relaxed);
     kvcap_train_net_free(&tr->hard);
     kvcap_train_work_free(&tr->work);
-    free(tr->batches.perm);
-    free(tr->batches.pick);
+    kvcap_train_order_free(&tr->batches.order);
     free(tr->batches.buf);
     free(tr->adam.m1);
     free(tr->adam.m2);
     free(tr->grad);
+    kvcap_gpu_train_free(tr->gpu);
     kvcap_key_maps_free(&tr->best);
     kvcap_key_maps_free(&tr->cand);
+}
+
+/* MSE of maps on the validation (on_val) or training columns, where the run is. */
+static enum kvcap_status maps_mse(struct trainer *tr, const struct kvcap_key_maps *k, int on_val,
+                                  double *mse)
+{
+    if (tr->gpu)
+        return kvcap_gpu_train_maps_mse(tr->gpu, k, on_val, mse);
+    double energy;
+    return kvcap_key_maps_mse(k, on_val ? tr->xv : tr->xt, on_val ? tr->ldv : tr->ldt,
+                              on_val ? tr->nv : tr->nt, mse, &energy);
 }
 
 /* Scores the hard network on the validation columns; keeps it if strictly better. A
  * non-finite score is never kept. */
 static enum kvcap_status checkpoint(struct trainer *tr, int *kept_init)
 {
-    double mse, energy;
-    kvcap_train_net_to_maps(&tr->hard, &tr->cand);
-    KVCAP_TRY(kvcap_key_maps_mse(&tr->cand, tr->xv, tr->ldv, tr->nv, &mse, &energy));
+    double mse;
+    if (tr->gpu) {
+        /* scored where θ is; fetched only when it is kept */
+        KVCAP_TRY(kvcap_gpu_train_score(tr->gpu, &tr->hard, &mse));
+        if (!(mse < tr->best_val))
+            return KVCAP_OK;
+        KVCAP_TRY(kvcap_gpu_train_fetch(tr->gpu, &tr->hard));
+        kvcap_train_net_to_maps(&tr->hard, &tr->cand);
+    } else {
+        double energy;
+        kvcap_train_net_to_maps(&tr->hard, &tr->cand);
+        KVCAP_TRY(kvcap_key_maps_mse(&tr->cand, tr->xv, tr->ldv, tr->nv, &mse, &energy));
+    }
     if (mse < tr->best_val) {
         struct kvcap_key_maps t = tr->best;
         tr->best = tr->cand;
@@ -665,59 +716,124 @@ static int all_finite(const float *v, size_t n)
     return 1;
 }
 
+/* One Adam step of `net` on the next batch. *finite = 0 when the loss is not finite (no
+ * update) or the updated parameters are not (the update was applied). */
+static enum kvcap_status step(struct trainer *tr, struct kvcap_train_net *net,
+                              const struct kvcap_train_config *cfg, int *finite)
+{
+    double loss;
+    if (tr->gpu) {
+        const size_t *pick = kvcap_train_order_next(&tr->batches.order);
+        return kvcap_gpu_train_step(tr->gpu, net, pick, cfg->lr, &loss, finite);
+    }
+    size_t ld;
+    const float *xb = next_batch(&tr->batches, net->m, &ld);
+    loss = kvcap_train_loss_grad(net, xb, ld, tr->batches.order.b, &tr->work, tr->grad);
+    *finite = 0;
+    if (!isfinite(loss))
+        return KVCAP_OK;
+    adam_step(&tr->adam, net->theta, tr->grad, cfg->lr);
+    *finite = all_finite(net->theta, net->n_params);
+    return KVCAP_OK;
+}
+
 /* Runs one phase: `steps` Adam steps of `net`, fresh Adam moments. *taken is the number of
  * steps done: fewer than asked when the loss or the parameters stop being finite (the caller
  * then stops training; the last finite-loss update may have been applied). If
- * `checkpoints`, scores the network every KVCAP_TRAIN_CHECK_EVERY steps and after the last. */
+ * `checkpoints`, scores the network at the start, every KVCAP_TRAIN_CHECK_EVERY steps and
+ * after the last. */
 static enum kvcap_status run_phase(struct trainer *tr, struct kvcap_train_net *net,
                                    const struct kvcap_train_config *cfg, int steps,
                                    int checkpoints, int *kept_init, int *taken)
 {
     *taken = 0;
-    adam_reset(&tr->adam, net->n_params);
+    if (tr->gpu)
+        KVCAP_TRY(kvcap_gpu_train_load(tr->gpu, net));
+    else
+        adam_reset(&tr->adam, net->n_params);
+    if (checkpoints)
+        KVCAP_TRY(checkpoint(tr, kept_init));
     for (int t = 0; t < steps; t++) {
         if (!net->rows && steps > 1) /* geometric annealing, tau_end at the last step */
             net->tau = cfg->tau_start * pow(cfg->tau_end / cfg->tau_start, (double)t / (steps - 1));
-        size_t ld;
-        const float *xb = next_batch(&tr->batches, net->m, &ld);
-        double loss = kvcap_train_loss_grad(net, xb, ld, tr->batches.b, &tr->work, tr->grad);
-        if (!isfinite(loss))
-            return KVCAP_OK;
-        adam_step(&tr->adam, net->theta, tr->grad, cfg->lr);
-        if (!all_finite(net->theta, net->n_params))
+        int finite;
+        KVCAP_TRY(step(tr, net, cfg, &finite));
+        if (!finite)
             return KVCAP_OK;
         *taken = t + 1;
         if (checkpoints && ((t + 1) % KVCAP_TRAIN_CHECK_EVERY == 0 || t + 1 == steps))
             KVCAP_TRY(checkpoint(tr, kept_init));
     }
+    /* the relaxed θ is hardened on the host */
+    if (tr->gpu && !net->rows && steps > 0)
+        KVCAP_TRY(kvcap_gpu_train_fetch(tr->gpu, net));
     return KVCAP_OK;
 }
 
-static enum kvcap_status train_run(struct trainer *tr, const float *x_train, size_t ld_train,
-                                   size_t n_train, const struct kvcap_train_config *cfg, int gelu,
-                                   const struct kvcap_key_maps *init,
-                                   struct kvcap_train_report *rep)
+/* Moves the run to a CUDA device: the columns are uploaded, θ and Adam follow per phase. With
+ * `fallback`, a device that cannot be used (none, or not enough memory for this problem) is a
+ * warning and the run stays on the CPU. */
+static enum kvcap_status gpu_setup(struct trainer *tr, int m, int h, size_t batch, int fallback)
+{
+    const char *why = kvcap_calib_cuda_unavailable();
+    enum kvcap_status st = KVCAP_OK;
+    if (fallback)
+        kvcap_quiet_push();
+    if (why) {
+        st = kvcap_fail(KVCAP_ERR_UNSUPPORTED, "keys train: device cuda: %s", why);
+    } else {
+        /* no validation set: the training columns are scored, uploaded once */
+        const int val_is_train = tr->xv == tr->xt && tr->ldv == tr->ldt && tr->nv == tr->nt;
+        struct kvcap_gpu_train_params p = {m, h, tr->xt, tr->ldt, tr->nt,
+                                           val_is_train ? NULL : tr->xv, tr->ldv,
+                                           val_is_train ? 0 : tr->nv, batch};
+        st = kvcap_gpu_train_create(&p, &tr->gpu);
+    }
+    if (fallback)
+        kvcap_quiet_pop();
+    if (st != KVCAP_OK && fallback) {
+        kvcap_log(KVCAP_LOG_WARN, "%s; training the keys on the CPU", kvcap_last_error());
+        kvcap_clear_error();
+        tr->gpu = NULL;
+        st = KVCAP_OK;
+    }
+    return st;
+}
+
+static enum kvcap_status train_run(struct trainer *tr, const struct kvcap_train_config *cfg,
+                                   int gelu, const struct kvcap_key_maps *init, int device,
+                                   int fallback, struct kvcap_train_report *rep)
 {
     const int m = init->m, rk = init->rk, h = init->h;
-    double energy;
+
+    if (device) {
+        size_t batch = tr->nt < KVCAP_TRAIN_BATCH ? tr->nt : KVCAP_TRAIN_BATCH;
+        KVCAP_TRY(gpu_setup(tr, m, h, batch, fallback));
+        rep->on_device = tr->gpu != NULL;
+    }
+    if (tr->gpu)
+        KVCAP_TRY(kvcap_train_order_init(&tr->batches.order, tr->nt, cfg->seed));
+    else
+        KVCAP_TRY(batcher_init(&tr->batches, tr->xt, tr->ldt, tr->nt, m, cfg->seed));
 
     /* The initialisation is the first checkpoint. */
     KVCAP_TRY(kvcap_key_maps_copy(&tr->best, init));
-    KVCAP_TRY(kvcap_key_maps_mse(init, x_train, ld_train, n_train, &rep->init_train_mse, &energy));
-    KVCAP_TRY(kvcap_key_maps_mse(init, tr->xv, tr->ldv, tr->nv, &rep->init_val_mse, &energy));
+    KVCAP_TRY(maps_mse(tr, init, 0, &rep->init_train_mse));
+    KVCAP_TRY(maps_mse(tr, init, 1, &rep->init_val_mse));
     tr->best_val = rep->init_val_mse;
     rep->kept_init = 1;
 
-    KVCAP_TRY(batcher_init(&tr->batches, x_train, ld_train, n_train, m, cfg->seed));
-    KVCAP_TRY(kvcap_train_work_alloc(&tr->work, m, h, tr->batches.b));
-    KVCAP_TRY(kvcap_train_net_init_relaxed(&tr->relaxed, init, gelu, cfg, x_train, ld_train,
-                                           n_train));
-    size_t np = tr->relaxed.n_params; /* the relaxed network is the larger one */
-    tr->grad = malloc(sizeof *tr->grad * np);
-    tr->adam.m1 = malloc(sizeof *tr->adam.m1 * np);
-    tr->adam.m2 = malloc(sizeof *tr->adam.m2 * np);
-    KVCAP_RETURN_IF(!tr->grad || !tr->adam.m1 || !tr->adam.m2, KVCAP_ERR_OUT_OF_MEMORY,
-                    "keys train: out of memory for %zu parameters", np);
+    KVCAP_TRY(kvcap_train_net_init_relaxed(&tr->relaxed, init, gelu, cfg, tr->xt, tr->ldt,
+                                           tr->nt));
+    if (!tr->gpu) {
+        KVCAP_TRY(kvcap_train_work_alloc(&tr->work, m, h, tr->batches.order.b));
+        size_t np = tr->relaxed.n_params; /* the relaxed network is the larger one */
+        tr->grad = malloc(sizeof *tr->grad * np);
+        tr->adam.m1 = malloc(sizeof *tr->adam.m1 * np);
+        tr->adam.m2 = malloc(sizeof *tr->adam.m2 * np);
+        KVCAP_RETURN_IF(!tr->grad || !tr->adam.m1 || !tr->adam.m2, KVCAP_ERR_OUT_OF_MEMORY,
+                        "keys train: out of memory for %zu parameters", np);
+    }
 
     int taken;
     KVCAP_TRY(run_phase(tr, &tr->relaxed, cfg, cfg->steps, 0, &rep->kept_init, &taken));
@@ -731,7 +847,6 @@ static enum kvcap_status train_run(struct trainer *tr, const float *x_train, siz
     }
     KVCAP_TRY(kvcap_train_net_harden(&tr->relaxed, rk, &tr->hard));
     KVCAP_TRY(kvcap_key_maps_alloc(&tr->cand, m, rk, h, tr->hard.gelu));
-    KVCAP_TRY(checkpoint(tr, &rep->kept_init));
     KVCAP_TRY(run_phase(tr, &tr->hard, cfg, cfg->finetune_steps, 1, &rep->kept_init, &taken));
     rep->steps_run += taken;
     if (taken < cfg->finetune_steps)
@@ -797,11 +912,13 @@ static enum kvcap_status check_args(const float *x_train, size_t ld_train, size_
     return KVCAP_OK;
 }
 
-enum kvcap_status kvcap_keys_train(const float *x_train, size_t ld_train, size_t n_train,
-                                   const float *x_val, size_t ld_val, size_t n_val,
-                                   const struct kvcap_train_config *cfg, int gelu,
-                                   const struct kvcap_key_maps *init, struct kvcap_key_maps *out,
-                                   struct kvcap_train_report *report)
+/* kvcap_keys_train where `device` says: on the CPU (0) or a CUDA device (1, with `fallback`:
+ * to the CPU with a warning if the device cannot be set up). */
+static enum kvcap_status keys_train(const float *x_train, size_t ld_train, size_t n_train,
+                                    const float *x_val, size_t ld_val, size_t n_val,
+                                    const struct kvcap_train_config *cfg, int gelu,
+                                    const struct kvcap_key_maps *init, struct kvcap_key_maps *out,
+                                    struct kvcap_train_report *report, int device, int fallback)
 {
     KVCAP_RETURN_IF(!out, KVCAP_ERR_INVALID_ARGUMENT, "keys train: out is NULL");
     KVCAP_RETURN_IF(out == init, KVCAP_ERR_INVALID_ARGUMENT, "keys train: out is init");
@@ -814,19 +931,19 @@ enum kvcap_status kvcap_keys_train(const float *x_train, size_t ld_train, size_t
 
     struct trainer tr;
     memset(&tr, 0, sizeof tr);
+    tr.xt = x_train;
+    tr.ldt = ld_train;
+    tr.nt = n_train;
     tr.xv = n_val > 0 ? x_val : x_train;
     tr.ldv = n_val > 0 ? ld_val : ld_train;
     tr.nv = n_val > 0 ? n_val : n_train;
     struct kvcap_train_report rep;
     memset(&rep, 0, sizeof rep);
-    enum kvcap_status st = train_run(&tr, x_train, ld_train, n_train, cfg, gelu != 0, init, &rep);
-    if (st == KVCAP_OK && !rep.kept_init) {
-        double energy;
-        st = kvcap_key_maps_mse(&tr.best, x_train, ld_train, n_train, &rep.final_train_mse,
-                                &energy);
-    } else if (st == KVCAP_OK) {
+    enum kvcap_status st = train_run(&tr, cfg, gelu != 0, init, device, fallback, &rep);
+    if (st == KVCAP_OK && !rep.kept_init)
+        st = maps_mse(&tr, &tr.best, 0, &rep.final_train_mse);
+    else if (st == KVCAP_OK)
         rep.final_train_mse = rep.init_train_mse;
-    }
     if (st == KVCAP_OK) {
         rep.final_val_mse = tr.best_val;
         *out = tr.best;
@@ -835,4 +952,25 @@ enum kvcap_status kvcap_keys_train(const float *x_train, size_t ld_train, size_t
     }
     trainer_free(&tr);
     return st;
+}
+
+enum kvcap_status kvcap_keys_train(const float *x_train, size_t ld_train, size_t n_train,
+                                   const float *x_val, size_t ld_val, size_t n_val,
+                                   const struct kvcap_train_config *cfg, int gelu,
+                                   const struct kvcap_key_maps *init, struct kvcap_key_maps *out,
+                                   struct kvcap_train_report *report)
+{
+    return keys_train(x_train, ld_train, n_train, x_val, ld_val, n_val, cfg, gelu, init, out,
+                      report, 0, 0);
+}
+
+enum kvcap_status kvcap_gpu_keys_train(const float *x_train, size_t ld_train, size_t n_train,
+                                       const float *x_val, size_t ld_val, size_t n_val,
+                                       const struct kvcap_train_config *cfg, int gelu,
+                                       const struct kvcap_key_maps *init,
+                                       struct kvcap_key_maps *out,
+                                       struct kvcap_train_report *report, int fallback)
+{
+    return keys_train(x_train, ld_train, n_train, x_val, ld_val, n_val, cfg, gelu, init, out,
+                      report, 1, fallback != 0);
 }

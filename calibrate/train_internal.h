@@ -5,10 +5,12 @@
 #ifndef KVCAP_TRAIN_INTERNAL_H
 #define KVCAP_TRAIN_INTERNAL_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
 #include "keys.h"
+#include "rng.h"
 
 /* Pre-activations of the GELU network that reproduces a linear init are shifted to at least
  * MARGIN + SLACK·(their range) on the training data. tanhf saturates to 1.0f for arguments
@@ -24,6 +26,51 @@
 
 /* Validation checkpoints during the fine-tune (and always after its last step). */
 #define KVCAP_TRAIN_CHECK_EVERY 25
+
+/* Adam, as the CPU loop (train.c) and the CUDA kernel (cuda/train.cu) both apply it, in float:
+ *     m1 = β1·m1 + (1 − β1)·g,   m2 = β2·m2 + (1 − β2)·g·g,
+ *     θ −= rate·(m1 / c1) / (√(m2 / c2) + eps),   c1 = 1 − β1^t, c2 = 1 − β2^t (step t from 1).
+ * The scalars are computed once here, so both paths use the same floats. */
+#define KVCAP_TRAIN_ADAM_BETA1 0.9
+#define KVCAP_TRAIN_ADAM_BETA2 0.999
+#define KVCAP_TRAIN_ADAM_EPS 1e-8
+
+struct kvcap_train_adam_step {
+    float beta1, beta2, eps, c1, c2, rate;
+};
+
+static inline struct kvcap_train_adam_step kvcap_train_adam_scalars(int t, double lr)
+{
+    struct kvcap_train_adam_step s;
+    s.beta1 = (float)KVCAP_TRAIN_ADAM_BETA1;
+    s.beta2 = (float)KVCAP_TRAIN_ADAM_BETA2;
+    s.eps = (float)KVCAP_TRAIN_ADAM_EPS;
+    s.c1 = (float)(1.0 - pow(KVCAP_TRAIN_ADAM_BETA1, t));
+    s.c2 = (float)(1.0 - pow(KVCAP_TRAIN_ADAM_BETA2, t));
+    s.rate = (float)lr;
+    return s;
+}
+
+/* The minibatch order, one definition for both paths so the CPU and the CUDA device see the
+ * same columns in the same order for a seed: consecutive slices of b columns of a seeded
+ * Fisher–Yates permutation of the n training columns (kvcap_rng_below from the last position
+ * down), reshuffled when the rest of it is shorter than a batch; each slice is sorted
+ * ascending so gathering it walks memory in order. A set of at most KVCAP_TRAIN_BATCH columns
+ * is used whole at every step. */
+struct kvcap_train_order {
+    size_t n, b;   /* training columns; columns per batch, min(n, KVCAP_TRAIN_BATCH) */
+    size_t *perm;  /* [n] the current permutation; NULL when the whole set is the batch */
+    size_t *pick;  /* [b] the last batch, increasing */
+    size_t pos;    /* batches taken from perm so far, times b */
+    struct kvcap_rng rng;
+};
+
+enum kvcap_status kvcap_train_order_init(struct kvcap_train_order *o, size_t n, uint64_t seed);
+void kvcap_train_order_free(struct kvcap_train_order *o); /* NULL-safe, leaves o zeroed */
+
+/* The next batch: o->b column indices, increasing, valid until the next call; NULL when the
+ * whole set is the batch (n <= KVCAP_TRAIN_BATCH). */
+const size_t *kvcap_train_order_next(struct kvcap_train_order *o);
 
 /* The network of one phase. Relaxed (rows == NULL, p == m): the input of W1 is diag(mask) X
  * with mask_j = σ(α_j/τ), and the loss adds the two mask terms. Hard (rows != NULL): the input

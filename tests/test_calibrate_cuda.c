@@ -37,9 +37,11 @@
 /* Validation metrics are ratios of small differences (k_rel ~ 0.05 turns a 1e-7 change of a map
  * into ~2e-6 of the metric); a wrong basis or mask would move them by O(1). */
 #define METRIC_REL_TOL 1e-4
-/* Trained keys: Adam from the closed form, in float, on the CPU in both runs; starting points
- * that differ by ulps may end a little apart after 100 steps. */
-#define TRAINED_REL_TOL 1e-3
+/* Trained keys: Adam from the closed form, in float, on the CPU in one run and on the device in
+ * the other. Gradients that differ in rounding end a little apart: noise of 1e-6 of the largest
+ * gradient entry moved k_rel by up to 3.2e-4 over this test's units on the CPU, so 3e-3 keeps a
+ * 10x margin while a wrong mask or reconstructor moves k_rel by O(1). */
+#define TRAINED_REL_TOL 3e-3
 
 static const char *yaml =
     "model:\n"
@@ -432,7 +434,7 @@ static void test_merged_states_match(void **state)
     test_rm_tree(db);
 }
 
-static void test_trained_keys_on_cpu(void **state)
+static void test_trained_keys(void **state)
 {
     (void)state;
     struct kvcap_calib_config cfg;
@@ -445,7 +447,8 @@ static void test_trained_keys_on_cpu(void **state)
     struct kvcap_calibrate_report rc, rg;
     calibrate(&cfg, dirs, 1, KVCAP_CALIB_DEVICE_CPU, &sc, &rc);
     calibrate(&cfg, dirs, 1, KVCAP_CALIB_DEVICE_CUDA, &sg, &rg);
-    assert_true(rg.seconds_train > 0); /* the training ran (on the CPU) */
+    assert_true(rg.seconds_train > 0);
+    assert_int_equal(rg.train_device, KVCAP_CALIB_DEVICE_CUDA);
     assert_int_equal(sg.activation, KVCAP_ACTIVATION_GELU);
     expect_same_values(&sc, &sg);
     size_t n = (size_t)cfg.model.n_layers * cfg.model.n_kv_heads * cfg.n_buckets;
@@ -474,7 +477,7 @@ int main(void)
         cmocka_unit_test(test_eigen_batch),
         cmocka_unit_test(test_closed_form_matches_cpu),
         cmocka_unit_test(test_merged_states_match),
-        cmocka_unit_test(test_trained_keys_on_cpu),
+        cmocka_unit_test(test_trained_keys),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

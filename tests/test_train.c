@@ -1,7 +1,8 @@
 /* test_train.c — the trained key maps (calibrate/train.c): the sgemm gradient against the
  * double reference and the reference against finite differences, the start reproducing the
  * closed form (linear, and embedded in GELU by the bias shift), training recovering from a bad
- * mask without ever returning worse than the init, determinism, and named argument errors. */
+ * mask without ever returning worse than the init, determinism, the shared minibatch order,
+ * and named argument errors. */
 #include <lapacke.h>
 #include <math.h>
 #include <setjmp.h>
@@ -589,6 +590,78 @@ static void test_same_seed_same_maps(void **state)
     problem_free(&p);
 }
 
+/* The minibatch order both paths share (kvcap_train_order_*): pinned to its definition — a
+ * Fisher–Yates permutation drawn with kvcap_rng_below from the seed, cut into slices of b,
+ * reshuffled when fewer than b columns are left, each slice sorted — so the CPU's batches (and
+ * with them its results) cannot change unnoticed, and the CUDA path's are the same. */
+static int compare_sz(const void *pa, const void *pb)
+{
+    size_t a = *(const size_t *)pa, b = *(const size_t *)pb;
+    return (a > b) - (a < b);
+}
+
+static void test_batch_order(void **state)
+{
+    (void)state;
+    struct kvcap_train_order o;
+    /* a set that fits in one batch is the batch, every time */
+    assert_int_equal(kvcap_train_order_init(&o, 700, 3), KVCAP_OK);
+    assert_int_equal(o.b, 700);
+    for (int i = 0; i < 3; i++)
+        assert_null(kvcap_train_order_next(&o));
+    kvcap_train_order_free(&o);
+    assert_int_equal(kvcap_train_order_init(&o, KVCAP_TRAIN_BATCH, 3), KVCAP_OK);
+    assert_null(kvcap_train_order_next(&o));
+    kvcap_train_order_free(&o);
+
+    /* 2500 columns: two batches of 1024 per permutation, then a reshuffle */
+    enum { N = 2500, B = KVCAP_TRAIN_BATCH, BATCHES = 7 };
+    static size_t perm[N], want[B];
+    static unsigned char seen[N];
+    struct kvcap_rng rng;
+    kvcap_rng_seed(&rng, 7);
+    size_t pos = N; /* forces the first shuffle */
+    for (size_t i = 0; i < N; i++)
+        perm[i] = i;
+    assert_int_equal(kvcap_train_order_init(&o, N, 7), KVCAP_OK);
+    assert_int_equal(o.b, B);
+    for (int k = 0; k < BATCHES; k++) {
+        if (N - pos < B) {
+            for (size_t i = N; i > 1; i--) {
+                size_t j = (size_t)kvcap_rng_below(&rng, i), s = perm[i - 1];
+                perm[i - 1] = perm[j];
+                perm[j] = s;
+            }
+            pos = 0;
+            memset(seen, 0, sizeof seen);
+        }
+        memcpy(want, perm + pos, sizeof want);
+        pos += B;
+        qsort(want, B, sizeof *want, compare_sz);
+        const size_t *got = kvcap_train_order_next(&o);
+        assert_non_null(got);
+        assert_memory_equal(got, want, sizeof want);
+        for (size_t c = 0; c < B; c++) {
+            assert_true(got[c] < N);
+            assert_true(c == 0 || got[c] > got[c - 1]);
+            assert_int_equal(seen[got[c]], 0); /* no column twice between reshuffles */
+            seen[got[c]] = 1;
+        }
+    }
+    kvcap_train_order_free(&o);
+    assert_null(o.perm);
+    kvcap_train_order_free(NULL);
+
+    /* another seed, another order */
+    struct kvcap_train_order a, b;
+    assert_int_equal(kvcap_train_order_init(&a, N, 1), KVCAP_OK);
+    assert_int_equal(kvcap_train_order_init(&b, N, 2), KVCAP_OK);
+    const size_t *pa = kvcap_train_order_next(&a), *pb = kvcap_train_order_next(&b);
+    assert_true(memcmp(pa, pb, sizeof *pa * B) != 0);
+    kvcap_train_order_free(&a);
+    kvcap_train_order_free(&b);
+}
+
 /* ---- (e) arguments -------------------------------------------------------------------- */
 
 static void expect_bad(enum kvcap_status want, const char *needle, const float *xt, size_t ldt,
@@ -696,6 +769,7 @@ int main(void)
         cmocka_unit_test(test_training_improves_a_shrunk_init),
         cmocka_unit_test(test_never_worse_than_init),
         cmocka_unit_test(test_same_seed_same_maps),
+        cmocka_unit_test(test_batch_order),
         cmocka_unit_test(test_bad_arguments),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -22,37 +22,9 @@ extern "C" {
 #include "gpu.h"
 #include "internal.h"
 }
+#include "cuda_check.cuh"
 
 // ---- Errors ------------------------------------------------------------------------------------
-
-// "cudaMemcpy2DAsync(...)" -> length of "cudaMemcpy2DAsync", for messages naming the call.
-static int call_name_len(const char *stmt)
-{
-    return (int)strcspn(stmt, "( ");
-}
-
-static const char *base_name(const char *path)
-{
-    const char *s = strrchr(path, '/');
-    return s ? s + 1 : path;
-}
-
-static enum kvcap_status cuda_error(cudaError_t e, const char *stmt, const char *what,
-                                    const char *file, int line)
-{
-    (void)cudaGetLastError(); // a non-sticky error must not be reported again by a later call
-    return kvcap_fail(e == cudaErrorMemoryAllocation ? KVCAP_ERR_OUT_OF_MEMORY : KVCAP_ERR_DEVICE,
-                      "cuda: %.*s (%s): %s [%s:%d]", call_name_len(stmt), stmt, what,
-                      cudaGetErrorString(e), base_name(file), line);
-}
-
-static enum kvcap_status cublas_error(cublasStatus_t e, const char *stmt, const char *what,
-                                      const char *file, int line)
-{
-    return kvcap_fail(e == CUBLAS_STATUS_ALLOC_FAILED ? KVCAP_ERR_OUT_OF_MEMORY : KVCAP_ERR_DEVICE,
-                      "cuda: %.*s (%s): %s [%s:%d]", call_name_len(stmt), stmt, what,
-                      cublasGetStatusString(e), base_name(file), line);
-}
 
 static const char *cusolver_status_name(cusolverStatus_t e)
 {
@@ -78,20 +50,7 @@ static enum kvcap_status cusolver_error(cusolverStatus_t e, const char *stmt, co
                       cusolver_status_name(e), (int)e, base_name(file), line);
 }
 
-// Each evaluates `stmt` once and returns a status naming the call, `what` it was for, the
-// library's error text, and where.
-#define CUDA_TRY(stmt, what)                                                        \
-    do {                                                                            \
-        cudaError_t e_ = (stmt);                                                    \
-        if (e_ != cudaSuccess)                                                      \
-            return cuda_error(e_, #stmt, (what), __FILE__, __LINE__);               \
-    } while (0)
-#define CUBLAS_TRY(stmt, what)                                                      \
-    do {                                                                            \
-        cublasStatus_t e_ = (stmt);                                                 \
-        if (e_ != CUBLAS_STATUS_SUCCESS)                                            \
-            return cublas_error(e_, #stmt, (what), __FILE__, __LINE__);             \
-    } while (0)
+// CUDA_TRY and CUBLAS_TRY are in cuda_check.cuh; this one is used here only.
 #define CUSOLVER_TRY(stmt, what)                                                    \
     do {                                                                            \
         cusolverStatus_t e_ = (stmt);                                               \
