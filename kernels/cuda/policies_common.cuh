@@ -1,0 +1,175 @@
+// policies_common.cuh — what flashcache.cu and vlcache.cu share: storage-dtype loads and the
+// dispatch over them, warp and block sums, the per-layer pointer tables the kernels take by
+// value, and CUDA errors turned into kvcap statuses. Internal to kernels/cuda.
+#ifndef KVCAP_POLICIES_COMMON_CUH
+#define KVCAP_POLICIES_COMMON_CUH
+
+#include <stdint.h>
+#include <string.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+extern "C" {
+#include "internal.h"
+#include "policies_cuda.h"
+}
+
+// Layers per launch. Their device pointers travel in the kernel parameters (two tables of 128
+// pointers: 2 KiB, inside the classic 4 KiB parameter limit), so the host never copies a
+// pointer table to the device, which would need pinned memory or a synchronisation. Models
+// with more layers take one more launch per 128 layers.
+#define KVCAP_CUDA_LAYERS_PER_LAUNCH 128
+
+struct kvcap_cuda_layer_ptrs {
+    const void *a[KVCAP_CUDA_LAYERS_PER_LAUNCH]; // K (FlashCache) or Q (VL-Cache) of each layer
+    const void *b[KVCAP_CUDA_LAYERS_PER_LAUNCH]; // V (FlashCache) or K (VL-Cache) of each layer
+};
+
+// ---- Loads ------------------------------------------------------------------------------------
+
+__device__ __forceinline__ float kvcap_load_f32(const float *p)
+{
+    return *p;
+}
+__device__ __forceinline__ float kvcap_load_f32(const __half *p)
+{
+    return __half2float(*p);
+}
+__device__ __forceinline__ float kvcap_load_f32(const __nv_bfloat16 *p)
+{
+    return __bfloat162float(*p);
+}
+
+static inline int kvcap_cuda_float_dtype(enum kvcap_dtype t)
+{
+    return t == KVCAP_DTYPE_F32 || t == KVCAP_DTYPE_F16 || t == KVCAP_DTYPE_BF16;
+}
+
+// Runs the statements with T the element type of `dtype` (one kernel instantiation per storage
+// type, so no branch on the dtype sits in an inner loop). dtype has been checked to be a float.
+#define KVCAP_CUDA_DTYPE_DISPATCH(dtype, T, ...)                                                   \
+    do {                                                                                           \
+        switch (dtype) {                                                                           \
+        case KVCAP_DTYPE_F16: {                                                                    \
+            typedef __half T;                                                                      \
+            __VA_ARGS__;                                                                           \
+        } break;                                                                                   \
+        case KVCAP_DTYPE_BF16: {                                                                   \
+            typedef __nv_bfloat16 T;                                                               \
+            __VA_ARGS__;                                                                           \
+        } break;                                                                                   \
+        default: {                                                                                 \
+            typedef float T;                                                                       \
+            __VA_ARGS__;                                                                           \
+        } break;                                                                                   \
+        }                                                                                          \
+    } while (0)
+
+// ---- Reductions -------------------------------------------------------------------------------
+// Fixed butterfly orders: every lane ends with the same value, and runs give the same bits.
+
+__device__ __forceinline__ float kvcap_warp_sum(float v)
+{
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ double kvcap_warp_sum(double v)
+{
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ unsigned kvcap_warp_sum(unsigned v)
+{
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ float kvcap_warp_max(float v)
+{
+    for (int o = 16; o > 0; o >>= 1)
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sums each of v[0..N) over the block (blockDim.x a multiple of 32, at most 1024); the totals
+// are valid in thread 0. Every thread of the block must call it, once per kernel.
+template <int N>
+__device__ void kvcap_block_sum(double (&v)[N])
+{
+    __shared__ double part[N][32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+    for (int i = 0; i < N; i++)
+        v[i] = kvcap_warp_sum(v[i]);
+    if (lane == 0)
+        for (int i = 0; i < N; i++)
+            part[i][warp] = v[i];
+    __syncthreads();
+    if (warp == 0)
+        for (int i = 0; i < N; i++)
+            v[i] = kvcap_warp_sum(lane < warps ? part[i][lane] : 0.0);
+}
+
+// ---- Errors -----------------------------------------------------------------------------------
+
+static inline const char *kvcap_cuda_base_name(const char *path)
+{
+    const char *s = strrchr(path, '/');
+    return s ? s + 1 : path;
+}
+
+// "cuda <op>: <what>: cudaErrorX: text [file:line]"; allocation failures are out-of-memory.
+static inline enum kvcap_status kvcap_cuda_fail(cudaError_t e, const char *op, const char *what,
+                                                const char *file, int line)
+{
+    (void)cudaGetLastError(); // a non-sticky error must not be reported again by a later call
+    return kvcap_fail(e == cudaErrorMemoryAllocation ? KVCAP_ERR_OUT_OF_MEMORY : KVCAP_ERR_DEVICE,
+                      "cuda %s: %s: %s: %s [%s:%d]", op, what, cudaGetErrorName(e),
+                      cudaGetErrorString(e), kvcap_cuda_base_name(file), line);
+}
+
+// After a launch: a bad configuration or a missing device shows up here, naming the kernel.
+#define KVCAP_CUDA_CHECK_LAUNCH(op, what)                                                          \
+    do {                                                                                           \
+        cudaError_t e_ = cudaGetLastError();                                                       \
+        if (e_ != cudaSuccess)                                                                     \
+            return kvcap_cuda_fail(e_, (op), (what), __FILE__, __LINE__);                          \
+    } while (0)
+
+// KVCAP_ERR_UNSUPPORTED when no device is visible (zero devices is not a fault, but there is
+// nothing to run on); `op` names the caller.
+static inline enum kvcap_status kvcap_cuda_need_device(const char *op)
+{
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+        (void)cudaGetLastError();
+        return kvcap_fail(KVCAP_ERR_UNSUPPORTED, "cuda %s: no CUDA device is visible", op);
+    }
+    return KVCAP_OK;
+}
+
+// Rounds a device address up to a multiple of 256 (the alignment cudaMalloc gives), so callers
+// may hand any sub-range of their memory as scratch.
+#define KVCAP_CUDA_SCRATCH_ALIGN 256
+static inline unsigned char *kvcap_cuda_align(void *p)
+{
+    uintptr_t u = (uintptr_t)p;
+    return (unsigned char *)((u + KVCAP_CUDA_SCRATCH_ALIGN - 1) &
+                             ~(uintptr_t)(KVCAP_CUDA_SCRATCH_ALIGN - 1));
+}
+
+// Appends `bytes` at the next 256-byte boundary of a layout of *total bytes and returns its
+// offset; clears *ok on size_t overflow.
+static inline size_t kvcap_cuda_reserve(size_t *total, size_t bytes, int *ok)
+{
+    size_t off = (*total + KVCAP_CUDA_SCRATCH_ALIGN - 1) / KVCAP_CUDA_SCRATCH_ALIGN *
+                 KVCAP_CUDA_SCRATCH_ALIGN;
+    if (off < *total || !kvcap_add_size(off, bytes, total))
+        *ok = 0;
+    return off;
+}
+
+#endif
