@@ -235,10 +235,11 @@ extern "C" enum kvcap_status kvcap_cuda_vlcache_scores(const struct kvcap_cuda_v
     KVCAP_RETURN_IF(vl->d > VL_MAX_D, KVCAP_ERR_UNSUPPORTED,
                     "%s: vl->d = %d; the device path takes head dims up to %d", fn, vl->d,
                     VL_MAX_D);
-    KVCAP_RETURN_IF(!isfinite(scale), KVCAP_ERR_INVALID_ARGUMENT, "%s: scale = %g is not finite",
-                    fn, (double)scale);
-    KVCAP_RETURN_IF(!isfinite(p), KVCAP_ERR_INVALID_ARGUMENT, "%s: p = %g is not finite", fn,
-                    (double)p);
+    // the builtin, not std::isfinite: a debug build would export that inline from libkvcap
+    KVCAP_RETURN_IF(!__builtin_isfinite(scale), KVCAP_ERR_INVALID_ARGUMENT,
+                    "%s: scale = %g is not finite", fn, (double)scale);
+    KVCAP_RETURN_IF(!__builtin_isfinite(p), KVCAP_ERR_INVALID_ARGUMENT,
+                    "%s: p = %g is not finite", fn, (double)p);
     KVCAP_RETURN_IF(!score, KVCAP_ERR_INVALID_ARGUMENT, "%s: score is NULL", fn);
     KVCAP_RETURN_IF(!below, KVCAP_ERR_INVALID_ARGUMENT, "%s: below is NULL", fn);
     KVCAP_RETURN_IF(!gamma, KVCAP_ERR_INVALID_ARGUMENT, "%s: gamma is NULL", fn);
