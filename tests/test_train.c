@@ -19,6 +19,7 @@
 #include "internal.h"
 #include "keys.h"
 #include "rng.h"
+#include "test_train_util.h"
 #include "train_internal.h"
 
 /* Finite differences of the double reference: central differences with step FD_STEP have a
@@ -35,34 +36,6 @@
 #define GELU_EMBED_TOL 1e-3
 
 /* ---- helpers -------------------------------------------------------------------------- */
-
-static float *alloc_f(size_t n)
-{
-    float *p = calloc(n ? n : 1, sizeof *p);
-    assert_non_null(p);
-    return p;
-}
-
-/* X = A S + noise (m x n, ld n): A m x k given, S k x n standard normal. */
-static float *low_rank_data(const double *a, int m, int k, size_t n, double noise,
-                            struct kvcap_rng *rng)
-{
-    float *x = alloc_f((size_t)m * n);
-    double *s = calloc((size_t)k, sizeof *s);
-    assert_non_null(s);
-    for (size_t c = 0; c < n; c++) {
-        for (int t = 0; t < k; t++)
-            s[t] = kvcap_rng_normal(rng);
-        for (int j = 0; j < m; j++) {
-            double v = noise * kvcap_rng_normal(rng);
-            for (int t = 0; t < k; t++)
-                v += a[(size_t)j * k + t] * s[t];
-            x[(size_t)j * n + c] = (float)v;
-        }
-    }
-    free(s);
-    return x;
-}
 
 static double *random_mixing(int m, int k, struct kvcap_rng *rng)
 {
@@ -100,30 +73,12 @@ static float *reconstruct(const struct kvcap_key_maps *k, const float *x, size_t
     return out;
 }
 
-/* ‖a − b‖ / ‖b‖ */
-static double rel_diff(const float *a, const float *b, size_t n)
-{
-    double d = 0, e = 0;
-    for (size_t i = 0; i < n; i++) {
-        d += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
-        e += (double)b[i] * b[i];
-    }
-    return sqrt(d / e);
-}
-
 static struct kvcap_train_config default_cfg(void)
 {
     struct kvcap_train_config c = {.steps = 300, .lr = 1e-3, .tau_start = 1.0, .tau_end = 0.05,
                                    .lambda_bce = 0.01, .lambda_r = 1.0, .finetune_steps = 100,
                                    .seed = 0};
     return c;
-}
-
-static void assert_error_names(const char *needle)
-{
-    const char *msg = kvcap_last_error();
-    if (!strstr(msg, needle))
-        fail_msg("error message does not name %s: %s", needle, msg);
 }
 
 /* ---- (a) gradients -------------------------------------------------------------------- */
@@ -261,8 +216,8 @@ static void problem_make(struct problem *p, int m, int k, int rk, int h, size_t 
     p->h = h;
     p->n_train = n_train;
     p->n_val = n_val;
-    p->train = low_rank_data(a, m, k, n_train, 0.05 * scale, &rng);
-    p->val = low_rank_data(a, m, k, n_val, 0.05 * scale, &rng);
+    p->train = low_rank_data(a, m, k, n_train, n_train, 0.05 * scale, &rng);
+    p->val = low_rank_data(a, m, k, n_val, n_val, 0.05 * scale, &rng);
     double *g = gram_of(p->train, m, n_train);
     assert_int_equal(kvcap_keys_closed_form(g, m, rk, h, 1e-3, &p->init), KVCAP_OK);
     free(g);
@@ -409,8 +364,8 @@ static void test_training_improves_a_shrunk_init(void **state)
     enum { M = 16, K = 4, RK = 6 };
     const size_t n_train = 600, n_val = 300;
     double *a = random_mixing(M, K, &rng);
-    float *train = low_rank_data(a, M, K, n_train, 0.02, &rng);
-    float *val = low_rank_data(a, M, K, n_val, 0.02, &rng);
+    float *train = low_rank_data(a, M, K, n_train, n_train, 0.02, &rng);
+    float *val = low_rank_data(a, M, K, n_val, n_val, 0.02, &rng);
     double *g = gram_of(train, M, n_train);
     struct kvcap_key_maps shrunk, good, out;
     assert_int_equal(kvcap_keys_closed_form(g, M, RK, RK, 10.0, &shrunk), KVCAP_OK);
@@ -461,8 +416,8 @@ static void bad_mask_problem(float **train, float **val, size_t n_train, size_t 
     for (int j = 0; j < RK; j++)
         for (int t = 0; t < K; t++)
             a[(size_t)j * K + t] = (t == 0 ? 1.0 : 0.0) + 0.02 * kvcap_rng_normal(&rng);
-    *train = low_rank_data(a, M, K, n_train, 0.02, &rng);
-    *val = low_rank_data(a, M, K, n_val, 0.02, &rng);
+    *train = low_rank_data(a, M, K, n_train, n_train, 0.02, &rng);
+    *val = low_rank_data(a, M, K, n_val, n_val, 0.02, &rng);
     static const int32_t bad[RK] = {0, 1, 2, 3, 4, 5};
     fixed_mask_init(*train, M, n_train, bad, RK, init);
     free(a);

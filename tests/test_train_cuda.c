@@ -21,6 +21,7 @@
 #include "internal.h"
 #include "keys.h"
 #include "rng.h"
+#include "test_train_util.h"
 #include "train_internal.h"
 
 /* Tolerances, and why:
@@ -48,60 +49,15 @@
 
 /* ---- helpers -------------------------------------------------------------------------- */
 
-static float *alloc_f(size_t n)
-{
-    float *p = calloc(n ? n : 1, sizeof *p);
-    assert_non_null(p);
-    return p;
-}
-
 static void fill_nan(float *p, size_t n)
 {
     for (size_t i = 0; i < n; i++)
         p[i] = NAN;
 }
 
-/* ‖a − b‖ / ‖b‖ in double; NaN anywhere gives NaN (so `!(x <= tol)` rejects it). */
-static double rel_diff(const float *a, const float *b, size_t n)
-{
-    double d = 0, e = 0;
-    for (size_t i = 0; i < n; i++) {
-        d += ((double)a[i] - b[i]) * ((double)a[i] - b[i]);
-        e += (double)b[i] * b[i];
-    }
-    return sqrt(d / e);
-}
-
 static double rel(double a, double b)
 {
     return fabs(a - b) / fabs(b);
-}
-
-static void assert_error_names(const char *needle)
-{
-    const char *msg = kvcap_last_error();
-    if (!strstr(msg, needle))
-        fail_msg("error message does not name %s: %s", needle, msg);
-}
-
-/* X = A S + noise (m x n, leading dimension ld >= n), A m x k standard normal times scale. */
-static float *low_rank_data(const double *a, int m, int k, size_t n, size_t ld, double noise,
-                            struct kvcap_rng *rng)
-{
-    float *x = alloc_f((size_t)m * ld);
-    double s[16];
-    assert_true(k <= 16);
-    for (size_t c = 0; c < n; c++) {
-        for (int t = 0; t < k; t++)
-            s[t] = kvcap_rng_normal(rng);
-        for (int j = 0; j < m; j++) {
-            double v = noise * kvcap_rng_normal(rng);
-            for (int t = 0; t < k; t++)
-                v += a[(size_t)j * k + t] * s[t];
-            x[(size_t)j * ld + c] = (float)v;
-        }
-    }
-    return x;
 }
 
 /* A keys problem and its closed-form init; ridge 10 shrinks the init far from the optimum,
