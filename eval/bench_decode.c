@@ -44,6 +44,9 @@ static void usage(FILE *out)
             "  -p, --policy P       run only full and P (streaming, kvcapsule, flashcache,\n"
             "                       vlcache or freekv), e.g. to profile\n"
             "      --post N         post-vision queries given to vlcache (default 32)\n"
+            "      --warm           leave the caches warm between attention calls (default:\n"
+            "                       read a buffer twice the last-level cache before each call,\n"
+            "                       untimed, as a model's weights would between two layers)\n"
             "      --flashcache-overhead\n"
             "                       instead: FlashCache compression time of one span over all\n"
             "                       layers at 2K, 4K and 8K tokens (--layers default 28 here)\n"
@@ -52,6 +55,40 @@ static void usage(FILE *out)
             "Policies compress the vision span (freekv also takes the generated tokens); each\n"
             "decode step appends one generated token per layer, then attends. Policy parameters\n"
             "are the runtime defaults (configs/runtime.yaml).\n");
+}
+
+/* Evicts the CPU caches, as a model's other work between two attention calls of the same layer
+ * does: reads (and dirties) a buffer twice the size of the last-level cache. */
+struct evictor {
+    float *buf;
+    size_t n;
+};
+
+static size_t last_level_cache_bytes(void)
+{
+    /* sysfs first: inside a VM sysconf may report the host's cache */
+    size_t kib = 0;
+    FILE *f = fopen("/sys/devices/system/cpu/cpu0/cache/index3/size", "r");
+    if (f) {
+        if (fscanf(f, "%zuK", &kib) != 1)
+            kib = 0;
+        fclose(f);
+    }
+    if (kib > 0)
+        return kib << 10;
+    long l3 = -1;
+#ifdef _SC_LEVEL3_CACHE_SIZE
+    l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
+#endif
+    return l3 > 0 ? (size_t)l3 : (size_t)32 << 20;
+}
+
+static void evict_caches(struct evictor *e)
+{
+    if (!e->buf)
+        return;
+    for (size_t i = 0; i < e->n; i += 16) /* one touch per 64-byte line */
+        e->buf[i] += 1.0f;
 }
 
 /* Best-of-3 read bandwidth (GB/s) of a buffer far larger than the caches, all threads. */
@@ -188,7 +225,7 @@ static void random_rows(struct kvcap_rng *r, float *x, size_t count)
 static enum kvcap_status run_policy(const struct kvcap_model_geometry *g, int batch, int rows,
                                     int cols, enum kvcap_dtype storage, int threads, int steps,
                                     const struct kvcap_artifact *a, const char *policy,
-                                    int post, struct result *res)
+                                    int post, struct evictor *ev, struct result *res)
 {
     char cfg_path[4200];
     const char *tmp = getenv("TMPDIR");
@@ -262,6 +299,7 @@ static enum kvcap_status run_policy(const struct kvcap_model_geometry *g, int ba
             struct kvcap_tensor_view gv = {gen + (size_t)H * d, NULL, 0, KVCAP_DTYPE_F32, d, 0};
             for (int s = 0; st == KVCAP_OK && s < batch; s++)
                 st = kvcap_cache_append(c, s, l, &gk, &gv);
+            evict_caches(ev);
             double t0 = kvcap_seconds();
             if (st == KVCAP_OK)
                 st = kvcap_cache_attend(c, l, q, out);
@@ -344,7 +382,7 @@ static enum kvcap_status flashcache_overhead(const struct kvcap_model_geometry *
 
 int main(int argc, char **argv)
 {
-    enum { STORAGE = 1000, THREADS, POST, OVERHEAD };
+    enum { STORAGE = 1000, THREADS, POST, OVERHEAD, WARM };
     const char *only = NULL;
     static const struct option options[] = {
         {"grid", required_argument, NULL, 'g'},  {"tile", required_argument, NULL, 't'},
@@ -353,10 +391,10 @@ int main(int argc, char **argv)
         {"artifact", required_argument, NULL, 'a'}, {"storage", required_argument, NULL, STORAGE},
         {"threads", required_argument, NULL, THREADS}, {"help", no_argument, NULL, 'h'},
         {"policy", required_argument, NULL, 'p'}, {"post", required_argument, NULL, POST},
-        {"flashcache-overhead", no_argument, NULL, OVERHEAD},
+        {"flashcache-overhead", no_argument, NULL, OVERHEAD}, {"warm", no_argument, NULL, WARM},
         {NULL, 0, NULL, 0}};
     int rows = 64, cols = 128, tr = 4, tc = 4, layers = 4, batch = 1, steps = 20, threads = 0, c;
-    int post = 32, overhead = 0, layers_set = 0;
+    int post = 32, overhead = 0, layers_set = 0, warm = 0;
     double ratio = 0.4;
     const char *artifact_path = NULL;
     enum kvcap_dtype storage = KVCAP_DTYPE_F16;
@@ -377,6 +415,7 @@ int main(int argc, char **argv)
         case 'l': layers = atoi(optarg), layers_set = 1; break;
         case POST: post = atoi(optarg); break;
         case OVERHEAD: overhead = 1; break;
+        case WARM: warm = 1; break;
         case 'b': batch = atoi(optarg); break;
         case 's': steps = atoi(optarg); break;
         case 'a': artifact_path = optarg; break;
@@ -447,6 +486,12 @@ int main(int argc, char **argv)
         kvcap_artifact_free(a);
         return 0;
     }
+    size_t ev_bytes = 2 * last_level_cache_bytes();
+    struct evictor ev = {warm ? NULL : malloc(ev_bytes), ev_bytes / sizeof(float)};
+    if (!warm && !ev.buf)
+        return cli_fail(kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "bench: out of memory"));
+    if (ev.buf)
+        memset(ev.buf, 0, ev_bytes);
     double bw = read_bandwidth(nthreads), flops = fma_peak(nthreads);
     const char *policies[6] = {"full", "streaming", "kvcapsule", "flashcache", "vlcache", "freekv"};
     int n_policies = 6;
@@ -459,10 +504,13 @@ int main(int argc, char **argv)
     cli_progress_begin(&prog, "policies", 0);
     for (int i = 0; i < n_policies; i++) {
         if ((st = run_policy(&g, batch, rows, cols, storage, nthreads, steps, a, policies[i],
-                             post, &res[i])) != KVCAP_OK)
+                             post, &ev, &res[i])) != KVCAP_OK) {
+            free(ev.buf);
             return cli_fail(st);
+        }
         cli_progress_update(&prog, i + 1, n_policies);
     }
+    free(ev.buf);
     double bw2 = read_bandwidth(nthreads);
     bw = bw2 > bw ? bw2 : bw;
     char held[32], per[32];
@@ -476,6 +524,11 @@ int main(int argc, char **argv)
            kvcap_structure_name(bk->structure),
            bk->structure == KVCAP_STRUCTURE_TILED ? " (tiles)" : "", u->h, u->rv, u->m,
            artifact_path ? "" : " (random: timing only)");
+    if (warm)
+        printf("caches: warm (left as the previous attention call left them)\n");
+    else
+        printf("caches: cold (%zu MiB read before every attention call, untimed)\n",
+               ev_bytes >> 20);
     printf("read bandwidth, measured now (%d thread%s): %.1f GB/s\n", nthreads,
            nthreads == 1 ? "" : "s", bw);
     if (flops > 0) {

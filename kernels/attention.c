@@ -315,7 +315,8 @@ static int tile_chunk(int m)
 /* The maps of T tiles for one query group, each tile on its own shift (merged by the caller):
  *   s_j = scale log2(e) (W2[:, j]ᵀ z_t + b2_j cv), mt = max_j s_j, p_j = 2^(s_j - mt),
  *   st = Σ_j p_j, y_t = U p  (p is never stored; s and mt in log2 units).
- * z [T][h][8], y [T][rv][8], mt and st [T][8], sbuf [tile_chunk(m)][m][8] (scores). */
+ * z [T][h][8], y [T][rv][8], mt and st [T][8], sbuf [tile_chunk(m) + 1][m][8] (scores, and
+ * the fast kernel's per-point bias). */
 ATTN_INLINE void tile_maps_body(const float *w2, const float *b2, const float *u, int m, int h,
                                 int rv, const float *z, const float *cv, float scale, int T,
                                 float *y, float *mt, float *st, float *sbuf)
@@ -354,6 +355,35 @@ ATTN_INLINE void tile_maps_body(const float *w2, const float *b2, const float *u
             st[(size_t)t * ATTN_LANES + l] = sum[l];
         }
     }
+}
+
+/* One shift for a query group's T tiles: mx = max_t mt_t, then mt_t becomes the tile's factor
+ * f_t = 2^(mt_t - mx) and sum = Σ_t f_t st_t (all per lane; mt in log2 units). */
+ATTN_INLINE void tile_factors_body(float *mt, const float *st, int T, float *mx, float *sum)
+{
+    for (int l = 0; l < ATTN_LANES; l++) {
+        mx[l] = -INFINITY;
+        sum[l] = 0.0f;
+    }
+    for (int t = 0; t < T; t++)
+        for (int l = 0; l < ATTN_LANES; l++)
+            mx[l] = mt[t * ATTN_LANES + l] > mx[l] ? mt[t * ATTN_LANES + l] : mx[l];
+    for (int t = 0; t < T; t++)
+        for (int l = 0; l < ATTN_LANES; l++) {
+            float f = exp2_approx(mt[t * ATTN_LANES + l] - mx[l]);
+            mt[t * ATTN_LANES + l] = f;
+            sum[l] += f * st[t * ATTN_LANES + l];
+        }
+}
+
+/* y_t *= f_t w for the T tiles' y [T][rv][8]: the tile factors and the merge factors w [8]
+ * folded into the value weights. */
+ATTN_INLINE void tile_scale_body(float *y, const float *f, const float *w, int T, int rv)
+{
+    for (int t = 0; t < T; t++)
+        for (int r = 0; r < rv; r++)
+            for (int l = 0; l < ATTN_LANES; l++)
+                y[((size_t)t * rv + r) * ATTN_LANES + l] *= f[t * ATTN_LANES + l] * w[l];
 }
 
 /* ---- Portable kernels --------------------------------------------------------------------- */
@@ -461,6 +491,16 @@ static void bias_max_generic(float *s, float b, const float *sq, float *cmax, si
 static void exp_cols_generic(float *s, const float *cmax, float *csum, size_t n)
 {
     exp_cols_body(s, cmax, csum, n);
+}
+
+static void tile_factors_generic(float *mt, const float *st, int T, float *mx, float *sum)
+{
+    tile_factors_body(mt, st, T, mx, sum);
+}
+
+static void tile_scale_generic(float *y, const float *f, const float *w, int T, int rv)
+{
+    tile_scale_body(y, f, w, T, rv);
 }
 
 static void tile_maps_generic(const float *w2, const float *b2, const float *u, int m, int h,
@@ -794,9 +834,9 @@ static ATTN_AVX2 void exp_cols_avx2(float *s, const float *cmax, float *csum, si
 
 /* Scores of tiles [t0, t1) with a compile-time reconstructor width H (so the scaled z_t stay in
  * registers): s [t - t0][m][8] in log2 units and each tile's max into mt. */
-ATTN_AVX2_INLINE void tile_scores_avx2(const float *w2, const float *b2, int m, const float *z,
-                                       __m256 vcv, __m256 vscale, int t0, int t1, float *s,
-                                       float *mt, const int H)
+ATTN_AVX2_INLINE void tile_scores_avx2(const float *w2, const float *bias, int m, const float *z,
+                                       __m256 vscale, int t0, int t1, float *s, float *mt,
+                                       const int H)
 {
     for (int t = t0; t < t1; t++) {
         const float *zt = z + (size_t)t * H * ATTN_LANES;
@@ -807,7 +847,7 @@ ATTN_AVX2_INLINE void tile_scores_avx2(const float *w2, const float *b2, int m, 
             zc[k] = _mm256_mul_ps(_mm256_loadu_ps(zt + k * ATTN_LANES), vscale);
         __m256 mx = _mm256_set1_ps(-INFINITY);
         for (int j = 0; j < m; j++) {
-            __m256 a = _mm256_mul_ps(_mm256_set1_ps(b2[j]), vcv);
+            __m256 a = _mm256_loadu_ps(bias + j * ATTN_LANES);
 #  pragma GCC unroll 16
             for (int k = 0; k < H; k++)
                 a = _mm256_fmadd_ps(_mm256_set1_ps(w2[(size_t)k * m + j]), zc[k], a);
@@ -854,6 +894,32 @@ ATTN_AVX2_INLINE void tile_values_avx2(const float *u, int m, const float *s, in
       case 15: CALL(15); break; default: CALL(16); break;                                    \
       }
 
+static ATTN_AVX2 void tile_factors_avx2(float *mt, const float *st, int T, float *mx, float *sum)
+{
+    __m256 vmx = _mm256_set1_ps(-INFINITY), vsum = _mm256_setzero_ps();
+    for (int t = 0; t < T; t++)
+        vmx = _mm256_max_ps(_mm256_loadu_ps(mt + t * ATTN_LANES), vmx);
+    for (int t = 0; t < T; t++) {
+        __m256 f = exp2_avx2(_mm256_sub_ps(_mm256_loadu_ps(mt + t * ATTN_LANES), vmx));
+        _mm256_storeu_ps(mt + t * ATTN_LANES, f);
+        vsum = _mm256_fmadd_ps(f, _mm256_loadu_ps(st + t * ATTN_LANES), vsum);
+    }
+    _mm256_storeu_ps(mx, vmx);
+    _mm256_storeu_ps(sum, vsum);
+}
+
+static ATTN_AVX2 void tile_scale_avx2(float *y, const float *f, const float *w, int T, int rv)
+{
+    const __m256 vw = _mm256_loadu_ps(w);
+    for (int t = 0; t < T; t++) {
+        __m256 fw = _mm256_mul_ps(_mm256_loadu_ps(f + t * ATTN_LANES), vw);
+        float *yt = y + (size_t)t * rv * ATTN_LANES;
+        for (int r = 0; r < rv; r++)
+            _mm256_storeu_ps(yt + r * ATTN_LANES,
+                             _mm256_mul_ps(_mm256_loadu_ps(yt + r * ATTN_LANES), fw));
+    }
+}
+
 /* Tiles in chunks whose scores stay in L1 (tile_chunk): scores, then values, per chunk. */
 static ATTN_AVX2 void tile_maps_avx2(const float *w2, const float *b2, const float *u, int m,
                                      int h, int rv, const float *z, const float *cv, float scale,
@@ -862,9 +928,12 @@ static ATTN_AVX2 void tile_maps_avx2(const float *w2, const float *b2, const flo
     const __m256 vscale = _mm256_set1_ps(scale * ATTN_LOG2E);
     const __m256 vcv = _mm256_mul_ps(_mm256_loadu_ps(cv), vscale);
     int chunk = tile_chunk(m);
+    float *bias = sbuf + (size_t)chunk * m * ATTN_LANES; /* b2_j cv, scaled: the same every tile */
+    for (int j = 0; j < m; j++)
+        _mm256_storeu_ps(bias + j * ATTN_LANES, _mm256_mul_ps(_mm256_set1_ps(b2[j]), vcv));
     for (int t0 = 0; t0 < T; t0 += chunk) {
         int t1 = T - t0 < chunk ? T : t0 + chunk;
-#  define ATTN_SCORES_H(H) tile_scores_avx2(w2, b2, m, z, vcv, vscale, t0, t1, sbuf, mt, H)
+#  define ATTN_SCORES_H(H) tile_scores_avx2(w2, bias, m, z, vscale, t0, t1, sbuf, mt, H)
 #  define ATTN_VALUES_R(R) tile_values_avx2(u, m, sbuf, t0, t1, y, mt, st, R)
         ATTN_SMALL_CASES(ATTN_SCORES_H, h)
         ATTN_SMALL_CASES(ATTN_VALUES_R, rv)
@@ -888,15 +957,18 @@ struct attn_isa {
     void (*tile_maps)(const float *w2, const float *b2, const float *u, int m, int h, int rv,
                       const float *z, const float *cv, float scale, int T, float *y, float *mt,
                       float *st, float *sbuf);
+    void (*tile_factors)(float *mt, const float *st, int T, float *mx, float *sum);
+    void (*tile_scale)(float *y, const float *f, const float *w, int T, int rv);
 };
 
 static const struct attn_isa isa_generic = {
     scores_generic,   accum_generic,    load_generic,       softmax_generic,
-    bias_max_generic, exp_cols_generic, tile_maps_generic};
+    bias_max_generic, exp_cols_generic, tile_maps_generic, tile_factors_generic,
+    tile_scale_generic};
 #if ATTN_X86
-static const struct attn_isa isa_avx2 = {scores_avx2,   accum_avx2,    load_avx2,
-                                         softmax_avx2,  bias_max_avx2, exp_cols_avx2,
-                                         tile_maps_avx2};
+static const struct attn_isa isa_avx2 = {
+    scores_avx2,   accum_avx2,        load_avx2,      softmax_avx2, bias_max_avx2,
+    exp_cols_avx2, tile_maps_avx2,    tile_factors_avx2, tile_scale_avx2};
 #endif
 
 static atomic_int attn_simd_enabled = 1;
@@ -1197,7 +1269,7 @@ size_t kvcap_capsule_scratch_floats(const struct kvcap_capsule_maps *maps, int n
     size_t total;
     if (maps->h <= ATTN_SMALL_MAP && maps->rv <= ATTN_SMALL_MAP) { /* see capsule_attend_tiled */
         size_t per = (size_t)maps->h + (size_t)maps->rv + 2, tiles;
-        size_t sbuf = (size_t)tile_chunk(maps->m) * (size_t)maps->m;
+        size_t sbuf = ((size_t)tile_chunk(maps->m) + 1) * (size_t)maps->m; /* + bias [m][8] */
         if (!kvcap_mul_size(per, (size_t)max_tiles, &tiles) ||
             !kvcap_mul_size(tiles + sbuf, ATTN_LANES, &total))
             return SIZE_MAX;
@@ -1383,7 +1455,7 @@ static void capsule_attend_dense(const struct kvcap_capsule_maps *maps,
  *   per tile: scores, own shift mt, Σp and y = U p (tile_maps; the maps stay in L1)
  *   one shift per query: f_t = 2^(mt - max_t mt), folded with the merge factor b into y
  *   o += Ṽᵀ y  (y [T][rv][8] is the row kernel's weight layout) + (Σp) μ.
- * Scratch: Z [T][h][8], Y [T][rv][8], mt and st [T][8], sbuf [tile_chunk(m)][m][8], T = the
+ * Scratch: Z [T][h][8], Y [T][rv][8], mt and st [T][8], sbuf [tile_chunk(m) + 1][m][8], T = the
  * most tiles. */
 static void capsule_attend_tiled(const struct kvcap_capsule_maps *maps,
                                  const struct kvcap_capsule_span *spans, int n_spans, int nq,
@@ -1410,35 +1482,18 @@ static void capsule_attend_tiled(const struct kvcap_capsule_maps *maps,
                 isa->scores(sp->dtype, row_at(sp->hs, sp->dtype, (size_t)d, r0), (size_t)d, nr,
                             q, ng, d, Z + r0 * ATTN_LANES);
             }
-            float cv[ATTN_LANES] = {0}, mx[ATTN_LANES], sum[ATTN_LANES] = {0};
+            float cv[ATTN_LANES] = {0}, mx[ATTN_LANES], sum[ATTN_LANES];
             float w[ATTN_LANES] = {0}, psum[ATTN_LANES] = {0};
             for (int l = 0; l < ng; l++)
                 cv[l] = sum_f32(q + (size_t)l * d, d);
             isa->tile_maps(maps->w2, maps->b2, maps->u, m, h, rv, Z, cv, scale, T, Y, mt, st,
                            sbuf);
-            for (int l = 0; l < ATTN_LANES; l++)
-                mx[l] = -INFINITY;
-            for (int t = 0; t < T; t++)
-                for (int l = 0; l < ATTN_LANES; l++)
-                    mx[l] = mt[t * ATTN_LANES + l] > mx[l] ? mt[t * ATTN_LANES + l] : mx[l];
-            for (int t = 0; t < T; t++) /* mt becomes the tile's factor f_t */
-                for (int l = 0; l < ATTN_LANES; l++) {
-                    float f = exp2_approx(mt[t * ATTN_LANES + l] - mx[l]);
-                    mt[t * ATTN_LANES + l] = f;
-                    sum[l] += f * st[t * ATTN_LANES + l];
-                }
+            isa->tile_factors(mt, st, T, mx, sum); /* mt becomes the tiles' factors f_t */
             for (int l = 0; l < ng; l++) {
                 w[l] = merge_factor(sp->acc, g + l, d, mx[l] * ATTN_LN2, sum[l]);
                 psum[l] = w[l] * sum[l];
             }
-            for (int t = 0; t < T; t++) {
-                float *f = mt + (size_t)t * ATTN_LANES, *yt = Y + (size_t)t * rv * ATTN_LANES;
-                for (int l = 0; l < ATTN_LANES; l++)
-                    f[l] *= w[l];
-                for (int r = 0; r < rv; r++)
-                    for (int l = 0; l < ATTN_LANES; l++)
-                        yt[r * ATTN_LANES + l] *= f[l];
-            }
+            isa->tile_scale(Y, mt, w, T, rv);
             nrows = (size_t)T * rv;
             for (size_t r0 = 0; r0 < nrows; r0 += (size_t)B) {
                 int nr = nrows - r0 < (size_t)B ? (int)(nrows - r0) : B;
