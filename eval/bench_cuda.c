@@ -1,9 +1,10 @@
 /* bench_cuda.c — kvcap-bench-cuda: the GPU benchmark. Decode attention time of plain
  * flash-decoding and fused KVCapsule (tiled maps) over 8K–128K tokens at batch 1 and 8, with the
  * bytes each reads and the bandwidth it achieves next to a device-to-device copy measured in the
- * same run; FlashCache's compression time; the pinned host-to-device bandwidth that FreeKV's
- * hidden-recall share is judged at. Every decode shape is checked against the CPU kernels
- * before it is timed. Sections are entries of one table (SECTIONS below). */
+ * same run; FlashCache's compression time; FreeKV's decode step over every layer with the share
+ * of page recalls hidden behind it, next to the pinned host-to-device bandwidth. Every shape is
+ * checked against the CPU code before it is timed. Sections are entries of one table
+ * (SECTIONS below). */
 #include <getopt.h>
 #include <math.h>
 #include <stdio.h>
@@ -16,10 +17,13 @@
 #include "bench_cuda.h"
 #include "cli.h"
 #include "cuda/attention_cuda.h"
+#include "cuda/freekv_cuda.h"
 #include "cuda/policies_cuda.h"
 #include "dct.h"
 #include "flashcache.h"
+#include "freekv.h"
 #include "internal.h"
+#include "rng.h"
 #include "safetensors.h" /* kvcap_convert_to_f32 */
 
 #define TOOL "kvcap-bench-cuda"
@@ -45,15 +49,19 @@ static void usage(FILE *out)
             "              context and batch: time, bytes read, GB/s and %% of the copy\n"
             "  flashcache  FlashCache compression (DCT scoring, budgets, top-k) at 2K/4K/8K\n"
             "              tokens x --layers (default 28 here) x KV heads\n"
-            "  freekv      FreeKV's hidden-recall share (--freekv, once available)\n"
+            "  freekv      FreeKV decode steps over --layers (default 28 here) layers, one\n"
+            "              state each, per context of --freekv-contexts: share of the page\n"
+            "              recalls hidden, corrections, pages and bytes recalled and time per\n"
+            "              step, and the recall's time at the pinned host-to-device bandwidth\n"
             "Each decode shape is first checked against the CPU kernels (kvcap_attend_rows,\n"
-            "kvcap_capsule_attend); a disagreement above 1e-3 relative withholds its timings\n"
-            "and exits 1. Without a CUDA device it exits 77.\n"
+            "kvcap_capsule_attend), FreeKV's layer 0 against the CPU state (runtime/freekv.h)\n"
+            "during its warm-up steps; a disagreement above 1e-3 relative withholds the\n"
+            "timings and exits 1. Without a CUDA device it exits 77.\n"
             "\n"
             "options:\n"
             "      --dtype T          K/V storage: f16 (default), bf16 or f32\n"
-            "  -l, --layers L         layers per decode step (default 1) and per FlashCache\n"
-            "                         span (default 28)\n"
+            "  -l, --layers L         layers per decode step (default 1), per FlashCache\n"
+            "                         span and per FreeKV step (default 28 for both)\n"
             "      --heads QxKV       query x KV heads (default 28x4, Qwen2.5-VL-7B)\n"
             "  -d, --head-dim D       head dim (default 128)\n"
             "  -n, --contexts LIST    tokens per sequence (default 8192,16384,32768,65536,131072)\n"
@@ -63,14 +71,24 @@ static void usage(FILE *out)
             "                         (default 0.4)\n"
             "      --fc-tokens LIST   FlashCache span lengths (default 2048,4096,8192)\n"
             "      --reps N           timed repetitions, median reported (default 20)\n"
-            "      --warmup N         untimed runs first (default 3)\n"
+            "      --warmup N         untimed runs first (default 3; FreeKV: warm-up steps,\n"
+            "                         at least 2)\n"
             "      --warm             leave the L2 cache warm (default: read a buffer of twice\n"
             "                         the L2 size before every timed run, untimed)\n"
             "      --no-graph         enqueue each run's calls directly instead of replaying a\n"
             "                         CUDA graph of them\n"
             "      --sections LIST    bandwidth,decode,flashcache,freekv (default: all;\n"
             "                         bandwidth, every other one's reference, always runs)\n"
-            "      --freekv           ask for the FreeKV measurement\n"
+            "      --freekv           run the FreeKV section even if --sections leaves it out\n"
+            "      --freekv-contexts LIST\n"
+            "                         FreeKV context tokens (default 32768; e.g.\n"
+            "                         8192,32768,131072)\n"
+            "      --freekv-steps S   timed FreeKV decode steps per context (default 64)\n"
+            "      --freekv-layer-us U\n"
+            "                         a spin kernel of U microseconds on every SM after each\n"
+            "                         layer's FreeKV calls, standing for the rest of the layer\n"
+            "                         (default 0: none, so a layer's recall can only overlap\n"
+            "                         the other layers' FreeKV calls)\n"
             "      --tsv FILE         also write the results as tab-separated lines\n"
             "      --device N         CUDA device (default 0)\n"
             "      --probe            print the device and exit (77 when there is none)\n"
@@ -119,6 +137,8 @@ struct opts {
     int contexts[MAX_LIST], n_contexts;
     int batches[MAX_LIST], n_batches;
     int fc_tokens[MAX_LIST], n_fc_tokens;
+    int fkv_contexts[MAX_LIST], n_fkv_contexts, fkv_steps;
+    double fkv_layer_us;
     int reps, warmup, warm, graph, freekv, device;
     const char *tsv;
     unsigned sections; /* bit i: SECTIONS[i] */
@@ -922,19 +942,382 @@ static int section_flashcache(struct bench *b)
 }
 
 /* ---- Section: FreeKV -------------------------------------------------------------------------
- * FreeKV's figure is the share of decode steps whose page recall was fully hidden behind the
- * step's attention, at the host-to-device bandwidth measured above. Its CUDA kernels are not
- * part of this build; this section says so and gives the bandwidth the figure is judged at. */
+ * L layers, one kvcap_cuda_freekv state each (kernels/cuda/freekv_cuda.h), N tokens appended at
+ * prefill, then decode steps as an engine runs them: per step, for each layer in order on the
+ * main stream, append one token, reset the partials, attend, finish, step_done and, with
+ * --freekv-layer-us, a spin kernel standing for the rest of the layer. Layer l's speculative
+ * recall for step t + 1 is planned by its step_done of step t and issued by its append of step
+ * t + 1, so it overlaps layers l + 1 .. L − 1 of step t; without a spin kernel that is only
+ * their FreeKV calls. Queries follow q_t = 0.95 q_{t−1} + 0.31 ε with unit normals (step-to-step
+ * cosine ≈ 0.95, above tau 0.9: corrections are rare), made on the host and uploaded before the
+ * steps; K/V are random, made on the device. Not a CUDA graph: append waits on the host for the
+ * selection it plans the recall from.
+ * The statistics are cumulative; they are read after the warm-up steps (which makes the device
+ * idle and issues every layer's pending recall) and after the S + 1 steps that follow. The
+ * first of those is not timed and its recalls, complete before it started, are left out of the
+ * hidden share; its counts stay in the per-step averages (each step's recall is the one its
+ * step_done planned, so S + 1 steps planned exactly the recalls counted in between). */
+
+#define FKV_RHO 0.95   /* query step-to-step correlation */
+#define FKV_NOISE 0.31 /* ≈ sqrt(1 − 0.95²): the queries stay of unit variance */
+#define FKV_CHUNK 2048 /* prefill tokens per append */
+#define FKV_MIN_WARMUP 2 /* a resync step, then at least one speculative step is checked */
+/* Share of layer 0's (step, head) selections that must equal the CPU's: the device ranks pages
+ * by double scores, the CPU by f32 ones, so a near-tie may pick another page (then the two
+ * attend different pages and the outputs are not compared). */
+#define FKV_AGREE 0.9
+
+struct fkv {
+    int n, L, H, G, d, warm, steps, T; /* T = warm + 1 + steps decode tokens per layer */
+    enum kvcap_dtype dt;
+    size_t es;
+    float scale;
+    double layer_us;
+    int busy_blocks;
+    struct kvcap_freekv_params p;
+    struct kvcap_cuda_freekv **f; /* [L] */
+    void *tk, *tv;                /* device decode tokens [L][T][H][d] in dt */
+    float *q, *qh;                /* queries [L][T][H][G][d]: device, host */
+    struct kvcap_partial acc;     /* device, H·G rows */
+    float *out;                   /* device [H·G][d] */
+};
+
+/* Layer 0 on the CPU (runtime/freekv.h, worker NULL): its buffers and the comparison so far. */
+struct fkv_check {
+    struct kvcap_freekv *c;
+    void *raw;                        /* host [FKV_CHUNK][H][d] in dt: K/V read back */
+    float *k, *v, *out, *ref, *mx, *sum, *o;
+    int *got, *want, cap;
+    int compared, differ;             /* (step, head) pairs */
+    int stats_differ;                 /* steps whose statistics differed from the CPU's */
+    double err;
+};
+
+static size_t fkv_qn(const struct fkv *x)
+{
+    return (size_t)x->H * x->G * x->d;
+}
+
+static const void *fkv_tok(const struct fkv *x, const void *base, int l, int t)
+{
+    return (const char *)base + ((size_t)l * x->T + t) * x->H * x->d * x->es;
+}
+
+/* The same n tokens (device [H][n][d] in dt) to the CPU state. */
+static void fkv_check_append(struct bench *b, const struct fkv *x, struct fkv_check *c,
+                             const void *k, const void *v, int n)
+{
+    const size_t m = (size_t)x->H * n * x->d;
+    CU(cudaStreamSynchronize(b->s));
+    CU(cudaMemcpy(c->raw, k, m * x->es, cudaMemcpyDeviceToHost));
+    KV(kvcap_convert_to_f32(x->dt, c->raw, m, c->k));
+    CU(cudaMemcpy(c->raw, v, m * x->es, cudaMemcpyDeviceToHost));
+    KV(kvcap_convert_to_f32(x->dt, c->raw, m, c->v));
+    KV(kvcap_freekv_append(c->c, c->k, c->v, n));
+}
+
+/* Layer 0 at step t, after its attention: the CPU appends and attends the same, then outputs
+ * are compared head by head where both attended the same pages. */
+static void fkv_check_step(struct bench *b, struct fkv *x, struct fkv_check *c, int t)
+{
+    const size_t gd = (size_t)x->G * x->d, qn = fkv_qn(x);
+    fkv_check_append(b, x, c, fkv_tok(x, x->tk, 0, t), fkv_tok(x, x->tv, 0, t), 1);
+    CU(cudaMemcpy(c->out, x->out, qn * sizeof(float), cudaMemcpyDeviceToHost));
+    const float *q = x->qh + (size_t)t * qn; /* layer 0 */
+    for (int h = 0; h < x->H; h++) {
+        struct kvcap_partial acc = {c->mx, c->sum, c->o};
+        kvcap_partial_reset(acc, x->G, x->d);
+        if (kvcap_freekv_attend(c->c, h, q + h * gd, x->scale, acc) == 0)
+            kv_check(KVCAP_ERR_INTERNAL, "kvcap_freekv_attend", __LINE__);
+        kvcap_partial_finish(acc, x->G, x->d, c->ref + h * gd, (size_t)x->d);
+        const int ng = kvcap_cuda_freekv_selection(x->f[0], h, c->got, c->cap);
+        const int nw = kvcap_freekv_selection(c->c, h, c->want, c->cap);
+        if (ng < 0 || nw < 0)
+            kv_check(KVCAP_ERR_INTERNAL, "kvcap_*freekv_selection", __LINE__);
+        if (ng != nw || memcmp(c->got, c->want, sizeof(int) * (size_t)ng) != 0) {
+            c->differ++;
+            continue;
+        }
+        c->compared++;
+        const double e = rel_err(c->out + h * gd, c->ref + h * gd, gd);
+        c->err = e > c->err || isnan(e) ? e : c->err;
+    }
+    /* The counts the table reports, while every pick so far was the CPU's: read before
+     * step_done, they cover the recalls whose picks were compared (at this step or before). */
+    if (c->differ == 0) {
+        struct kvcap_cuda_freekv_stats g;
+        struct kvcap_freekv_stats w;
+        KV(kvcap_cuda_freekv_stats(x->f[0], &g));
+        kvcap_freekv_stats(c->c, &w);
+        c->stats_differ += g.base.steps != w.steps || g.base.corrections != w.corrections ||
+                           g.base.resyncs != w.resyncs ||
+                           g.base.pages_recalled != w.pages_recalled ||
+                           g.base.bytes_recalled != w.bytes_recalled;
+    }
+}
+
+/* Layer l's calls of decode step t on the main stream; with c, layer 0 is also checked (which
+ * synchronises). */
+static void fkv_layer(struct bench *b, struct fkv *x, int l, int t, struct fkv_check *c)
+{
+    const int rows = x->H * x->G;
+    KV(kvcap_cuda_freekv_append(x->f[l], fkv_tok(x, x->tk, l, t), fkv_tok(x, x->tv, l, t), x->dt,
+                                1, b->s));
+    KV(kvcap_cuda_partial_reset(x->acc, rows, x->d, b->s));
+    KV(kvcap_cuda_freekv_attend(x->f[l], x->q + ((size_t)l * x->T + t) * fkv_qn(x), x->scale,
+                                x->acc, b->s));
+    KV(kvcap_cuda_partial_finish(x->acc, rows, x->d, x->out, (size_t)x->d, b->s));
+    if (c && l == 0)
+        fkv_check_step(b, x, c, t);
+    KV(kvcap_cuda_freekv_step_done(x->f[l], b->s));
+    if (c && l == 0)
+        KV(kvcap_freekv_step_done(c->c));
+    if (x->layer_us > 0)
+        CU(kvcap_bench_busy(x->layer_us, x->busy_blocks, b->s));
+}
+
+static void fkv_check_free(struct fkv_check *c)
+{
+    kvcap_freekv_free(c->c);
+    free(c->raw), free(c->k), free(c->v), free(c->out), free(c->ref), free(c->mx), free(c->sum);
+    free(c->o), free(c->got), free(c->want);
+    memset(c, 0, sizeof *c);
+}
+
+static void fkv_states_free(struct fkv *x)
+{
+    for (int l = 0; l < x->L; l++) {
+        kvcap_cuda_freekv_free(x->f[l]);
+        x->f[l] = NULL;
+    }
+}
+
+/* One context: prefill, checked warm-up, timed steps; prints its row. */
+static void fkv_context(struct bench *b, struct fkv *x, void *kc, void *vc)
+{
+    const struct opts *o = &b->o;
+    const int L = x->L, S = x->steps;
+    const size_t qn = fkv_qn(x), gd = (size_t)x->G * x->d;
+    for (int l = 0; l < L; l++) {
+        enum kvcap_status st = kvcap_cuda_freekv_create(&x->p, x->H, x->G, x->d, x->dt,
+                                                        x->n + x->T + 1, &x->f[l]);
+        if (st != KVCAP_OK) {
+            printf("%8d  skipped: layer %d: %s\n", x->n, l,
+                   kvcap_last_error()[0] ? kvcap_last_error() : kvcap_status_str(st));
+            fflush(stdout);
+            fkv_states_free(x);
+            return;
+        }
+    }
+    struct fkv_check c;
+    memset(&c, 0, sizeof c);
+    const size_t chunk = (size_t)FKV_CHUNK * x->H * x->d;
+    KV(kvcap_freekv_create(&x->p, x->H, x->G, x->d, x->dt, NULL, &c.c));
+    c.raw = xmalloc(chunk * x->es);
+    c.k = xmalloc(chunk * 4), c.v = xmalloc(chunk * 4);
+    c.out = xmalloc(qn * 4), c.ref = xmalloc(qn * 4);
+    c.mx = xmalloc((size_t)x->G * 4), c.sum = xmalloc((size_t)x->G * 4), c.o = xmalloc(gd * 4);
+    c.cap = x->p.budget_tokens / x->p.page_size + 1;
+    c.got = xmalloc(sizeof(int) * (size_t)c.cap), c.want = xmalloc(sizeof(int) * (size_t)c.cap);
+
+    /* Prefill: random K in [-1, 1], V in [0, 1] (non-zero mean, see CHECK_REL_TOL). */
+    for (int l = 0; l < L; l++)
+        for (int t0 = 0, ci = 0; t0 < x->n; t0 += FKV_CHUNK, ci++) {
+            const int m = x->n - t0 < FKV_CHUNK ? x->n - t0 : FKV_CHUNK;
+            const size_t elems = (size_t)x->H * m * x->d;
+            const uint64_t seed = ((uint64_t)(l + 1) << 32) + 2 * (uint64_t)ci;
+            fill(b, kc, x->dt, elems, seed, -1.0f, 1.0f);
+            fill(b, vc, x->dt, elems, seed + 1, 0.0f, 1.0f);
+            KV(kvcap_cuda_freekv_append(x->f[l], kc, vc, x->dt, m, b->s));
+            if (l == 0)
+                fkv_check_append(b, x, &c, kc, vc, m);
+        }
+    for (int t = 0; t < x->warm; t++)
+        for (int l = 0; l < L; l++)
+            fkv_layer(b, x, l, t, &c);
+
+    const int pairs = c.compared + c.differ, differ = c.differ, stats_ok = !c.stats_differ;
+    const double err = c.err;
+    if (!(err <= CHECK_REL_TOL) || differ > (1.0 - FKV_AGREE) * pairs || !stats_ok) {
+        printf("%8d  CHECK FAILED: layer 0 against the CPU state: max relative error %.3g "
+               "(tolerance %.0e) over %d head-steps, %d of %d selections differ, statistics "
+               "%s: timings withheld\n",
+               x->n, err, CHECK_REL_TOL, c.compared, differ, pairs,
+               stats_ok ? "equal" : "differ");
+        fflush(stdout);
+        fprintf(stderr, TOOL ": error: GPU and CPU FreeKV disagree at context %d: no timings are "
+                        "reported\n", x->n);
+        exit(1);
+    }
+    fkv_check_free(&c);
+    struct kvcap_cuda_freekv_stats *a = xmalloc(sizeof *a * 2 * (size_t)L), *z = a + L;
+    for (int l = 0; l < L; l++)
+        KV(kvcap_cuda_freekv_stats(x->f[l], &a[l]));
+
+    /* Events before each of the S + 1 steps and after the last; step 0 is not timed. */
+    cudaEvent_t *ev = xmalloc(sizeof *ev * (size_t)(S + 2));
+    for (int i = 0; i < S + 2; i++)
+        CU(cudaEventCreate(&ev[i]));
+    for (int i = 0; i <= S; i++) {
+        CU(cudaEventRecord(ev[i], b->s));
+        for (int l = 0; l < L; l++)
+            fkv_layer(b, x, l, x->warm + i, NULL);
+    }
+    CU(cudaEventRecord(ev[S + 1], b->s));
+    CU(cudaEventSynchronize(ev[S + 1]));
+    for (int l = 0; l < L; l++)
+        KV(kvcap_cuda_freekv_stats(x->f[l], &z[l]));
+    double *ms = xmalloc(sizeof *ms * (size_t)S);
+    for (int i = 0; i < S; i++) {
+        float t = 0;
+        CU(cudaEventElapsedTime(&t, ev[i + 1], ev[i + 2]));
+        ms[i] = t;
+    }
+    float total = 0;
+    CU(cudaEventElapsedTime(&total, ev[1], ev[S + 1]));
+    qsort(ms, (size_t)S, sizeof *ms, cmp_double);
+    const double mean_us = 1e3 * total / S;
+    const double med_us = 1e3 * (S % 2 ? ms[S / 2] : 0.5 * (ms[S / 2 - 1] + ms[S / 2]));
+
+    int64_t steps = 0, corr = 0, resync = 0, pages = 0, rec = 0, hid = 0;
+    uint64_t bytes = 0;
+    for (int l = 0; l < L; l++) {
+        steps += z[l].base.steps - a[l].base.steps;
+        corr += z[l].base.corrections - a[l].base.corrections;
+        resync += z[l].base.resyncs - a[l].base.resyncs;
+        pages += z[l].base.pages_recalled - a[l].base.pages_recalled;
+        bytes += z[l].base.bytes_recalled - a[l].base.bytes_recalled;
+        rec += z[l].spec_recalls - a[l].spec_recalls;
+        hid += z[l].spec_hidden - a[l].spec_hidden;
+    }
+    /* per layer, the untimed step's recall: complete before that step, so counted hidden */
+    rec -= L, hid -= L;
+    const double per = (double)steps / L; /* steps after the warm-up: S + 1 */
+    const double corr_s = corr / per, pages_s = pages / per, bytes_s = bytes / per;
+    const double share = rec > 0 && hid >= 0 ? (double)hid / rec : NAN;
+    const double need_us = b->h2d_gbs > 0 ? bytes_s / (b->h2d_gbs * 1e3) : NAN;
+    char rb[32], sh[16] = "-", h2d[16] = "-", nd[16] = "-";
+    if (!isnan(share))
+        snprintf(sh, sizeof sh, "%.1f%%", 100 * share);
+    if (b->h2d_gbs > 0) {
+        snprintf(h2d, sizeof h2d, "%.1f", b->h2d_gbs);
+        snprintf(nd, sizeof nd, "%.1f", need_us);
+    }
+    printf("%8d %6d %8s %10.2f %10.1f %11s %10.1f %10.1f %9s %13s %9.1e\n", x->n, S, sh, corr_s,
+           pages_s, cli_bytes((uint64_t)llround(bytes_s), rb, sizeof rb), mean_us, med_us, h2d,
+           nd, err);
+    if (differ > 0)
+        printf("%8s  (%d of %d layer-0 selections differ from the CPU's by a page of near-equal "
+               "score; their outputs were not compared)\n", "", differ, pairs);
+    if (resync != 0 || rec != (int64_t)S * L)
+        printf("%8s  (warning: %lld resyncs and %lld judged recalls in the timed steps, expected "
+               "0 and %d)\n", "", (long long)resync, (long long)rec, S * L);
+    fflush(stdout);
+    if (b->tsv)
+        fprintf(b->tsv, "freekv\t%s\t%d\t%d\t%g\t%d\t%.4f\t%.3f\t%.2f\t%.0f\t%.3f\t%.3f\t%.3f\t"
+                        "%.3f\n",
+                kvcap_dtype_name(o->dtype), L, x->n, x->layer_us, S, share, corr_s, pages_s,
+                bytes_s, mean_us, med_us, b->h2d_gbs, need_us);
+    for (int i = 0; i < S + 2; i++)
+        CU(cudaEventDestroy(ev[i]));
+    free(ev), free(ms), free(a);
+    fkv_states_free(x);
+}
 
 static int section_freekv(struct bench *b)
 {
-    printf("FreeKV: the share of steps whose recall was fully hidden is measured by --freekv "
-           "when the CUDA FreeKV kernels are available; this build has none%s\n",
-           b->o.freekv ? " (--freekv: skipped)" : "");
-    if (b->h2d_gbs > 0)
-        printf("  it is judged at the pinned host-to-device bandwidth measured above: %.1f GB/s\n",
-               b->h2d_gbs);
-    printf("\n");
+    const struct opts *o = &b->o;
+    struct fkv x;
+    memset(&x, 0, sizeof x);
+    x.L = o->layers_set ? o->layers : 28, x.H = o->kv_heads, x.G = o->q_heads / o->kv_heads;
+    x.d = o->d, x.dt = o->dtype, x.es = kvcap_dtype_size(o->dtype);
+    x.warm = o->warmup > FKV_MIN_WARMUP ? o->warmup : FKV_MIN_WARMUP;
+    x.steps = o->fkv_steps, x.T = x.warm + 1 + x.steps;
+    x.scale = (float)(1.0 / sqrt((double)o->d));
+    x.layer_us = o->fkv_layer_us, x.busy_blocks = b->prop.multiProcessorCount;
+    x.p = kvcap_freekv_default_params();
+    const int L = x.L, H = x.H, G = x.G, rows = H * G;
+    const size_t qn = fkv_qn(&x), toks = (size_t)L * x.T * H * x.d;
+    printf("FreeKV decode: %d q / %d kv heads (G = %d), d %d, %s K/V, %d layer%s (one "
+           "kvcap_cuda_freekv state each); page %d, budget %d tokens, %d sink and %d window "
+           "pages, tau %g (kvcap_freekv_default_params)\n",
+           o->q_heads, H, G, o->d, kvcap_dtype_name(o->dtype), L, L == 1 ? "" : "s",
+           x.p.page_size, x.p.budget_tokens, x.p.sink_pages, x.p.window_pages, (double)x.p.tau);
+    printf("  per step, each layer in order on one stream: append 1 token (device K/V), "
+           "partials reset, kvcap_cuda_freekv_attend, finish, step_done; layer l's speculative "
+           "recall for the next step is issued by its next append and overlaps layers l+1..L-1 "
+           "of the step\n");
+    if (x.layer_us > 0)
+        printf("  rest of a layer: a %g us spin kernel (%d blocks of 256 threads, one per SM) "
+               "after each layer's calls (--freekv-layer-us)\n", x.layer_us, x.busy_blocks);
+    else
+        printf("  rest of a layer: none (--freekv-layer-us 0): a layer's recall can only overlap "
+               "the other layers' FreeKV calls, a model's projections and MLP would add to "
+               "that\n");
+    printf("  data: the context appended at prefill in chunks of %d tokens, then 1 token per "
+           "step and layer (random: K uniform in [-1, 1], V in [0, 1]); queries q_t = %.2f q_t-1 + %.2f noise (unit normals: "
+           "step-to-step cosine ~%.2f), uploaded before the steps; %d warm-up steps, 1 untimed, "
+           "then %d timed; not a CUDA graph (append waits on the host for the selection it "
+           "plans the recall from)\n",
+           FKV_CHUNK, FKV_RHO, FKV_NOISE, FKV_RHO, x.warm, x.steps);
+    printf("  check: layer 0's output at every warm-up step (a resync, then speculative steps) "
+           "against the CPU state (runtime/freekv.h, worker NULL) fed the same tokens and "
+           "queries, for each head whose pages equal the CPU's (>= %.0f%% must), and its "
+           "statistics; > %.0e relative to the largest output withholds the timings (exit "
+           "1)\n\n",
+           100 * FKV_AGREE, CHECK_REL_TOL);
+
+    x.f = calloc((size_t)L, sizeof *x.f);
+    x.qh = xmalloc((size_t)L * x.T * qn * sizeof(float));
+    const size_t chunk = (size_t)FKV_CHUNK * H * x.d;
+    void *kc = dev_try(chunk * x.es), *vc = dev_try(chunk * x.es);
+    x.tk = dev_try(toks * x.es), x.tv = dev_try(toks * x.es);
+    x.q = dev_try((size_t)L * x.T * qn * sizeof(float));
+    x.out = dev_try(qn * sizeof(float));
+    float *part = dev_try((size_t)rows * (x.d + 2) * sizeof(float));
+    if (!x.f || !kc || !vc || !x.tk || !x.tv || !x.q || !x.out || !part) {
+        printf("  skipped: cannot allocate the tokens and queries\n\n");
+    } else {
+        x.acc = (struct kvcap_partial){part, part + rows, part + 2 * rows};
+        struct kvcap_rng r;
+        kvcap_rng_seed(&r, 0xf4ee);
+        for (int l = 0; l < L; l++)
+            for (int t = 0; t < x.T; t++) {
+                float *q = x.qh + ((size_t)l * x.T + t) * qn;
+                const float *prev = t > 0 ? q - qn : q; /* the layer's previous step */
+                for (size_t i = 0; i < qn; i++)
+                    q[i] = t == 0 ? (float)kvcap_rng_normal(&r)
+                                  : (float)(FKV_RHO * prev[i] + FKV_NOISE * kvcap_rng_normal(&r));
+            }
+        CU(cudaMemcpyAsync(x.q, x.qh, (size_t)L * x.T * qn * sizeof(float),
+                           cudaMemcpyHostToDevice, b->s));
+        fill(b, x.tk, x.dt, toks, 31, -1.0f, 1.0f);
+        fill(b, x.tv, x.dt, toks, 32, 0.0f, 1.0f);
+        CU(cudaStreamSynchronize(b->s));
+        printf("%8s %6s %8s %10s %10s %11s %10s %10s %9s %13s %9s\n", "context", "steps",
+               "hidden", "corr/step", "pages/step", "recall/step", "step us", "median us",
+               "H2D GB/s", "recall us@H2D", "check err");
+        for (int ci = 0; ci < o->n_fkv_contexts; ci++) {
+            x.n = o->fkv_contexts[ci];
+            fkv_context(b, &x, kc, vc);
+        }
+        printf("  hidden: share of the (step, layer) speculative recalls complete before the "
+               "attention needed them (spec_hidden / spec_recalls of kvcap_cuda_freekv_stats, "
+               "all layers, timed steps); corr/step: KV heads corrected per step (of %d); "
+               "pages, recall: pages and bytes copied host to device per step, all layers, "
+               "speculative and corrective (averaged over the timed steps and the untimed "
+               "one)\n", L * H);
+        printf("  step us: CUDA events on the stream around each timed step, all %d layers and "
+               "the host's waits in append included, mean and median; recall us@H2D: recall "
+               "bytes per step / the pinned H2D bandwidth measured above, the time the recall "
+               "needs if nothing overlaps it; check err: layer 0's largest relative error "
+               "against the CPU state\n\n", L);
+    }
+    void *ptrs[] = {kc, vc, x.tk, x.tv, x.q, x.out, part};
+    for (size_t i = 0; i < sizeof ptrs / sizeof *ptrs; i++)
+        dev_free(&ptrs[i]);
+    free(x.f);
+    free(x.qh);
     return 0;
 }
 
@@ -1011,7 +1394,7 @@ static int open_device(int device, struct cudaDeviceProp *prop)
 int main(int argc, char **argv)
 {
     enum { DTYPE = 1000, HEADS, FC_TOKENS, REPS, WARMUP, WARM, NO_GRAPH, SECTIONS_OPT, FREEKV,
-           TSV, DEVICE, PROBE };
+           FKV_CONTEXTS, FKV_STEPS, FKV_LAYER_US, TSV, DEVICE, PROBE };
     static const struct option options[] = {
         {"dtype", required_argument, NULL, DTYPE},      {"layers", required_argument, NULL, 'l'},
         {"heads", required_argument, NULL, HEADS},      {"head-dim", required_argument, NULL, 'd'},
@@ -1022,6 +1405,9 @@ int main(int argc, char **argv)
         {"warm", no_argument, NULL, WARM},              {"no-graph", no_argument, NULL, NO_GRAPH},
         {"sections", required_argument, NULL, SECTIONS_OPT},
         {"freekv", no_argument, NULL, FREEKV},          {"tsv", required_argument, NULL, TSV},
+        {"freekv-contexts", required_argument, NULL, FKV_CONTEXTS},
+        {"freekv-steps", required_argument, NULL, FKV_STEPS},
+        {"freekv-layer-us", required_argument, NULL, FKV_LAYER_US},
         {"device", required_argument, NULL, DEVICE},    {"probe", no_argument, NULL, PROBE},
         {"help", no_argument, NULL, 'h'},               {NULL, 0, NULL, 0}};
     struct bench b;
@@ -1034,6 +1420,8 @@ int main(int argc, char **argv)
     parse_list("8192,16384,32768,65536,131072", o->contexts, &o->n_contexts);
     parse_list("1,8", o->batches, &o->n_batches);
     parse_list("2048,4096,8192", o->fc_tokens, &o->n_fc_tokens);
+    parse_list("32768", o->fkv_contexts, &o->n_fkv_contexts);
+    o->fkv_steps = 64;
     int probe = 0, c;
     cli_init(TOOL, 0);
     while ((c = getopt_long(argc, argv, "l:d:n:b:t:r:h", options, NULL)) != -1) {
@@ -1080,6 +1468,20 @@ int main(int argc, char **argv)
                                        "flashcache, freekv", optarg);
             break;
         case FREEKV: o->freekv = 1; break;
+        case FKV_CONTEXTS:
+            if (!parse_list(optarg, o->fkv_contexts, &o->n_fkv_contexts))
+                return cli_usage_error("--freekv-contexts: '%s' is not a list of positive "
+                                       "integers", optarg);
+            break;
+        case FKV_STEPS: o->fkv_steps = atoi(optarg); break;
+        case FKV_LAYER_US: {
+            char *end;
+            o->fkv_layer_us = strtod(optarg, &end);
+            if (end == optarg || *end || !(o->fkv_layer_us >= 0 && o->fkv_layer_us <= 1e6))
+                return cli_usage_error("--freekv-layer-us: '%s' is not a number of microseconds "
+                                       "in 0..1e6", optarg);
+            break;
+        }
         case TSV: o->tsv = optarg; break;
         case DEVICE: o->device = atoi(optarg); break;
         case PROBE: probe = 1; break;
@@ -1090,9 +1492,9 @@ int main(int argc, char **argv)
     if (optind < argc)
         return cli_usage_error("unexpected argument '%s'", argv[optind]);
     if (o->layers < 1 || o->reps < 1 || o->warmup < 0 || o->device < 0 ||
-        !(o->ratio > 0 && o->ratio <= 1))
+        !(o->ratio > 0 && o->ratio <= 1) || o->fkv_steps < 1 || o->fkv_steps > 100000)
         return cli_usage_error("--layers and --reps >= 1, --warmup and --device >= 0, --ratio "
-                               "in (0, 1]");
+                               "in (0, 1], --freekv-steps in 1..100000");
     if (o->q_heads < 1 || o->kv_heads < 1 || o->q_heads % o->kv_heads != 0 ||
         o->q_heads / o->kv_heads > KVCAP_CUDA_ATTN_MAX_NQ)
         return cli_usage_error("--heads %dx%d: KV heads must divide query heads, at most %d "

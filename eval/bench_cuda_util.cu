@@ -1,5 +1,5 @@
 // bench_cuda_util.cu — device helpers of kvcap-bench-cuda (bench_cuda.h): random fill in a
-// storage dtype and a read-only pass that evicts the L2 cache between timed calls.
+// storage dtype, a read-only pass that evicts the L2 cache between timed calls, and a timed spin.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -54,6 +54,21 @@ __global__ void read_kernel(const uint4 *buf, size_t n, unsigned *sink)
         *sink = acc;
 }
 
+__device__ __forceinline__ unsigned long long global_ns()
+{
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// The global timer rather than clock64(): it counts nanoseconds whatever the SM clock does.
+__global__ void busy_kernel(unsigned long long ns)
+{
+    const unsigned long long t0 = global_ns();
+    while (global_ns() - t0 < ns) {
+    }
+}
+
 unsigned blocks_for(size_t n, unsigned threads)
 {
     size_t b = (n + threads - 1) / threads;
@@ -92,5 +107,13 @@ extern "C" cudaError_t kvcap_bench_read(const void *buf, size_t bytes, unsigned 
     if (n == 0)
         return cudaSuccess;
     read_kernel<<<blocks_for(n, 512), 512, 0, stream>>>((const uint4 *)buf, n, sink);
+    return cudaGetLastError();
+}
+
+extern "C" cudaError_t kvcap_bench_busy(double us, int blocks, cudaStream_t stream)
+{
+    if (!(us > 0) || blocks < 1)
+        return us > 0 ? cudaErrorInvalidValue : cudaSuccess;
+    busy_kernel<<<(unsigned)blocks, 256, 0, stream>>>((unsigned long long)(us * 1e3 + 0.5));
     return cudaGetLastError();
 }

@@ -2,7 +2,8 @@
 # bench-gpu.sh — the GPU benchmark in one command: builds kvcap-bench-cuda (Release, CUDA on)
 # when needed, checks for a device (exit 77 without one), runs it, then PyTorch's
 # scaled_dot_product_attention on the same decode shapes when torch with CUDA is installed
-# (scripts/bench_sdpa.py), and prints one summary table: plain, fused and SDPA side by side.
+# (scripts/bench_sdpa.py), and prints the summary: plain, fused and SDPA decode side by side, and
+# FreeKV's decode steps when that section ran.
 # Everything printed also goes to $OUT/bench-gpu.txt (./bench-gpu-out/ when OUT is unset), with
 # the raw results as .tsv files beside it. Installs nothing and needs no network.
 # Usage: bash scripts/bench-gpu.sh [kvcap-bench-cuda options]   e.g. --dtype bf16 --reps 50
@@ -113,5 +114,22 @@ awk -F'\t' -v sdpa_file="$sdpa_tsv" '
   }
   END { if (!header) print "  (no decode results)" }
 ' "$sdpa_tsv" "$outdir/kvcap.tsv"
+
+# kvcap.tsv freekv lines: freekv dtype layers n layer_us steps hidden_share corr_per_step
+# pages_per_step bytes_per_step step_us_mean step_us_median h2d_gbs recall_us_at_h2d.
+if awk -F'\t' '$1 == "freekv" { found = 1 } END { exit !found }' "$outdir/kvcap.tsv"; then
+  echo
+  echo "summary: FreeKV decode steps (all layers), from the same run"
+  awk -F'\t' '
+    $1 == "freekv" {
+      if (!header++)
+        printf "%8s %6s %9s %8s %11s %11s %14s\n", "context", "layers", "layer us", "hidden",
+               "step us", "recall MB", "recall us@H2D"
+      hidden = ($7 == "nan" || $7 == "-nan") ? "-" : sprintf("%.1f%%", 100 * $7)
+      need = ($14 == "nan" || $14 == "-nan") ? "-" : sprintf("%.1f", $14)
+      printf "%8d %6d %9g %8s %11.1f %11.2f %14s\n", $4, $3, $5, hidden, $11, $10 / 1e6, need
+    }
+  ' "$outdir/kvcap.tsv"
+fi
 echo
 echo "== results: $outdir/bench-gpu.txt (raw: kvcap.tsv$( [ "$sdpa_tsv" != /dev/null ] && echo ', sdpa.tsv'))"
