@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "cache_internal.h"
+#include "cuda/attention_cuda.h"
 #include "pool.h"
 #include "rope.h"
 #include "select.h"
@@ -41,6 +42,55 @@ static int is_float_storage(enum kvcap_dtype d)
     return d == KVCAP_DTYPE_F32 || d == KVCAP_DTYPE_F16 || d == KVCAP_DTYPE_BF16;
 }
 
+/* What a device cache (params.memory = KVCAP_MEMORY_CUDA) can serve, checked once the runtime
+ * config is loaded; the device itself last, so every other error is reported without one. */
+static enum kvcap_status device_check(const struct kvcap_cache *c,
+                                      const struct kvcap_cache_params *p)
+{
+    static const char *const kinds[3] = {"vision", "text", "generated"};
+    for (int k = 0; k < 3; k++) {
+        enum kvcap_policy pol = c->cfg.policy[k];
+        KVCAP_RETURN_IF(pol != KVCAP_POLICY_FULL && pol != KVCAP_POLICY_STREAMING &&
+                            pol != KVCAP_POLICY_KVCAPSULE,
+                        KVCAP_ERR_UNSUPPORTED,
+                        "runtime config: policies.%s is '%s', which a device cache "
+                        "(params.memory = KVCAP_MEMORY_CUDA) does not offer (full, streaming, "
+                        "kvcapsule)",
+                        kinds[k], kvcap_policy_name(pol));
+    }
+    /* The fallback serves kvcapsule's spans without a bucket: it matters only with kvcapsule
+     * (its default, flashcache, must then be overridden in the config). */
+    enum kvcap_policy fb = c->cfg.fallback;
+    KVCAP_RETURN_IF(c->cfg.policy[KVCAP_SPAN_VISION] == KVCAP_POLICY_KVCAPSULE &&
+                        fb != KVCAP_FALLBACK_NONE && fb != KVCAP_POLICY_FULL &&
+                        fb != KVCAP_POLICY_STREAMING,
+                    KVCAP_ERR_UNSUPPORTED,
+                    "runtime config: fallback is '%s', which a device cache (params.memory = "
+                    "KVCAP_MEMORY_CUDA) does not offer (full, streaming or none)",
+                    kvcap_policy_name(fb));
+    int G = c->g.n_q_heads / c->g.n_kv_heads, d = c->g.head_dim;
+    KVCAP_RETURN_IF(G > KVCAP_CUDA_ATTN_MAX_NQ || d % 8 != 0 || d < KVCAP_CUDA_ATTN_MIN_D ||
+                        d > KVCAP_CUDA_ATTN_MAX_D,
+                    KVCAP_ERR_UNSUPPORTED,
+                    "params.model: G = %d query heads per KV head and head_dim %d; the device "
+                    "kernels serve G <= %d and head_dim a multiple of 8 in %d..%d",
+                    G, d, KVCAP_CUDA_ATTN_MAX_NQ, KVCAP_CUDA_ATTN_MIN_D, KVCAP_CUDA_ATTN_MAX_D);
+    KVCAP_RETURN_IF(c->n_seqs > 65535, KVCAP_ERR_UNSUPPORTED,
+                    "params.n_seqs: %d; a device cache serves at most 65535 sequences", c->n_seqs);
+    int n = kvcap_cuda_device_count();
+#ifdef KVCAP_WITH_CUDA
+    KVCAP_RETURN_IF(n == 0, KVCAP_ERR_UNSUPPORTED,
+                    "params.memory: KVCAP_MEMORY_CUDA needs a CUDA device and none is visible");
+#else
+    KVCAP_RETURN_IF(n == 0, KVCAP_ERR_UNSUPPORTED,
+                    "params.memory: KVCAP_MEMORY_CUDA needs a CUDA device and this build has no "
+                    "CUDA support");
+#endif
+    KVCAP_RETURN_IF(p->cuda_device < 0 || p->cuda_device >= n, KVCAP_ERR_INVALID_ARGUMENT,
+                    "params.cuda_device: %d is outside 0..%d", p->cuda_device, n - 1);
+    return KVCAP_OK;
+}
+
 enum kvcap_status kvcap_cache_create(const struct kvcap_cache_params *p, struct kvcap_cache **out)
 {
     KVCAP_RETURN_IF(!p || !out, KVCAP_ERR_INVALID_ARGUMENT, "kvcap_cache_create: NULL argument");
@@ -52,6 +102,17 @@ enum kvcap_status kvcap_cache_create(const struct kvcap_cache_params *p, struct 
                     "params.storage: %s is not F32, F16 or BF16", kvcap_dtype_name(p->storage));
     KVCAP_RETURN_IF(p->n_threads < 0 || p->n_threads > 64, KVCAP_ERR_INVALID_ARGUMENT,
                     "params.n_threads: %d is outside 0..64", p->n_threads);
+    KVCAP_RETURN_IF(p->memory != KVCAP_MEMORY_HOST && p->memory != KVCAP_MEMORY_CUDA,
+                    KVCAP_ERR_INVALID_ARGUMENT,
+                    "params.memory: %d is not KVCAP_MEMORY_HOST or KVCAP_MEMORY_CUDA",
+                    (int)p->memory);
+    KVCAP_RETURN_IF(p->reserve_tokens < 0 || p->reserve_tokens > (1 << 24),
+                    KVCAP_ERR_INVALID_ARGUMENT, "params.reserve_tokens: %d is outside 0..2^24",
+                    p->reserve_tokens);
+    int device = p->memory == KVCAP_MEMORY_CUDA;
+    KVCAP_RETURN_IF(device && p->record_dir, KVCAP_ERR_UNSUPPORTED,
+                    "params.record_dir: record mode is not available with params.memory = "
+                    "KVCAP_MEMORY_CUDA (it records from host memory)");
     if (p->artifact) {
         const char *diff = kvcap_geometry_difference(&p->artifact->model, &p->model);
         KVCAP_RETURN_IF(diff, KVCAP_ERR_GEOMETRY,
@@ -65,12 +126,19 @@ enum kvcap_status kvcap_cache_create(const struct kvcap_cache_params *p, struct 
     c->n_seqs = p->n_seqs;
     c->storage = p->storage;
     c->artifact = p->artifact;
+    c->reserve_tokens = p->reserve_tokens;
     enum kvcap_status st =
         p->config_path ? kvcap_runtime_config_load_file(p->config_path, &c->cfg)
                        : (kvcap_runtime_config_default(&c->cfg), KVCAP_OK);
-    /* Defaults: vision spans go to kvcapsule when an artifact is given (flashcache else). */
+    /* Defaults: vision spans go to kvcapsule when an artifact is given (flashcache else; a
+     * device cache, which has no flashcache, keeps them in full and falls back to full). */
     if (st == KVCAP_OK && !p->config_path && p->artifact)
         c->cfg.policy[KVCAP_SPAN_VISION] = KVCAP_POLICY_KVCAPSULE;
+    if (st == KVCAP_OK && !p->config_path && device) {
+        if (!p->artifact)
+            c->cfg.policy[KVCAP_SPAN_VISION] = KVCAP_POLICY_FULL;
+        c->cfg.fallback = KVCAP_POLICY_FULL;
+    }
     if (st == KVCAP_OK && c->cfg.policy[KVCAP_SPAN_VISION] == KVCAP_POLICY_KVCAPSULE &&
         !p->artifact)
         st = kvcap_fail(KVCAP_ERR_INVALID_ARGUMENT,
@@ -94,6 +162,8 @@ enum kvcap_status kvcap_cache_create(const struct kvcap_cache_params *p, struct 
         (!policy_impl(c->cfg.fallback) || c->cfg.fallback == KVCAP_POLICY_KVCAPSULE))
         st = kvcap_fail(KVCAP_ERR_INVALID_ARGUMENT, "runtime config: fallback '%s' is not a "
                         "policy for spans without a bucket", kvcap_policy_name(c->cfg.fallback));
+    if (st == KVCAP_OK && device)
+        st = device_check(c, p);
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
     c->threads = p->n_threads ? p->n_threads : (int)(cores > 0 ? (cores < 64 ? cores : 64) : 1);
     if (st == KVCAP_OK)
@@ -110,6 +180,8 @@ enum kvcap_status kvcap_cache_create(const struct kvcap_cache_params *p, struct 
     }
     if (st == KVCAP_OK && p->record_dir)
         st = kvcap_recorder_create(&c->g, c->n_seqs, p->record_dir, &c->recorder);
+    if (st == KVCAP_OK && device)
+        st = kvcap_device_create(c, p->cuda_device);
     if (st != KVCAP_OK) {
         kvcap_cache_free(c);
         return st;
@@ -134,6 +206,7 @@ void kvcap_cache_free(struct kvcap_cache *c)
         kvcap_freekv_free(sl->freekv);
     }
     kvcap_freekv_worker_free(c->freekv_worker);
+    kvcap_device_free(c);
     for (int t = 0; c->scratch && t < c->threads; t++) {
         struct kvcap_thread_scratch *s = &c->scratch[t];
         free(s->part), free(s->qrot), free(s->spans), free(s->work);
@@ -188,6 +261,8 @@ enum kvcap_status kvcap_segment_reserve(const struct kvcap_cache *c, struct kvca
 {
     if (cap <= seg->cap)
         return KVCAP_OK;
+    if (c->dev)
+        return kvcap_device_reserve((struct kvcap_cache *)c, seg, cap);
     size_t d = (size_t)c->g.head_dim, H = (size_t)c->g.n_kv_heads;
     size_t es = kvcap_dtype_size(c->storage);
     void *k = malloc(H * (size_t)cap * d * es), *v = malloc(H * (size_t)cap * d * es);
@@ -221,6 +296,8 @@ enum kvcap_status kvcap_segment_fill(struct kvcap_cache *c, struct kvcap_segment
                                      const struct kvcap_tensor_view *k,
                                      const struct kvcap_tensor_view *v, const int *tokens, int n)
 {
+    if (c->dev)
+        return kvcap_device_fill(c, seg, k, v, tokens, n);
     int d = c->g.head_dim;
     KVCAP_TRY(kvcap_segment_reserve(c, seg, n > 0 ? n : 1));
     float *kr = malloc(sizeof(float) * (size_t)d * 2);
@@ -309,7 +386,11 @@ enum kvcap_status kvcap_cache_freekv(struct kvcap_cache *c, struct kvcap_seq_lay
 
 void kvcap_segment_release(struct kvcap_segment *seg)
 {
-    free(seg->k), free(seg->v), free(seg->hs), free(seg->vt), free(seg->mu), free(seg->score);
+    if (seg->dev)
+        kvcap_device_segment_free(seg);
+    else
+        free(seg->k), free(seg->v), free(seg->hs), free(seg->vt), free(seg->mu);
+    free(seg->score);
     seg->k = seg->v = seg->hs = seg->vt = seg->mu = NULL;
     seg->score = NULL;
     seg->n_rows = seg->cap = 0;
@@ -417,6 +498,8 @@ enum kvcap_status kvcap_cache_add_span(struct kvcap_cache *c, int seq, int layer
         return st;
     }
     sl->segs[sl->n_segs++] = seg;
+    if (c->dev)
+        kvcap_device_layer_changed(c, layer);
     if (layer == 0) {
         c->tokens_by_kind[span->kind] += span->n_tokens;
         c->spans_fallback += fallback;
@@ -434,6 +517,8 @@ enum kvcap_status kvcap_cache_add_post_queries(struct kvcap_cache *c, int seq, i
     KVCAP_RETURN_IF(sl->gen.seen > 0,
                     KVCAP_ERR_STATE, "seq %d layer %d: post-vision queries come before decoding",
                     seq, layer);
+    if (c->dev)
+        return KVCAP_OK; /* device memory; no policy of a device cache reads them */
     /* Kept token-major ([n][q_heads][d]) so later calls extend the same block. */
     size_t qd = (size_t)c->g.n_q_heads * c->g.head_dim;
     float *grown = realloc(sl->post_q, sizeof(float) * qd * (size_t)(sl->n_post + n));
@@ -498,6 +583,24 @@ enum kvcap_status kvcap_cache_end_prefill(struct kvcap_cache *c, int seq)
 
 /* ---- Decode ------------------------------------------------------------------------------- */
 
+/* Row of the next generated token; *grow_to > 0 when the rows must first grow to that many:
+ * params.reserve_tokens (64 when 0; streaming needs no more than its ring) the first time, then
+ * twice as many. Streaming keeps the first `sinks` generated tokens, then a ring of the last
+ * `window`. Host and device caches grow alike. */
+static int gen_row(const struct kvcap_cache *c, const struct kvcap_segment *gen, int *grow_to)
+{
+    int row = gen->n_rows;
+    int sinks = c->cfg.streaming.sinks, window = c->cfg.streaming.window;
+    int streaming = gen->policy == KVCAP_POLICY_STREAMING;
+    if (streaming && gen->seen >= sinks + window)
+        row = sinks + (int)((gen->seen - sinks) % window);
+    int first = c->reserve_tokens > 0 ? c->reserve_tokens : 64;
+    if (c->reserve_tokens > 0 && streaming && first > sinks + window)
+        first = sinks + window;
+    *grow_to = row >= gen->cap ? (gen->cap ? 2 * gen->cap : first) : 0;
+    return row;
+}
+
 enum kvcap_status kvcap_cache_append(struct kvcap_cache *c, int seq, int layer,
                                      const struct kvcap_tensor_view *k,
                                      const struct kvcap_tensor_view *v)
@@ -508,6 +611,16 @@ enum kvcap_status kvcap_cache_append(struct kvcap_cache *c, int seq, int layer,
     KVCAP_TRY(kvcap_cache_end_prefill(c, seq));
     struct kvcap_seq_layer *sl = kvcap_cache_seq_layer(c, seq, layer);
     struct kvcap_segment *gen = &sl->gen;
+    if (c->dev) {
+        int grow_to, row = gen_row(c, gen, &grow_to);
+        KVCAP_TRY(kvcap_device_append(c, seq, layer, k, v, grow_to));
+        if (row == gen->n_rows)
+            gen->n_rows++;
+        gen->seen++;
+        if (layer == 0)
+            c->tokens_by_kind[KVCAP_SPAN_GENERATED]++;
+        return KVCAP_OK;
+    }
     int d = c->g.head_dim, H = c->g.n_kv_heads;
     /* the token as f32, [2][heads][d]: keys then values */
     float *buf = malloc(sizeof(float) * 2 * (size_t)H * d);
@@ -518,7 +631,6 @@ enum kvcap_status kvcap_cache_append(struct kvcap_cache *c, int seq, int layer,
         kvcap_view_read(v, h, 0, 1, d, vb + (size_t)h * d);
     }
     enum kvcap_status st = KVCAP_OK;
-    int row = gen->n_rows;
     if (gen->policy == KVCAP_POLICY_FREEKV) {
         struct kvcap_freekv *f;
         st = kvcap_cache_freekv(c, sl, &f);
@@ -527,14 +639,9 @@ enum kvcap_status kvcap_cache_append(struct kvcap_cache *c, int seq, int layer,
         if (st == KVCAP_OK)
             sl->freekv_tokens_by_kind[KVCAP_SPAN_GENERATED]++;
     } else {
-        if (gen->policy == KVCAP_POLICY_STREAMING) {
-            /* first `sinks` generated tokens stay; after them a ring of the last `window` */
-            int sinks = c->cfg.streaming.sinks, window = c->cfg.streaming.window;
-            if (gen->seen >= sinks + window)
-                row = sinks + (int)((gen->seen - sinks) % window);
-        }
-        if (row >= gen->cap)
-            st = kvcap_segment_reserve(c, gen, gen->cap ? 2 * gen->cap : 64);
+        int grow_to, row = gen_row(c, gen, &grow_to);
+        if (grow_to > 0)
+            st = kvcap_segment_reserve(c, gen, grow_to);
         for (int h = 0; st == KVCAP_OK && h < H; h++)
             kvcap_segment_store(c, gen, h, row, 1, buf + (size_t)h * d, vb + (size_t)h * d);
         if (st == KVCAP_OK && row == gen->n_rows)
@@ -707,6 +814,8 @@ enum kvcap_status kvcap_cache_attend_lse(struct kvcap_cache *c, int layer, const
     KVCAP_RETURN_IF(!q || !out, KVCAP_ERR_INVALID_ARGUMENT, "attend: q and out are required");
     for (int s = 0; s < c->n_seqs; s++)
         KVCAP_TRY(kvcap_cache_end_prefill(c, s));
+    if (c->dev)
+        return kvcap_device_attend(c, layer, q, out, lse);
     KVCAP_TRY(prepare_scratch(c, layer));
     if (c->recorder)
         KVCAP_TRY(kvcap_recorder_decode_queries(c->recorder, layer, q));
@@ -736,6 +845,22 @@ enum kvcap_status kvcap_cache_attend_lse(struct kvcap_cache *c, int layer, const
 enum kvcap_status kvcap_cache_attend(struct kvcap_cache *c, int layer, const float *q, float *out)
 {
     return kvcap_cache_attend_lse(c, layer, q, out, NULL);
+}
+
+enum kvcap_status kvcap_cache_set_stream(struct kvcap_cache *c, void *stream)
+{
+    KVCAP_RETURN_IF(!c, KVCAP_ERR_INVALID_ARGUMENT, "set_stream: NULL cache");
+    KVCAP_RETURN_IF(!c->dev, KVCAP_ERR_STATE,
+                    "set_stream: the cache keeps host memory (params.memory is "
+                    "KVCAP_MEMORY_HOST)");
+    kvcap_device_set_stream(c, stream);
+    return KVCAP_OK;
+}
+
+enum kvcap_status kvcap_cache_sync(struct kvcap_cache *c)
+{
+    KVCAP_RETURN_IF(!c, KVCAP_ERR_INVALID_ARGUMENT, "sync: NULL cache");
+    return c->dev ? kvcap_device_sync(c) : KVCAP_OK;
 }
 
 enum kvcap_status kvcap_cache_stats(const struct kvcap_cache *c, struct kvcap_cache_stats *st)

@@ -33,6 +33,7 @@ struct kvcap_segment {
     /* KVCapsule: [kv_heads][tiles][h][d], [kv_heads][tiles][rv][d], [kv_heads][d] */
     int bucket, tiles, h, rv;
     void *hs, *vt, *mu;
+    int dev; /* 1 + the CUDA device holding k, v, hs, vt, mu; 0: host memory */
 };
 
 struct kvcap_seq_layer {
@@ -73,6 +74,8 @@ struct kvcap_cache {
     int64_t tokens_by_kind[3], spans_fallback;
     uint64_t last_read, last_map_read;
     double compress_seconds;
+    int reserve_tokens;       /* params.reserve_tokens */
+    struct kvcap_device *dev; /* device caches (cache_device.c), else NULL */
 };
 
 static inline struct kvcap_seq_layer *kvcap_cache_seq_layer(const struct kvcap_cache *c, int seq,
@@ -142,6 +145,38 @@ enum kvcap_status kvcap_cache_freekv(struct kvcap_cache *c, struct kvcap_seq_lay
 
 void kvcap_segment_release(struct kvcap_segment *seg);
 uint64_t kvcap_segment_bytes(const struct kvcap_cache *c, const struct kvcap_segment *seg);
+
+/* ---- Device caches (cache_device.c) ------------------------------------------------------ */
+/* A cache with params.memory = KVCAP_MEMORY_CUDA: its segments hold device memory (seg->dev)
+ * and cache.c hands the calls below the work a host cache does itself. */
+
+struct kvcap_device;
+/* Device state for `device` (validated): uploads the artifact's maps. Freed by
+ * kvcap_device_free also on failure. */
+enum kvcap_status kvcap_device_create(struct kvcap_cache *c, int device);
+void kvcap_device_free(struct kvcap_cache *c);
+void kvcap_device_set_stream(struct kvcap_cache *c, void *stream);
+/* The segments of `layer` changed: its decode descriptors are rebuilt before the next step. */
+void kvcap_device_layer_changed(struct kvcap_cache *c, int layer);
+void kvcap_device_segment_free(struct kvcap_segment *seg);
+/* kvcap_segment_fill, kvcap_segment_reserve and the KVCapsule prefill on the device. */
+enum kvcap_status kvcap_device_fill(struct kvcap_cache *c, struct kvcap_segment *seg,
+                                    const struct kvcap_tensor_view *k,
+                                    const struct kvcap_tensor_view *v, const int *tokens, int n);
+enum kvcap_status kvcap_device_reserve(struct kvcap_cache *c, struct kvcap_segment *seg, int cap);
+enum kvcap_status kvcap_device_capsule_prefill(struct kvcap_cache *c, int layer,
+                                               struct kvcap_segment *seg,
+                                               const struct kvcap_tensor_view *k,
+                                               const struct kvcap_tensor_view *v);
+/* Enqueues one generated token of (seq, layer), growing the generated rows to `grow_to` rows
+ * first when > 0; the caller advances the host's counts. */
+enum kvcap_status kvcap_device_append(struct kvcap_cache *c, int seq, int layer,
+                                      const struct kvcap_tensor_view *k,
+                                      const struct kvcap_tensor_view *v, int grow_to);
+/* Enqueues the attention of `layer` and sets c->last_read, c->last_map_read. */
+enum kvcap_status kvcap_device_attend(struct kvcap_cache *c, int layer, const float *q, float *out,
+                                      float *lse);
+enum kvcap_status kvcap_device_sync(struct kvcap_cache *c);
 
 /* ---- Record mode (record.c) -------------------------------------------------------------- */
 enum kvcap_status kvcap_recorder_create(const struct kvcap_model_geometry *g, int n_seqs,

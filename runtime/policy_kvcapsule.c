@@ -15,6 +15,8 @@ static enum kvcap_status capsule_prefill(struct kvcap_cache *c, int seq, int lay
                                          const struct kvcap_tensor_view *k,
                                          const struct kvcap_tensor_view *v)
 {
+    if (c->dev) /* the same state computed on the device from device K/V (cache_device.c) */
+        return kvcap_device_capsule_prefill(c, layer, seg, k, v);
     const struct kvcap_model_geometry *g = &c->g;
     const struct kvcap_artifact *a = c->artifact;
     const struct kvcap_bucket *bk = &a->buckets[seg->bucket];

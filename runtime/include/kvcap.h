@@ -205,6 +205,13 @@ KVCAP_API const struct kvcap_model_geometry *kvcap_artifact_geometry(
  * are independent. The cache may use several threads inside a call (params.n_threads). */
 struct kvcap_cache;
 
+/* Where a cache keeps its state, and so where the pointers an engine passes to it live.
+ * Pinned values. */
+enum kvcap_memory {
+    KVCAP_MEMORY_HOST = 0, /* host memory (the default) */
+    KVCAP_MEMORY_CUDA = 1  /* memory of CUDA device params.cuda_device: see "Device caches" */
+};
+
 struct kvcap_cache_params {
     struct kvcap_model_geometry model;     /* required */
     int n_seqs;                            /* sequences in the batch, >= 1 */
@@ -216,21 +223,80 @@ struct kvcap_cache_params {
     const char *record_dir;                /* non-NULL: record mode, vision spans and their decode
                                             * queries are appended to dataset shards there */
     int n_threads;                         /* 0: all cores */
+    enum kvcap_memory memory;              /* HOST (default) or CUDA (see "Device caches") */
+    int cuda_device;                       /* CUDA: the device ordinal, 0 (default) ..
+                                            * kvcap_cuda_device_count() - 1 */
+    int reserve_tokens;                    /* room for this many generated tokens per sequence
+                                            * and layer, allocated by the first append of each;
+                                            * 0 (default): 64. When it is used up the room
+                                            * doubles (streaming needs at most sinks + window
+                                            * rows). On a device cache growing is a step that
+                                            * cannot be captured: reserve what a capture needs */
 };
 
+/* Device caches (params.memory = KVCAP_MEMORY_CUDA). Everything the cache stores lives on
+ * device params.cuda_device, and every pointer an engine passes is memory of that device: the
+ * base of a view and the pages its page table points to (the page table itself is a host
+ * array, read during the call), q, out and lse. Each call makes that device current for its
+ * duration and restores the caller's. Work is enqueued on the cache's stream
+ * (kvcap_cache_set_stream; the legacy default stream until set); results are ready when the
+ * stream gets past the call, and the engine's buffers must stay valid and unchanged until then.
+ *  - Policies: full, streaming and kvcapsule (tiled and dense maps; a vision span without a
+ *    bucket takes the fallback, which must be full, streaming or none: a runtime config that
+ *    compresses vision spans with kvcapsule must set `fallback`, whose default is flashcache).
+ *    A runtime config that selects flashcache, vlcache or freekv fails kvcap_cache_create with
+ *    KVCAP_ERR_UNSUPPORTED naming the key; so does record mode (record_dir). Without a runtime
+ *    config a device cache keeps vision spans with kvcapsule when an artifact is given and in
+ *    full otherwise, and the fallback is full (the host defaults use flashcache).
+ *  - Limits of the device kernels: G = q_heads / kv_heads at most 16, head_dim a multiple of 8
+ *    in 64..256 (KVCAP_ERR_UNSUPPORTED at create otherwise).
+ *  - What synchronises: kvcap_cache_create (uploads the artifact's maps once), add_span (waits
+ *    until the span is stored: the engine may reuse its K/V buffers on return), end_prefill,
+ *    kvcap_cache_sync and kvcap_cache_free. A decode step — append and attend — only enqueues
+ *    kernels, without host synchronisation, copies from host memory or allocation, so an
+ *    engine may capture it into a CUDA graph, except in these steps, which allocate, upload
+ *    the layer's descriptors through pinned memory and may wait for the stream: the first
+ *    append or attend of a layer after add_span, and an append that finds the generated rows
+ *    full (see reserve_tokens). Calling one of those while the stream is being captured fails
+ *    with KVCAP_ERR_STATE and changes nothing; a graph captured before one of them refers to
+ *    storage it replaced and must be captured again after it.
+ *  - The calls made while capturing count as one step in the cache's own bookkeeping (their
+ *    work runs at the first launch of the graph). Replaying the graph again appends and
+ *    attends on the device without the library seeing it: call kvcap_cache_sync after
+ *    replays, before the next direct call or kvcap_cache_stats.
+ *  - kvcap_cache_stats reads nothing from the device: bytes_held counts the device allocations
+ *    as a host cache counts its own (the device copy of the artifact's maps, like the host
+ *    artifact, is not counted); bytes_read_last_attend is what the last direct attend call
+ *    launched.
+ * A build without CUDA, or a machine without a visible device, fails kvcap_cache_create with
+ * KVCAP_ERR_UNSUPPORTED naming params.memory. */
 KVCAP_API void kvcap_cache_default_params(struct kvcap_cache_params *params);
 KVCAP_API enum kvcap_status kvcap_cache_create(const struct kvcap_cache_params *params,
                                                struct kvcap_cache **out);
 /* NULL is a no-op. In record mode, spans still pending are written out first (errors are
- * logged; call kvcap_cache_record_flush before to see them). */
+ * logged; call kvcap_cache_record_flush before to see them). A device cache waits for its
+ * stream first. */
 KVCAP_API void kvcap_cache_free(struct kvcap_cache *cache);
+
+/* Device caches: the cudaStream_t (passed as void *) the cache's work is enqueued on from now
+ * on; NULL is the legacy default stream. The cache does not order work across streams: switch
+ * between steps, once the work enqueued on the old stream is done or ordered before the new
+ * one by the engine. KVCAP_ERR_STATE for a host cache. */
+KVCAP_API enum kvcap_status kvcap_cache_set_stream(struct kvcap_cache *cache, void *stream);
+
+/* Device caches: waits for the cache's stream, then reads the token counts the device kept
+ * (appends replayed from a captured graph included) back into the cache's own bookkeeping.
+ * KVCAP_ERR_STATE when an append found no room for its token (a replay past the room reserved;
+ * that token was not stored). A no-op for a host cache. */
+KVCAP_API enum kvcap_status kvcap_cache_sync(struct kvcap_cache *cache);
 
 /* K or V rows handed over by the engine, read in place (no copy into a special layout is
  * needed): element (head h, token j, channel c) is at
  *     base + h * head_stride + j * token_stride + c                  (pages == NULL)
  *     pages[j / page_size] + h * head_stride + (j % page_size) * token_stride + c   (paged)
  * in elements of `dtype`. Contiguous NHD: head_stride = d, token_stride = heads * d; HND:
- * head_stride = n * d, token_stride = d. Host memory, borrowed for the duration of the call. */
+ * head_stride = n * d, token_stride = d. Host memory, borrowed for the duration of the call; on a
+ * device cache base and the pages are device memory (the page table is a host array). */
 struct kvcap_tensor_view {
     const void *base;
     const void *const *pages; /* optional: page table */
@@ -250,7 +316,8 @@ struct kvcap_span_desc {
  * call for (seq, layer) adds span i of that sequence, so spans must come in the same order on
  * every layer with the same description (KVCAP_ERR_INVALID_ARGUMENT otherwise). The span is
  * stored under the policy the runtime config gives its kind (vision spans whose grid has no
- * bucket in the artifact use the fallback). */
+ * bucket in the artifact use the fallback). Device cache: k and v are device memory; the
+ * KVCapsule state is computed on the device; the call returns when the span is stored. */
 KVCAP_API enum kvcap_status kvcap_cache_add_span(struct kvcap_cache *cache, int seq, int layer,
                                                  const struct kvcap_span_desc *span,
                                                  const struct kvcap_tensor_view *k,
@@ -260,7 +327,9 @@ KVCAP_API enum kvcap_status kvcap_cache_add_span(struct kvcap_cache *cache, int 
  * fp32, rotated at their own positions): the last n tokens of the prompt, i.e. of the spans
  * added so far. Required before the end of prefill when a span's policy is vlcache (which
  * scores tokens by the attention these queries pay them); otherwise optional (recorded in
- * record mode with the most recent vision span). Several calls extend the set. */
+ * record mode with the most recent vision span). Several calls extend the set. Device cache:
+ * q is device memory; the arguments are checked and the queries not read (no policy a device
+ * cache offers uses them). */
 KVCAP_API enum kvcap_status kvcap_cache_add_post_queries(struct kvcap_cache *cache, int seq,
                                                          int layer, const float *q, int n);
 
@@ -269,23 +338,32 @@ KVCAP_API enum kvcap_status kvcap_cache_add_post_queries(struct kvcap_cache *cac
  * post-vision queries). Called by kvcap_cache_append and kvcap_cache_attend when the engine
  * has not; calling it explicitly puts the compression time where the engine wants it and
  * reports errors at the right place. A no-op when nothing is pending. On failure the spans not
- * yet compressed stay as they were (held in full) and the call may be repeated. */
+ * yet compressed stay as they were (held in full) and the call may be repeated. (A device
+ * cache has no cross-layer policy: nothing is ever pending.) */
 KVCAP_API enum kvcap_status kvcap_cache_end_prefill(struct kvcap_cache *cache, int seq);
 
-/* Decode: appends one generated token's K and V (views of one token) to `seq` at `layer`. */
+/* Decode: appends one generated token's K and V (views of one token) to `seq` at `layer`.
+ * Device cache: views of device memory; one kernel enqueued, which writes the token's row and
+ * advances the token count kept on the device (so a replayed graph appends at the next row).
+ * The first append of a layer after add_span, and one that finds the generated rows full,
+ * also allocate and upload descriptors (see "Device caches": not capturable). */
 KVCAP_API enum kvcap_status kvcap_cache_append(struct kvcap_cache *cache, int seq, int layer,
                                                const struct kvcap_tensor_view *k,
                                                const struct kvcap_tensor_view *v);
 
 /* Decode: attention output of every query head of every sequence at `layer` over everything
  * the cache holds for it. q and out: [n_seqs][q_heads][head_dim] fp32 (q rotated at its own
- * position, as the engine does); scores are scaled by 1/sqrt(head_dim). */
+ * position, as the engine does); scores are scaled by 1/sqrt(head_dim). Device cache: q and out
+ * are device memory; the call only enqueues kernels (a fixed set while storage does not grow:
+ * partial reset, query preparation, one launch for every plain segment of the batch, one per
+ * KVCapsule bucket and KV head, one merge) and returns without waiting. */
 KVCAP_API enum kvcap_status kvcap_cache_attend(struct kvcap_cache *cache, int layer,
                                                const float *q, float *out);
 
 /* kvcap_cache_attend that also writes, per query head, lse = log Σ_j exp(s_j) over everything
  * attended (-inf when nothing was): lets an engine merge this output with attention it computes
- * itself (o = Σ_i exp(lse_i − lse) o_i). lse: [n_seqs][q_heads] fp32. */
+ * itself (o = Σ_i exp(lse_i − lse) o_i). lse: [n_seqs][q_heads] fp32 (device memory on a
+ * device cache). */
 KVCAP_API enum kvcap_status kvcap_cache_attend_lse(struct kvcap_cache *cache, int layer,
                                                    const float *q, float *out, float *lse);
 

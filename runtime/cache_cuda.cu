@@ -1,0 +1,558 @@
+// cache_cuda.cu — the device primitives of a cache kept in CUDA memory (cache_cuda.h): memory
+// and copies with the cache's device made current, row stores at prefill and append, the
+// KVCapsule prefill state, query preparation and the merge of per-unit partials. Prefill
+// kernels are simple (one span once); the decode kernels are a single small launch each whose
+// parameters do not change from step to step, so a step can be captured into a graph.
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+extern "C" {
+#include "internal.h"
+}
+#include "cache_cuda.h"
+#include "cuda/attention_cuda.h"
+
+#define ELEM_THREADS 256
+#define MERGE_THREADS 128
+#define APPEND_THREADS 256
+
+namespace {
+
+// ---- Errors and the current device ----------------------------------------------------------
+
+enum kvcap_status cuda_fail(cudaError_t e, const char *op)
+{
+    (void)cudaGetLastError(); // a non-sticky error must not be reported again by a later call
+    return kvcap_fail(e == cudaErrorMemoryAllocation ? KVCAP_ERR_OUT_OF_MEMORY : KVCAP_ERR_DEVICE,
+                      "cuda %s: %s: %s", op, cudaGetErrorName(e), cudaGetErrorString(e));
+}
+
+// Makes `device` current for a scope and puts the caller's device back at its end.
+class DeviceScope {
+  public:
+    explicit DeviceScope(int device)
+    {
+        if (cudaGetDevice(&prev_) != cudaSuccess) {
+            (void)cudaGetLastError();
+            prev_ = -1;
+        }
+        if (prev_ != device) {
+            err_ = cudaSetDevice(device);
+            switched_ = err_ == cudaSuccess;
+        }
+    }
+    ~DeviceScope()
+    {
+        if (switched_ && prev_ >= 0)
+            (void)cudaSetDevice(prev_);
+    }
+    cudaError_t error() const { return err_; }
+    DeviceScope(const DeviceScope &) = delete;
+    DeviceScope &operator=(const DeviceScope &) = delete;
+
+  private:
+    int prev_ = -1;
+    bool switched_ = false;
+    cudaError_t err_ = cudaSuccess;
+};
+
+#define ENTER(ctx, op)                                                                             \
+    DeviceScope scope_((ctx)->device);                                                             \
+    if (scope_.error() != cudaSuccess)                                                             \
+        return cuda_fail(scope_.error(), (op))
+
+#define CUDA_TRY(call, op)                                                                         \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess)                                                                     \
+            return cuda_fail(e_, (op));                                                            \
+    } while (0)
+
+cudaStream_t stream_of(const kvcap_dev_ctx *x)
+{
+    return static_cast<cudaStream_t>(x->stream);
+}
+
+unsigned elem_blocks(size_t total)
+{
+    size_t b = (total + ELEM_THREADS - 1) / ELEM_THREADS;
+    return (unsigned)(b < 65535 ? (b ? b : 1) : 65535);
+}
+
+// ---- Element access ---------------------------------------------------------------------------
+
+__device__ __forceinline__ float load_any(const void *p, size_t i, int dtype)
+{
+    switch (dtype) {
+    case KVCAP_DTYPE_F16: return __half2float(static_cast<const __half *>(p)[i]);
+    case KVCAP_DTYPE_BF16: return __bfloat162float(static_cast<const __nv_bfloat16 *>(p)[i]);
+    default: return static_cast<const float *>(p)[i];
+    }
+}
+
+__device__ __forceinline__ void store(float *p, size_t i, float x)
+{
+    p[i] = x;
+}
+__device__ __forceinline__ void store(__half *p, size_t i, float x)
+{
+    p[i] = __float2half_rn(x);
+}
+__device__ __forceinline__ void store(__nv_bfloat16 *p, size_t i, float x)
+{
+    p[i] = __float2bfloat16_rn(x);
+}
+
+__device__ __forceinline__ int dtype_bytes(int dtype)
+{
+    return dtype == KVCAP_DTYPE_F32 ? 4 : 2;
+}
+
+// Start of the row of (head, token) of a view, as cache.c's view_row.
+__device__ __forceinline__ const void *view_row(const kvcap_dev_view &v, int head, int token)
+{
+    const int64_t es = dtype_bytes(v.dtype);
+    if (v.pages) {
+        const char *page = static_cast<const char *>(v.pages[token / v.page_size]);
+        return page + ((int64_t)head * v.head_stride + (int64_t)(token % v.page_size) * v.token_stride) * es;
+    }
+    return static_cast<const char *>(v.base) +
+           ((int64_t)head * v.head_stride + (int64_t)token * v.token_stride) * es;
+}
+
+// Channel c of a row rotated by the table rr (row[a] = cos, row[b] = sin of pair (a, b)), with
+// the products and the sum rounded one by one as kvcap_rope_rotate does on the host.
+__device__ __forceinline__ float rotated(const void *row, int dtype, int c, const kvcap_dev_rope &r,
+                                         const float *rr)
+{
+    if (!r.on || c >= r.rope_dim)
+        return load_any(row, (size_t)c, dtype);
+    int a, b;
+    bool first;
+    if (r.adjacent) {
+        a = c & ~1;
+        b = a + 1;
+        first = (c & 1) == 0;
+    } else {
+        const int half = r.rope_dim / 2;
+        first = c < half;
+        a = first ? c : c - half;
+        b = a + half;
+    }
+    const float xa = load_any(row, (size_t)a, dtype), xb = load_any(row, (size_t)b, dtype);
+    const float cs = rr[a], sn = rr[b];
+    return first ? __fsub_rn(__fmul_rn(xa, cs), __fmul_rn(xb, sn))
+                 : __fadd_rn(__fmul_rn(xa, sn), __fmul_rn(xb, cs));
+}
+
+// kvcap_bucket_token: token of point p of tile t.
+__device__ __forceinline__ int grid_token(const kvcap_dev_grid &g, int t, int p)
+{
+    if (!g.tiled)
+        return p;
+    const int per_row = g.cols / g.tile_cols, ti = t / per_row, tj = t - ti * per_row;
+    const int a = p / g.tile_cols, c = p - a * g.tile_cols;
+    return (ti * g.tile_rows + a) * g.cols + tj * g.tile_cols + c;
+}
+
+// kvcap_gelu (kernels/activation.c): the tanh form.
+__device__ __forceinline__ float gelu(float x)
+{
+    const float c = 0.7978845608028654f;
+    return 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * x * x * x)));
+}
+
+__device__ __forceinline__ bool partial_empty(float mx, float sum)
+{
+    return !(sum > 0.0f) || mx == -INFINITY;
+}
+
+// ---- Kernels ----------------------------------------------------------------------------------
+
+template <typename T>
+__global__ void fill_rows_kernel(kvcap_dev_view src, const int *tokens, int n, int heads, int d,
+                                 T *dst, int cap)
+{
+    const size_t total = (size_t)heads * n * d;
+    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < total;
+         e += (size_t)gridDim.x * blockDim.x) {
+        const int c = (int)(e % d);
+        const size_t hj = e / d;
+        const int j = (int)(hj % n), h = (int)(hj / n);
+        const int tok = tokens ? tokens[j] : j;
+        store(dst, ((size_t)h * cap + j) * d + c, load_any(view_row(src, h, tok), (size_t)c, src.dtype));
+    }
+}
+
+// μ of one head: one thread per channel summing in double in token order, as the host does.
+template <typename T>
+__global__ void capsule_mu_kernel(kvcap_dev_view v, int head, int n, int d, T *mu, float *mu_f32)
+{
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= d)
+        return;
+    double sum = 0;
+    for (int j = 0; j < n; j++)
+        sum += load_any(view_row(v, head, j), (size_t)c, v.dtype);
+    const float m = (float)(sum / n);
+    mu_f32[c] = m;
+    store(mu, (size_t)c, m);
+}
+
+// H_t[i][c] = φ(b1[i] + Σ_r W1[r][i] K'[M_r of tile t][c]).
+template <typename T>
+__global__ void capsule_hidden_kernel(kvcap_dev_view k, int head, int d, kvcap_dev_rope rope,
+                                      const float *rr, kvcap_dev_grid grid, kvcap_dev_unit u,
+                                      int tiles, T *hs)
+{
+    const size_t total = (size_t)tiles * u.h * d;
+    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < total;
+         e += (size_t)gridDim.x * blockDim.x) {
+        const int c = (int)(e % d);
+        const size_t ti = e / d;
+        const int i = (int)(ti % u.h), t = (int)(ti / u.h);
+        float z = u.b1[i];
+        for (int r = 0; r < u.rk; r++) {
+            const int tok = grid_token(grid, t, u.mask[r]);
+            z = fmaf(u.w1[(size_t)r * u.h + i], rotated(view_row(k, head, tok), k.dtype, c, rope, rr), z);
+        }
+        store(hs, e, u.gelu ? gelu(z) : z);
+    }
+}
+
+// Ṽ_t[i][c] = Σ_p U[i][p] (V[point p of tile t][c] − μ[c]).
+template <typename T>
+__global__ void capsule_values_kernel(kvcap_dev_view v, int head, int d, kvcap_dev_grid grid,
+                                      kvcap_dev_unit u, int tiles, const float *mu_f32, T *vt)
+{
+    const size_t total = (size_t)tiles * u.rv * d;
+    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < total;
+         e += (size_t)gridDim.x * blockDim.x) {
+        const int c = (int)(e % d);
+        const size_t ti = e / d;
+        const int i = (int)(ti % u.rv), t = (int)(ti / u.rv);
+        const float m = mu_f32[c];
+        float s = 0.0f;
+        for (int p = 0; p < u.m; p++) {
+            const int tok = grid_token(grid, t, p);
+            const float x = load_any(view_row(v, head, tok), (size_t)c, v.dtype) - m;
+            s = fmaf(u.u[(size_t)i * u.m + p], x, s);
+        }
+        store(vt, e, s);
+    }
+}
+
+// One block: every thread reads the counter before the barrier, thread 0 advances it after.
+template <typename T>
+__global__ void __launch_bounds__(APPEND_THREADS)
+    append_kernel(kvcap_dev_append a, int heads, int d)
+{
+    const int64_t seen = *a.seen;
+    const int64_t ring = (int64_t)a.sinks + a.window;
+    const int64_t row = a.window > 0 && seen >= ring ? a.sinks + (seen - a.sinks) % a.window : seen;
+    const int64_t held = a.window > 0 && seen + 1 > ring ? ring : seen + 1;
+    if (row >= a.cap) {
+        if (threadIdx.x == 0)
+            *a.overflow = 1;
+        return;
+    }
+    T *dk = static_cast<T *>(a.dk), *dv = static_cast<T *>(a.dv);
+    for (int e = threadIdx.x; e < heads * d; e += blockDim.x) {
+        const int h = e / d, c = e - h * d;
+        const size_t at = ((size_t)h * a.cap + (size_t)row) * d + c;
+        store(dk, at, load_any(a.k, (size_t)((int64_t)h * a.k_head_stride + c), a.k_dtype));
+        store(dv, at, load_any(a.v, (size_t)((int64_t)h * a.v_head_stride + c), a.v_dtype));
+    }
+    __syncthreads();
+    if (threadIdx.x == 0)
+        *a.seen = seen + 1;
+    for (int h = threadIdx.x; h < heads; h += blockDim.x)
+        a.problems[h].n = (int)held;
+}
+
+__global__ void prepare_queries_kernel(const float *q, int n_seqs, int q_heads, int d,
+                                       float *q_copy, int n_rot, const int *rot_seq,
+                                       const float *rot_rows, kvcap_dev_rope rope, float *qrot)
+{
+    const size_t per = (size_t)q_heads * d, total = (size_t)(n_seqs + n_rot) * per;
+    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < total;
+         e += (size_t)gridDim.x * blockDim.x) {
+        const size_t r = e / per, in = e - r * per;
+        if (r < (size_t)n_seqs) {
+            q_copy[e] = q[e];
+            continue;
+        }
+        const size_t k = r - (size_t)n_seqs;
+        const int c = (int)(in % d);
+        const float *row = q + (size_t)rot_seq[k] * per + (in - c);
+        qrot[k * per + in] = rotated(row, KVCAP_DTYPE_F32, c, rope, rot_rows + k * d);
+    }
+}
+
+// grid (q_heads, n_seqs): one block per output row.
+__global__ void __launch_bounds__(MERGE_THREADS)
+    merge_finish_kernel(const float *mx, const float *sum, const float *o, int n_units,
+                        const int *unit_begin, int G, int d, float *out, float *lse)
+{
+    const int s = blockIdx.y, hq = blockIdx.x, q_heads = gridDim.x;
+    const int h = hq / G, g = hq - h * G;
+    const int ub = unit_begin[s], ue = unit_begin[s + 1];
+    float top = -INFINITY;
+    for (int u = ub; u < ue; u++) {
+        const size_t row = ((size_t)h * n_units + u) * G + g;
+        if (!partial_empty(mx[row], sum[row]))
+            top = fmaxf(top, mx[row]);
+    }
+    float total = 0.0f;
+    if (top != -INFINITY)
+        for (int u = ub; u < ue; u++) {
+            const size_t row = ((size_t)h * n_units + u) * G + g;
+            if (!partial_empty(mx[row], sum[row]))
+                total += expf(mx[row] - top) * sum[row];
+        }
+    float *dst = out + ((size_t)s * q_heads + hq) * d;
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        float acc = 0.0f;
+        if (total > 0.0f)
+            for (int u = ub; u < ue; u++) {
+                const size_t row = ((size_t)h * n_units + u) * G + g;
+                if (!partial_empty(mx[row], sum[row]))
+                    acc += expf(mx[row] - top) * o[row * d + c];
+            }
+        dst[c] = total > 0.0f ? acc / total : 0.0f;
+    }
+    if (lse && threadIdx.x == 0)
+        lse[(size_t)s * q_heads + hq] = total > 0.0f ? top + logf(total) : -INFINITY;
+}
+
+enum kvcap_status launched(const char *op)
+{
+    cudaError_t e = cudaGetLastError();
+    return e == cudaSuccess ? KVCAP_OK : cuda_fail(e, op);
+}
+
+} // namespace
+
+// ---- Memory and copies ------------------------------------------------------------------------
+
+extern "C" enum kvcap_status kvcap_dev_malloc(const kvcap_dev_ctx *x, size_t bytes, void **out)
+{
+    ENTER(x, "malloc");
+    *out = NULL;
+    CUDA_TRY(cudaMalloc(out, bytes ? bytes : 1), "malloc");
+    return KVCAP_OK;
+}
+
+extern "C" void kvcap_dev_free(int device, void *p)
+{
+    if (!p)
+        return;
+    DeviceScope scope(device);
+    if (cudaFree(p) != cudaSuccess)
+        (void)cudaGetLastError();
+}
+
+extern "C" enum kvcap_status kvcap_dev_host_malloc(const kvcap_dev_ctx *x, size_t bytes, void **out)
+{
+    ENTER(x, "host malloc");
+    *out = NULL;
+    CUDA_TRY(cudaMallocHost(out, bytes ? bytes : 1), "host malloc");
+    return KVCAP_OK;
+}
+
+extern "C" void kvcap_dev_host_free(void *p)
+{
+    if (p && cudaFreeHost(p) != cudaSuccess)
+        (void)cudaGetLastError();
+}
+
+extern "C" enum kvcap_status kvcap_dev_upload_sync(const kvcap_dev_ctx *x, void *dst,
+                                                   const void *src, size_t bytes)
+{
+    ENTER(x, "upload");
+    if (bytes == 0)
+        return KVCAP_OK;
+    CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_of(x)), "upload");
+    CUDA_TRY(cudaStreamSynchronize(stream_of(x)), "upload");
+    return KVCAP_OK;
+}
+
+extern "C" enum kvcap_status kvcap_dev_upload(const kvcap_dev_ctx *x, void *dst, const void *src,
+                                              size_t bytes)
+{
+    ENTER(x, "upload");
+    if (bytes == 0)
+        return KVCAP_OK;
+    CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_of(x)), "upload");
+    return KVCAP_OK;
+}
+
+extern "C" enum kvcap_status kvcap_dev_download_sync(const kvcap_dev_ctx *x, void *dst,
+                                                     const void *src, size_t bytes)
+{
+    ENTER(x, "download");
+    if (bytes == 0)
+        return KVCAP_OK;
+    CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_of(x)), "download");
+    CUDA_TRY(cudaStreamSynchronize(stream_of(x)), "download");
+    return KVCAP_OK;
+}
+
+extern "C" enum kvcap_status kvcap_dev_copy_2d(const kvcap_dev_ctx *x, void *dst, size_t dpitch,
+                                               const void *src, size_t spitch, size_t width,
+                                               size_t height)
+{
+    ENTER(x, "copy");
+    if (width == 0 || height == 0)
+        return KVCAP_OK;
+    CUDA_TRY(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, cudaMemcpyDeviceToDevice,
+                               stream_of(x)),
+             "copy");
+    return KVCAP_OK;
+}
+
+extern "C" enum kvcap_status kvcap_dev_sync(const kvcap_dev_ctx *x)
+{
+    ENTER(x, "stream synchronize");
+    CUDA_TRY(cudaStreamSynchronize(stream_of(x)), "stream synchronize");
+    return KVCAP_OK;
+}
+
+extern "C" int kvcap_dev_capturing(const kvcap_dev_ctx *x)
+{
+    DeviceScope scope(x->device);
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream_of(x), &status) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 1; // e.g. the legacy stream while another stream captures: treat as capturing
+    }
+    return status != cudaStreamCaptureStatusNone;
+}
+
+// ---- Prefill ----------------------------------------------------------------------------------
+
+extern "C" enum kvcap_status kvcap_dev_fill_rows(const kvcap_dev_ctx *x, const kvcap_dev_view *src,
+                                                 const int *tokens, int n, int heads, int d,
+                                                 void *dst, int cap, enum kvcap_dtype storage)
+{
+    ENTER(x, "fill rows");
+    const size_t total = (size_t)heads * n * d;
+    if (total == 0)
+        return KVCAP_OK;
+    const unsigned blocks = elem_blocks(total);
+    cudaStream_t st = stream_of(x);
+    switch (storage) {
+    case KVCAP_DTYPE_F16:
+        fill_rows_kernel<<<blocks, ELEM_THREADS, 0, st>>>(*src, tokens, n, heads, d,
+                                                          static_cast<__half *>(dst), cap);
+        break;
+    case KVCAP_DTYPE_BF16:
+        fill_rows_kernel<<<blocks, ELEM_THREADS, 0, st>>>(*src, tokens, n, heads, d,
+                                                          static_cast<__nv_bfloat16 *>(dst), cap);
+        break;
+    default:
+        fill_rows_kernel<<<blocks, ELEM_THREADS, 0, st>>>(*src, tokens, n, heads, d,
+                                                          static_cast<float *>(dst), cap);
+        break;
+    }
+    return launched("fill rows");
+}
+
+namespace {
+
+template <typename T>
+void capsule_launch(cudaStream_t st, const kvcap_dev_view &k, const kvcap_dev_view &v, int head,
+                    int n, int d, const kvcap_dev_rope &rope, const float *rr,
+                    const kvcap_dev_grid &grid, const kvcap_dev_unit &u, int tiles, void *hs,
+                    void *vt, void *mu, float *mu_f32)
+{
+    capsule_mu_kernel<T><<<(d + 127) / 128, 128, 0, st>>>(v, head, n, d, static_cast<T *>(mu),
+                                                          mu_f32);
+    const size_t nh = (size_t)tiles * u.h * d, nv = (size_t)tiles * u.rv * d;
+    if (nh)
+        capsule_hidden_kernel<T><<<elem_blocks(nh), ELEM_THREADS, 0, st>>>(
+            k, head, d, rope, rr, grid, u, tiles, static_cast<T *>(hs));
+    if (nv)
+        capsule_values_kernel<T><<<elem_blocks(nv), ELEM_THREADS, 0, st>>>(
+            v, head, d, grid, u, tiles, mu_f32, static_cast<T *>(vt));
+}
+
+} // namespace
+
+extern "C" enum kvcap_status kvcap_dev_capsule_prefill(
+    const kvcap_dev_ctx *x, const kvcap_dev_view *k, const kvcap_dev_view *v, int head, int n,
+    int d, const kvcap_dev_rope *rope, const float *rope_row, const kvcap_dev_grid *grid,
+    const kvcap_dev_unit *unit, int tiles, enum kvcap_dtype storage, void *hs, void *vt, void *mu,
+    float *mu_f32)
+{
+    ENTER(x, "kvcapsule prefill");
+    cudaStream_t st = stream_of(x);
+    switch (storage) {
+    case KVCAP_DTYPE_F16:
+        capsule_launch<__half>(st, *k, *v, head, n, d, *rope, rope_row, *grid, *unit, tiles, hs,
+                               vt, mu, mu_f32);
+        break;
+    case KVCAP_DTYPE_BF16:
+        capsule_launch<__nv_bfloat16>(st, *k, *v, head, n, d, *rope, rope_row, *grid, *unit,
+                                      tiles, hs, vt, mu, mu_f32);
+        break;
+    default:
+        capsule_launch<float>(st, *k, *v, head, n, d, *rope, rope_row, *grid, *unit, tiles, hs,
+                              vt, mu, mu_f32);
+        break;
+    }
+    return launched("kvcapsule prefill");
+}
+
+// ---- Decode -----------------------------------------------------------------------------------
+
+extern "C" enum kvcap_status kvcap_dev_append_token(const kvcap_dev_ctx *x,
+                                                    const kvcap_dev_append *a, int heads, int d,
+                                                    enum kvcap_dtype storage)
+{
+    ENTER(x, "append");
+    cudaStream_t st = stream_of(x);
+    switch (storage) {
+    case KVCAP_DTYPE_F16:
+        append_kernel<__half><<<1, APPEND_THREADS, 0, st>>>(*a, heads, d);
+        break;
+    case KVCAP_DTYPE_BF16:
+        append_kernel<__nv_bfloat16><<<1, APPEND_THREADS, 0, st>>>(*a, heads, d);
+        break;
+    default:
+        append_kernel<float><<<1, APPEND_THREADS, 0, st>>>(*a, heads, d);
+        break;
+    }
+    return launched("append");
+}
+
+extern "C" enum kvcap_status kvcap_dev_prepare_queries(const kvcap_dev_ctx *x, const float *q,
+                                                       int n_seqs, int q_heads, int d,
+                                                       float *q_copy, int n_rot,
+                                                       const int *rot_seq, const float *rot_rows,
+                                                       const kvcap_dev_rope *rope, float *qrot)
+{
+    ENTER(x, "prepare queries");
+    const size_t total = (size_t)(n_seqs + n_rot) * q_heads * d;
+    prepare_queries_kernel<<<elem_blocks(total), ELEM_THREADS, 0, stream_of(x)>>>(
+        q, n_seqs, q_heads, d, q_copy, n_rot, rot_seq, rot_rows, *rope, qrot);
+    return launched("prepare queries");
+}
+
+extern "C" enum kvcap_status kvcap_dev_merge_finish(const kvcap_dev_ctx *x, const float *mx,
+                                                    const float *sum, const float *o,
+                                                    int n_units, const int *unit_begin,
+                                                    int n_seqs, int kv_heads, int G, int d,
+                                                    float *out, float *lse)
+{
+    ENTER(x, "merge");
+    dim3 grid((unsigned)(kv_heads * G), (unsigned)n_seqs);
+    merge_finish_kernel<<<grid, MERGE_THREADS, 0, stream_of(x)>>>(mx, sum, o, n_units, unit_begin,
+                                                                  G, d, out, lse);
+    return launched("merge");
+}
