@@ -20,11 +20,9 @@
 #include "cuda/attention_cuda.h"
 #include "rng.h"
 #include "safetensors.h"
+#include "test_cuda.h"
 #include "test_numeric.h"
 
-#ifdef KVCAP_WITH_CUDA
-#  include <cuda_runtime.h>
-#endif
 
 /* The kernels compute in f32 (dot products over d, sums over chunks of <= 256 tokens or pieces
  * of <= 256 points, a log-sum-exp merge of <= 128 chunk partials, FMA contraction) where the
@@ -44,32 +42,6 @@
 
 /* ---- Argument checks: no device needed ------------------------------------------------------ */
 
-#ifdef KVCAP_WITH_CUDA
-#  define BUILT_WITH_CUDA 1
-#else
-#  define BUILT_WITH_CUDA 0
-#endif
-
-/* With CUDA built in, `got` must be `want` and the message must name `what`; without, every
- * call is KVCAP_ERR_UNSUPPORTED saying the build has no CUDA. */
-static void expect_status(enum kvcap_status got, enum kvcap_status want, const char *what,
-                          const char *call)
-{
-    const char *msg = kvcap_last_error();
-    if (!BUILT_WITH_CUDA) {
-        if (got != KVCAP_ERR_UNSUPPORTED || !strstr(msg, "no CUDA"))
-            fail_msg("%s: status %d, message '%s' (want unsupported, no CUDA)", call, (int)got,
-                     msg);
-        return;
-    }
-    if (got != want)
-        fail_msg("%s: status %s, want %s ('%s')", call, kvcap_status_str(got),
-                 kvcap_status_str(want), msg);
-    if (want != KVCAP_OK && !strstr(msg, what))
-        fail_msg("%s: message '%s' does not name '%s'", call, msg, what);
-}
-
-#define EXPECT(call, want, what) expect_status((call), (want), (what), #call)
 
 /* Never dereferenced: every call below fails its host-side checks before anything is enqueued
  * or, where it succeeds, has nothing to enqueue. */
@@ -171,49 +143,7 @@ static void test_arguments(void **state)
 
 /* ---- Device memory -------------------------------------------------------------------------- */
 
-#  define CUDA_OK(call)                                                                        \
-      do {                                                                                     \
-          cudaError_t e_ = (call);                                                             \
-          if (e_ != cudaSuccess)                                                               \
-              fail_msg("%s: %s", #call, cudaGetErrorString(e_));                               \
-      } while (0)
 
-#  define KV_OK(call)                                                                          \
-      do {                                                                                     \
-          enum kvcap_status s_ = (call);                                                       \
-          if (s_ != KVCAP_OK)                                                                  \
-              fail_msg("%s: %s", #call, kvcap_last_error());                                   \
-      } while (0)
-
-/* Device allocations of the running test, freed together by dev_free_all. */
-static void *dev_ptrs[512];
-static int n_dev_ptrs;
-
-/* Device memory filled with 0xFF bytes: NaN as f32, so unwritten elements show. */
-static void *dev_poisoned(size_t bytes)
-{
-    void *p = NULL;
-    assert_true(n_dev_ptrs < (int)(sizeof dev_ptrs / sizeof *dev_ptrs));
-    CUDA_OK(cudaMalloc(&p, bytes ? bytes : 1));
-    CUDA_OK(cudaMemset(p, 0xFF, bytes ? bytes : 1));
-    dev_ptrs[n_dev_ptrs++] = p;
-    return p;
-}
-
-static void *dev_upload(const void *src, size_t bytes)
-{
-    void *p = dev_poisoned(bytes);
-    if (bytes)
-        CUDA_OK(cudaMemcpy(p, src, bytes, cudaMemcpyHostToDevice));
-    return p;
-}
-
-static void dev_free_all(void)
-{
-    for (int i = 0; i < n_dev_ptrs; i++)
-        CUDA_OK(cudaFree(dev_ptrs[i]));
-    n_dev_ptrs = 0;
-}
 
 static void download(void *dst, const void *src, size_t bytes)
 {

@@ -23,11 +23,9 @@
 #include "freekv.h"
 #include "rng.h"
 #include "safetensors.h"
+#include "test_cuda.h"
 #include "test_numeric.h"
 
-#ifdef KVCAP_WITH_CUDA
-#  include <cuda_runtime.h>
-#endif
 
 /* Device output vs the CPU state's: both attend the same stored values over the same pages in
  * f32 (the CPU page by page, the device in chunks merged by log-sum-exp), so they differ by a few
@@ -38,32 +36,6 @@
  * (relative): the device ranks by the oracle's double scores, the CPU by f32 ones. */
 #define SELECT_TIE_REL_TOL 1e-4
 
-#ifdef KVCAP_WITH_CUDA
-#  define BUILT_WITH_CUDA 1
-#else
-#  define BUILT_WITH_CUDA 0
-#endif
-
-/* With CUDA built in, `got` must be `want` and the message must name `what`; without, every
- * call is KVCAP_ERR_UNSUPPORTED saying the build has no CUDA. */
-static void expect_status(enum kvcap_status got, enum kvcap_status want, const char *what,
-                          const char *call)
-{
-    const char *msg = kvcap_last_error();
-    if (!BUILT_WITH_CUDA) {
-        if (got != KVCAP_ERR_UNSUPPORTED || !strstr(msg, "no CUDA"))
-            fail_msg("%s: status %d, message '%s' (want unsupported, no CUDA)", call, (int)got,
-                     msg);
-        return;
-    }
-    if (got != want)
-        fail_msg("%s: status %s, want %s ('%s')", call, kvcap_status_str(got),
-                 kvcap_status_str(want), msg);
-    if (want != KVCAP_OK && !strstr(msg, what))
-        fail_msg("%s: message '%s' does not name '%s'", call, msg, what);
-}
-
-#define EXPECT(call, want, what) expect_status((call), (want), (what), #call)
 
 /* ---- Host side: no device needed ------------------------------------------------------------ */
 
@@ -194,19 +166,6 @@ static void test_plan_fill(void **state)
 
 /* ---- Against the CPU state ------------------------------------------------------------------ */
 
-#  define CUDA_OK(call)                                                                        \
-      do {                                                                                     \
-          cudaError_t e_ = (call);                                                             \
-          if (e_ != cudaSuccess)                                                               \
-              fail_msg("%s: %s", #call, cudaGetErrorString(e_));                               \
-      } while (0)
-
-#  define KV_OK(call)                                                                          \
-      do {                                                                                     \
-          enum kvcap_status s_ = (call);                                                       \
-          if (s_ != KVCAP_OK)                                                                  \
-              fail_msg("%s: %s", #call, kvcap_last_error());                                   \
-      } while (0)
 
 enum mode {
     CURRENT,  /* tau = 1: every step corrects */

@@ -27,10 +27,7 @@
 #include "rng.h"
 #include "safetensors.h"
 #include "schema.h"
-
-#ifdef KVCAP_WITH_CUDA
-#  include <cuda_runtime.h>
-#endif
+#include "test_cuda.h"
 
 /* Plain rows (full, streaming, fallback) are stored with the same bits by both caches (the
  * same f32 → storage rounding, to nearest even); the two attentions differ only in summation
@@ -46,12 +43,6 @@
  * the storage type bound the effect on the output with margin. */
 #define REL_TOL_F16 (4.0 / 2048.0)
 #define REL_TOL_BF16 (4.0 / 256.0)
-
-#ifdef KVCAP_WITH_CUDA
-#  define BUILT_WITH_CUDA 1
-#else
-#  define BUILT_WITH_CUDA 0
-#endif
 
 static struct kvcap_model_geometry geometry(int layers, int q_heads, int kv_heads, int d,
                                             enum kvcap_rope_pairing pairing)
@@ -298,46 +289,7 @@ static void test_create_checks(void **state)
 
 /* ---- Device helpers ------------------------------------------------------------------------ */
 
-#  define CUDA_OK(call)                                                                            \
-    do {                                                                                           \
-        cudaError_t e_ = (call);                                                                   \
-        if (e_ != cudaSuccess)                                                                     \
-            fail_msg("%s: %s", #call, cudaGetErrorString(e_));                                     \
-    } while (0)
 
-#  define KV_OK(call)                                                                              \
-    do {                                                                                           \
-        enum kvcap_status kv_st_ = (call);                                                         \
-        if (kv_st_ != KVCAP_OK)                                                                    \
-            fail_msg("%s: %s (%s)", #call, kvcap_status_str(kv_st_), kvcap_last_error());         \
-    } while (0)
-
-enum { MAX_DEV = 4096 };
-static void *dev_ptrs[MAX_DEV];
-static int n_dev_ptrs;
-
-static void *dev_alloc(size_t bytes)
-{
-    void *p = NULL;
-    CUDA_OK(cudaMalloc(&p, bytes ? bytes : 1));
-    assert_true(n_dev_ptrs < MAX_DEV);
-    dev_ptrs[n_dev_ptrs++] = p;
-    return p;
-}
-
-static void *dev_copy(const void *src, size_t bytes)
-{
-    void *p = dev_alloc(bytes);
-    CUDA_OK(cudaMemcpy(p, src, bytes, cudaMemcpyHostToDevice));
-    return p;
-}
-
-static void dev_free_all(void)
-{
-    for (int i = 0; i < n_dev_ptrs; i++)
-        cudaFree(dev_ptrs[i]);
-    n_dev_ptrs = 0;
-}
 
 /* f32 values as elements of dtype (host memory, caller frees). */
 static void *to_dtype(const float *x, size_t n, enum kvcap_dtype t)
@@ -410,7 +362,7 @@ static void twin_make(struct twin_view *t, const float *x, int H, int n, int d, 
     }
     t->hbuf = to_dtype(arranged, count, dt);
     free(arranged);
-    void *dbuf = dev_copy(t->hbuf, count * es);
+    void *dbuf = dev_upload(t->hbuf, count * es);
     struct kvcap_tensor_view hv = {t->hbuf, NULL, 0, dt, hs, ts};
     struct kvcap_tensor_view dv = {dbuf, NULL, 0, dt, hs, ts};
     if (lay == PAGED) {
@@ -422,7 +374,7 @@ static void twin_make(struct twin_view *t, const float *x, int H, int n, int d, 
             /* each page its own allocation, as a paged engine's pool would hand them out */
             size_t used = (size_t)(p + 1 < pages ? PAGE : n - p * PAGE) * H * d * es;
             t->hpages[p] = (const char *)t->hbuf + (size_t)p * page_bytes;
-            void *page = dev_alloc(page_bytes);
+            void *page = dev_poisoned(page_bytes);
             CUDA_OK(cudaMemcpy(page, t->hpages[p], used, cudaMemcpyHostToDevice));
             t->dpages[p] = page;
         }
@@ -532,9 +484,9 @@ static void run_config(const struct config *cf)
     float *q = malloc(sizeof(float) * qn), *out_h = malloc(sizeof(float) * qn);
     float *out_d = malloc(sizeof(float) * qn), *lse_h = malloc(sizeof(float) * cf->n_seqs * Hq);
     float *lse_d = malloc(sizeof(float) * cf->n_seqs * Hq), *tok = malloc(sizeof(float) * tn);
-    float *dq = dev_alloc(sizeof(float) * qn), *dout = dev_alloc(sizeof(float) * qn);
-    float *dlse = dev_alloc(sizeof(float) * cf->n_seqs * Hq);
-    void *dtok = dev_alloc(tn * 4);
+    float *dq = dev_poisoned(sizeof(float) * qn), *dout = dev_poisoned(sizeof(float) * qn);
+    float *dlse = dev_poisoned(sizeof(float) * cf->n_seqs * Hq);
+    void *dtok = dev_poisoned(tn * 4);
     for (int step = 0; step <= cf->steps; step++)
         for (int l = 0; l < LAYERS; l++) {
             /* step 0 attends over the prefill alone; later steps append first */
@@ -655,9 +607,9 @@ static void test_graph(void **state)
     size_t qn = (size_t)S * Hq * d, tn = (size_t)S * LAYERS * 2 * H * d;
     /* static buffers a captured step reads and writes: tokens [layer][seq][2][H][d], q and out
      * [layer][seq][Hq][d], lse [layer][seq][Hq] */
-    float *tok = dev_alloc(sizeof(float) * tn), *q = dev_alloc(sizeof(float) * LAYERS * qn);
-    float *out_g = dev_alloc(sizeof(float) * LAYERS * qn), *out_d = dev_alloc(sizeof(float) * LAYERS * qn);
-    float *lse_g = dev_alloc(sizeof(float) * LAYERS * S * Hq), *lse_d = dev_alloc(sizeof(float) * LAYERS * S * Hq);
+    float *tok = dev_poisoned(sizeof(float) * tn), *q = dev_poisoned(sizeof(float) * LAYERS * qn);
+    float *out_g = dev_poisoned(sizeof(float) * LAYERS * qn), *out_d = dev_poisoned(sizeof(float) * LAYERS * qn);
+    float *lse_g = dev_poisoned(sizeof(float) * LAYERS * S * Hq), *lse_d = dev_poisoned(sizeof(float) * LAYERS * S * Hq);
     float *h_tok = malloc(sizeof(float) * tn), *h_q = malloc(sizeof(float) * LAYERS * qn);
     float *a_out = malloc(sizeof(float) * LAYERS * qn), *b_out = malloc(sizeof(float) * LAYERS * qn);
     float *a_lse = malloc(sizeof(float) * LAYERS * S * Hq), *b_lse = malloc(sizeof(float) * LAYERS * S * Hq);
@@ -776,8 +728,8 @@ static void test_capture_limits(void **state)
     cudaStream_t st;
     CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     KV_OK(kvcap_cache_set_stream(c, st));
-    float *tok = dev_alloc(sizeof(float) * 2 * 2 * 64), *q = dev_alloc(sizeof(float) * 4 * 64);
-    float *out = dev_alloc(sizeof(float) * 4 * 64);
+    float *tok = dev_poisoned(sizeof(float) * 2 * 2 * 64), *q = dev_poisoned(sizeof(float) * 4 * 64);
+    float *out = dev_poisoned(sizeof(float) * 4 * 64);
     CUDA_OK(cudaMemset(tok, 0, sizeof(float) * 2 * 2 * 64));
     CUDA_OK(cudaMemset(q, 0, sizeof(float) * 4 * 64));
     CUDA_OK(cudaDeviceSynchronize()); /* the memsets ran on the legacy stream */
