@@ -141,14 +141,7 @@ static void test_arguments(void **state)
 
 #ifdef KVCAP_WITH_CUDA
 
-/* ---- Device memory -------------------------------------------------------------------------- */
-
-
-
-static void download(void *dst, const void *src, size_t bytes)
-{
-    CUDA_OK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
-}
+/* ---- Device memory (helpers in test_cuda.h) --------------------------------------------------- */
 
 /* x (n rows of d) in `dt` with `stride` elements per row; the gaps hold NaN, so a kernel reading
  * past d shows. */

@@ -53,6 +53,30 @@ static inline void expect_status(enum kvcap_status got, enum kvcap_status want, 
               fail_msg("%s: %s (%s)", #call, kvcap_status_str(kv_st_), kvcap_last_error());    \
       } while (0)
 
+/* Untracked device memory, for tests that free their buffers themselves, and copies both ways. */
+static inline void *dalloc(size_t bytes)
+{
+    void *p = NULL;
+    CUDA_OK(cudaMalloc(&p, bytes ? bytes : 1));
+    return p;
+}
+
+static inline void upload(void *dst, const void *src, size_t bytes)
+{
+    CUDA_OK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+}
+
+static inline void download(void *dst, const void *src, size_t bytes)
+{
+    CUDA_OK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+}
+
+/* All bits set: NaN as a float or a double, -1 as an integer. */
+static inline void poison(void *p, size_t bytes)
+{
+    CUDA_OK(cudaMemset(p, 0xFF, bytes));
+}
+
 /* Device allocations of the running test, freed together by dev_free_all. */
 enum { MAX_DEV_PTRS = 4096 };
 static void *dev_ptrs[MAX_DEV_PTRS] __attribute__((unused));
@@ -61,10 +85,9 @@ static int n_dev_ptrs __attribute__((unused));
 /* Device memory filled with 0xFF bytes: NaN as f32, so unwritten elements show. */
 static inline void *dev_poisoned(size_t bytes)
 {
-    void *p = NULL;
     assert_true(n_dev_ptrs < MAX_DEV_PTRS);
-    CUDA_OK(cudaMalloc(&p, bytes ? bytes : 1));
-    CUDA_OK(cudaMemset(p, 0xFF, bytes ? bytes : 1));
+    void *p = dalloc(bytes);
+    poison(p, bytes ? bytes : 1);
     dev_ptrs[n_dev_ptrs++] = p;
     return p;
 }
@@ -74,7 +97,7 @@ static inline void *dev_upload(const void *src, size_t bytes)
 {
     void *p = dev_poisoned(bytes);
     if (bytes)
-        CUDA_OK(cudaMemcpy(p, src, bytes, cudaMemcpyHostToDevice));
+        upload(p, src, bytes);
     return p;
 }
 

@@ -17,15 +17,12 @@
 
 #include <cmocka.h>
 
-#ifdef KVCAP_WITH_CUDA
-#include <cuda_runtime.h>
-#endif
-
 #include "cuda/policies_cuda.h"
 #include "flashcache.h"
 #include "rng.h"
 #include "safetensors.h"
 #include "select.h"
+#include "test_cuda.h"
 #include "test_numeric.h"
 
 /* Argument errors are caught before anything touches a device; the build without CUDA answers
@@ -115,30 +112,7 @@ static void test_no_device(void **state)
     assert_int_equal(kvcap_cuda_dct_create(1, 64, 2, &plan), KVCAP_ERR_UNSUPPORTED);
 }
 
-/* ---- Device memory --------------------------------------------------------------------------- */
-
-static void *dalloc(size_t bytes)
-{
-    void *p = NULL;
-    assert_int_equal(cudaMalloc(&p, bytes ? bytes : 1), cudaSuccess);
-    return p;
-}
-
-static void upload(void *dst, const void *src, size_t bytes)
-{
-    assert_int_equal(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), cudaSuccess);
-}
-
-static void download(void *dst, const void *src, size_t bytes)
-{
-    assert_int_equal(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
-}
-
-/* All bits set: NaN as a float or a double, -1 as an int. */
-static void poison(void *p, size_t bytes)
-{
-    assert_int_equal(cudaMemset(p, 0xFF, bytes), cudaSuccess);
-}
+/* ---- Device memory (helpers in test_cuda.h) ---------------------------------------------------- */
 
 static void sync_ok(cudaStream_t s)
 {

@@ -16,14 +16,11 @@
 
 #include <cmocka.h>
 
-#ifdef KVCAP_WITH_CUDA
-#include <cuda_runtime.h>
-#endif
-
 #include "cuda/policies_cuda.h"
 #include "rng.h"
 #include "safetensors.h"
 #include "vlcache.h"
+#include "test_cuda.h"
 #include "test_numeric.h"
 
 #ifdef KVCAP_WITH_CUDA
@@ -133,31 +130,6 @@ static void test_arguments(void **state)
 }
 
 #ifdef KVCAP_WITH_CUDA
-
-/* ---- Device memory --------------------------------------------------------------------------- */
-
-static void *dalloc(size_t bytes)
-{
-    void *p = NULL;
-    assert_int_equal(cudaMalloc(&p, bytes ? bytes : 1), cudaSuccess);
-    return p;
-}
-
-static void upload(void *dst, const void *src, size_t bytes)
-{
-    assert_int_equal(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice), cudaSuccess);
-}
-
-static void download(void *dst, const void *src, size_t bytes)
-{
-    assert_int_equal(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
-}
-
-/* All bits set: NaN as a float or a double, -1 as an integer. */
-static void poison(void *p, size_t bytes)
-{
-    assert_int_equal(cudaMemset(p, 0xFF, bytes), cudaSuccess);
-}
 
 /* ---- Prompts --------------------------------------------------------------------------------- */
 
