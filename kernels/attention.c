@@ -504,9 +504,10 @@ static void tile_scale_generic(float *y, const float *f, const float *w, int T, 
 }
 
 static void tile_maps_generic(const float *w2, const float *b2, const float *u, int m, int h,
-                              int rv, const float *z, const float *cv, float scale, int T,
+                              int rv, const float *z, const float *cv, float scale, int T, int nq,
                               float *y, float *mt, float *st, float *sbuf)
 {
+    (void)nq;
     tile_maps_body(w2, b2, u, m, h, rv, z, cv, scale, T, y, mt, st, sbuf);
 }
 
@@ -920,11 +921,87 @@ static ATTN_AVX2 void tile_scale_avx2(float *y, const float *f, const float *w, 
     }
 }
 
+/* Small query groups (nq <= 4) leave most of the 8 lanes idle in the layout above, so the maps
+ * run on packed vectors instead: lane p*nq + l holds query l of tile t+p, P = 8 / nq tiles per
+ * vector. Z is gathered into that layout; y, mt and st are written back in the row kernels'
+ * layout ([.][8], lanes >= nq zero). Same operations in the same order per (tile, query) as
+ * tile_scores_avx2 / tile_values_avx2, so the results are the same. */
+static ATTN_AVX2 void tile_maps_packed_avx2(const float *w2, const float *b2, const float *u,
+                                            int m, int h, int rv, const float *z, const float *cv,
+                                            float scale, int T, int nq, float *y, float *mt,
+                                            float *st, float *sbuf)
+{
+    const int P = ATTN_LANES / nq;
+    const __m256 vscale = _mm256_set1_ps(scale * ATTN_LOG2E);
+    float cvp[ATTN_LANES] = {0};
+    int lane_idx[ATTN_LANES] = {0};
+    for (int p = 0; p < P; p++)
+        for (int l = 0; l < nq; l++) {
+            cvp[p * nq + l] = cv[l];
+            lane_idx[p * nq + l] = p * h * ATTN_LANES + l;
+        }
+    const __m256 vcv = _mm256_mul_ps(_mm256_loadu_ps(cvp), vscale);
+    float *bias = sbuf + (size_t)tile_chunk(m) * m * ATTN_LANES, *pj = sbuf;
+    for (int j = 0; j < m; j++)
+        _mm256_storeu_ps(bias + j * ATTN_LANES, _mm256_mul_ps(_mm256_set1_ps(b2[j]), vcv));
+    __m256 zc[ATTN_SMALL_MAP];
+    for (int t = 0; t < T; t += P) {
+        int np = T - t < P ? T - t : P;
+        __m256i vidx = _mm256_loadu_si256((const __m256i *)(const void *)lane_idx);
+        if (np < P) { /* last group: the missing tiles repeat the last one (not written) */
+            int idx[ATTN_LANES] = {0};
+            for (int p = 0; p < P; p++)
+                for (int l = 0; l < nq; l++)
+                    idx[p * nq + l] = (p < np ? p : np - 1) * h * ATTN_LANES + l;
+            vidx = _mm256_loadu_si256((const __m256i *)(const void *)idx);
+        }
+        const float *zt = z + (size_t)t * h * ATTN_LANES;
+        for (int k = 0; k < h; k++)
+            zc[k] = _mm256_mul_ps(_mm256_i32gather_ps(zt + k * ATTN_LANES, vidx, 4), vscale);
+        __m256 mx = _mm256_set1_ps(-INFINITY);
+        for (int j = 0; j < m; j++) {
+            __m256 a = _mm256_loadu_ps(bias + j * ATTN_LANES);
+            for (int k = 0; k < h; k++)
+                a = _mm256_fmadd_ps(_mm256_set1_ps(w2[(size_t)k * m + j]), zc[k], a);
+            _mm256_storeu_ps(pj + j * ATTN_LANES, a);
+            mx = _mm256_max_ps(a, mx);
+        }
+        __m256 sum = _mm256_setzero_ps();
+        for (int j = 0; j < m; j++) {
+            __m256 e = exp2_avx2(_mm256_sub_ps(_mm256_loadu_ps(pj + j * ATTN_LANES), mx));
+            sum = _mm256_add_ps(sum, e);
+            _mm256_storeu_ps(pj + j * ATTN_LANES, e);
+        }
+        float out[ATTN_LANES];
+        for (int r = 0; r <= rv + 1; r++) { /* rows of y, then mt, then st */
+            __m256 a = r == rv ? mx : sum;
+            if (r < rv) {
+                a = _mm256_setzero_ps();
+                for (int j = 0; j < m; j++)
+                    a = _mm256_fmadd_ps(_mm256_set1_ps(u[(size_t)r * m + j]),
+                                        _mm256_loadu_ps(pj + j * ATTN_LANES), a);
+            }
+            _mm256_storeu_ps(out, a);
+            for (int p = 0; p < np; p++) {
+                float *dst = r < rv   ? y + ((size_t)(t + p) * rv + r) * ATTN_LANES
+                             : r == rv ? mt + (size_t)(t + p) * ATTN_LANES
+                                       : st + (size_t)(t + p) * ATTN_LANES;
+                _mm256_storeu_ps(dst, _mm256_setzero_ps());
+                memcpy(dst, out + p * nq, sizeof(float) * (size_t)nq);
+            }
+        }
+    }
+}
+
 /* Tiles in chunks whose scores stay in L1 (tile_chunk): scores, then values, per chunk. */
 static ATTN_AVX2 void tile_maps_avx2(const float *w2, const float *b2, const float *u, int m,
                                      int h, int rv, const float *z, const float *cv, float scale,
-                                     int T, float *y, float *mt, float *st, float *sbuf)
+                                     int T, int nq, float *y, float *mt, float *st, float *sbuf)
 {
+    if (nq <= ATTN_LANES / 2) {
+        tile_maps_packed_avx2(w2, b2, u, m, h, rv, z, cv, scale, T, nq, y, mt, st, sbuf);
+        return;
+    }
     const __m256 vscale = _mm256_set1_ps(scale * ATTN_LOG2E);
     const __m256 vcv = _mm256_mul_ps(_mm256_loadu_ps(cv), vscale);
     int chunk = tile_chunk(m);
@@ -955,8 +1032,8 @@ struct attn_isa {
     void (*bias_max)(float *s, float b, const float *sq, float *cmax, size_t n, float scale);
     void (*exp_cols)(float *s, const float *cmax, float *csum, size_t n);
     void (*tile_maps)(const float *w2, const float *b2, const float *u, int m, int h, int rv,
-                      const float *z, const float *cv, float scale, int T, float *y, float *mt,
-                      float *st, float *sbuf);
+                      const float *z, const float *cv, float scale, int T, int nq, float *y,
+                      float *mt, float *st, float *sbuf);
     void (*tile_factors)(float *mt, const float *st, int T, float *mx, float *sum);
     void (*tile_scale)(float *y, const float *f, const float *w, int T, int rv);
 };
@@ -1486,8 +1563,8 @@ static void capsule_attend_tiled(const struct kvcap_capsule_maps *maps,
             float w[ATTN_LANES] = {0}, psum[ATTN_LANES] = {0};
             for (int l = 0; l < ng; l++)
                 cv[l] = sum_f32(q + (size_t)l * d, d);
-            isa->tile_maps(maps->w2, maps->b2, maps->u, m, h, rv, Z, cv, scale, T, Y, mt, st,
-                           sbuf);
+            isa->tile_maps(maps->w2, maps->b2, maps->u, m, h, rv, Z, cv, scale, T, ng, Y, mt,
+                           st, sbuf);
             isa->tile_factors(mt, st, T, mx, sum); /* mt becomes the tiles' factors f_t */
             for (int l = 0; l < ng; l++) {
                 w[l] = merge_factor(sp->acc, g + l, d, mx[l] * ATTN_LN2, sum[l]);
