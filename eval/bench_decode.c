@@ -36,6 +36,8 @@ static void usage(FILE *out)
             "  -t, --tile RxC       tiled maps with this tile (default 4x4); 'dense' for dense maps\n"
             "  -r, --ratio R        retention of the random maps (default 0.4)\n"
             "  -l, --layers L       layers (default 4; q/kv heads and head_dim as Qwen2.5-VL-7B)\n"
+            "      --heads Q/KV     query and KV heads per layer (default 28/4, G = 7); e.g.\n"
+            "                       32/32 for an MHA model such as LLaVA-1.5-7B (G = 1)\n"
             "  -b, --batch B        sequences (default 1)\n"
             "  -s, --steps N        decode steps timed (default 20)\n"
             "  -a, --artifact FILE  use this artifact (its geometry and buckets) instead\n"
@@ -382,7 +384,7 @@ static enum kvcap_status flashcache_overhead(const struct kvcap_model_geometry *
 
 int main(int argc, char **argv)
 {
-    enum { STORAGE = 1000, THREADS, POST, OVERHEAD, WARM };
+    enum { STORAGE = 1000, THREADS, POST, OVERHEAD, WARM, HEADS };
     const char *only = NULL;
     static const struct option options[] = {
         {"grid", required_argument, NULL, 'g'},  {"tile", required_argument, NULL, 't'},
@@ -392,9 +394,10 @@ int main(int argc, char **argv)
         {"threads", required_argument, NULL, THREADS}, {"help", no_argument, NULL, 'h'},
         {"policy", required_argument, NULL, 'p'}, {"post", required_argument, NULL, POST},
         {"flashcache-overhead", no_argument, NULL, OVERHEAD}, {"warm", no_argument, NULL, WARM},
+        {"heads", required_argument, NULL, HEADS},
         {NULL, 0, NULL, 0}};
     int rows = 64, cols = 128, tr = 4, tc = 4, layers = 4, batch = 1, steps = 20, threads = 0, c;
-    int post = 32, overhead = 0, layers_set = 0, warm = 0;
+    int post = 32, overhead = 0, layers_set = 0, warm = 0, n_q = 28, n_kv = 4;
     double ratio = 0.4;
     const char *artifact_path = NULL;
     enum kvcap_dtype storage = KVCAP_DTYPE_F16;
@@ -416,6 +419,10 @@ int main(int argc, char **argv)
         case POST: post = atoi(optarg); break;
         case OVERHEAD: overhead = 1; break;
         case WARM: warm = 1; break;
+        case HEADS:
+            if (sscanf(optarg, "%d/%d", &n_q, &n_kv) != 2 || n_q < 1 || n_kv < 1 || n_q % n_kv)
+                return cli_usage_error("--heads: '%s' is not Q/KV with KV dividing Q", optarg);
+            break;
         case 'b': batch = atoi(optarg); break;
         case 's': steps = atoi(optarg); break;
         case 'a': artifact_path = optarg; break;
@@ -443,10 +450,12 @@ int main(int argc, char **argv)
     if (overhead && !layers_set)
         layers = 28;
     struct kvcap_model_geometry g = {.name = "Qwen2.5-VL-7B (attention shape)", .n_layers = layers,
-                                     .n_q_heads = 28, .n_kv_heads = 4, .head_dim = 128,
+                                     .n_q_heads = n_q, .n_kv_heads = n_kv, .head_dim = 128,
                                      .rope_type = KVCAP_ROPE_MROPE,
                                      .rope_pairing = KVCAP_ROPE_PAIRING_HALF, .rope_theta = 1e6,
                                      .n_rope_sections = 3, .rope_sections = {16, 24, 24}};
+    if (n_q != 28 || n_kv != 4)
+        snprintf(g.name, sizeof g.name, "Qwen2.5-VL-7B shape with %d q / %d kv heads", n_q, n_kv);
     struct kvcap_artifact *a = NULL;
     char path[4200];
     enum kvcap_status st;
