@@ -15,6 +15,7 @@
 #endif
 
 #include "artifact.h"
+#include "attention.h"
 #include "cli.h"
 #include "internal.h"
 #include "rng.h"
@@ -49,6 +50,9 @@ static void usage(FILE *out)
             "      --warm           leave the caches warm between attention calls (default:\n"
             "                       read a buffer twice the last-level cache before each call,\n"
             "                       untimed, as a model's weights would between two layers)\n"
+            "      --row-kernels    instead: the plain-attention row kernels on one thread, on\n"
+            "                       K/V that stay in L2 (compute rate) and on cold K/V, next to\n"
+            "                       the read bandwidth: where the decode time goes\n"
             "      --flashcache-overhead\n"
             "                       instead: FlashCache compression time of one span over all\n"
             "                       layers at 2K, 4K and 8K tokens (--layers default 28 here)\n"
@@ -170,6 +174,90 @@ static double fma_peak(int threads)
     (void)threads;
     return 0.0;
 #endif
+}
+
+/* Plain attention (the row kernels both full and KVCapsule use) of one KV head's G queries on
+ * one thread: the best-of-5 rate in GB/s of K/V read, over `n` rows that either stay in L2
+ * between calls (ev NULL: the kernels' compute rate) or are evicted before each call. */
+static double row_kernel_rate(const void *k, const void *v, enum kvcap_dtype dt, int n, int d,
+                              const float *q, int nq, struct kvcap_partial acc,
+                              struct evictor *ev)
+{
+    struct kvcap_rows rows = {k, v, dt, (size_t)d, n};
+    int reps = ev ? 1 : 64;
+    double best = 0;
+    for (int rep = 0; rep < 5; rep++) {
+        if (ev)
+            evict_caches(ev);
+        else
+            kvcap_attend_rows(&rows, q, nq, d, 0.088f, acc); /* load into L2 */
+        double t0 = kvcap_seconds();
+        uint64_t bytes = 0;
+        for (int i = 0; i < reps; i++) {
+            kvcap_partial_reset(acc, nq, d);
+            bytes += kvcap_attend_rows(&rows, q, nq, d, 0.088f, acc);
+        }
+        double rate = (double)bytes / (kvcap_seconds() - t0) * 1e-9;
+        best = rate > best ? rate : best;
+    }
+    return best;
+}
+
+/* --row-kernels: compute rate (K/V in L2), cold rate, and the read bandwidth of one thread. */
+static enum kvcap_status row_kernels_report(const struct kvcap_model_geometry *g,
+                                            enum kvcap_dtype dt, struct evictor *ev)
+{
+    int d = g->head_dim, nq = g->n_q_heads / g->n_kv_heads;
+    size_t es = kvcap_dtype_size(dt);
+    int n_hot = (int)((128u << 10) / (d * es)), n_cold = (int)((8u << 20) / (d * es));
+    void *k = malloc((size_t)n_cold * d * es), *v = malloc((size_t)n_cold * d * es);
+    float *q = malloc(sizeof(float) * (size_t)nq * d),
+          *pbuf = malloc(sizeof(float) * (size_t)nq * (d + 2)), *tmp = malloc(sizeof(float) * d);
+    enum kvcap_status st = k && v && q && pbuf && tmp
+                               ? KVCAP_OK
+                               : kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "bench: out of memory");
+    if (st == KVCAP_OK) {
+        struct kvcap_rng r;
+        kvcap_rng_seed(&r, 3);
+        for (int i = 0; i < nq * d; i++)
+            q[i] = (float)kvcap_rng_normal(&r);
+        for (int j = 0; j < n_cold && st == KVCAP_OK; j++) {
+            for (int c = 0; c < d; c++)
+                tmp[c] = (float)kvcap_rng_normal(&r);
+            st = kvcap_convert_from_f32(dt, tmp, (size_t)d, (char *)k + (size_t)j * d * es);
+            if (st == KVCAP_OK)
+                st = kvcap_convert_from_f32(dt, tmp, (size_t)d, (char *)v + (size_t)j * d * es);
+        }
+    }
+    if (st == KVCAP_OK) {
+        struct kvcap_partial acc = {pbuf, pbuf + nq, pbuf + 2 * nq};
+        double bw = read_bandwidth(1), flops = fma_peak(1);
+        double hot = row_kernel_rate(k, v, dt, n_hot, d, q, nq, acc, NULL);
+        double cold = row_kernel_rate(k, v, dt, n_cold, d, q, nq, acc, ev);
+        double fl = 2.0 * nq / (double)es; /* 4·G·d FLOP (scores, values) per 2·d elements */
+        double both = hot < bw ? hot : bw, serial = 1.0 / (1.0 / hot + 1.0 / bw);
+        printf("plain-attention row kernels, one thread, G = %d, d %d, %s storage\n"
+               "read bandwidth, measured now: %.1f GB/s; fp32 FMA peak: %.1f GFLOP/s\n\n",
+               nq, d, kvcap_dtype_name(dt), bw, flops);
+        printf("%-46s %8s %8s\n", "", "GB/s", "% bw");
+        printf("%-46s %8.1f %7.0f%%\n", "K/V in L2 (the kernels' compute rate)", hot,
+               100 * hot / bw);
+        printf("%-46s %8.1f %7.0f%%\n", "cold K/V (caches evicted before each call)", cold,
+               100 * cold / bw);
+        printf("%-46s %8.1f %7.0f%%\n", "model, reads overlap compute: min(compute, bw)", both,
+               100 * both / bw);
+        printf("%-46s %8.1f %7.0f%%\n", "model, no overlap: 1 / (1/compute + 1/bw)", serial,
+               100 * serial / bw);
+        if (flops > 0)
+            printf("\ncompute rate = %.0f%% of the FMA peak (%.1f FLOP per byte)\n",
+                   100 * hot * fl / flops, fl);
+    }
+    free(k);
+    free(v);
+    free(q);
+    free(pbuf);
+    free(tmp);
+    return st;
 }
 
 /* A random artifact for geometry g and one bucket (timing only): one set of maps shared by
@@ -384,7 +472,7 @@ static enum kvcap_status flashcache_overhead(const struct kvcap_model_geometry *
 
 int main(int argc, char **argv)
 {
-    enum { STORAGE = 1000, THREADS, POST, OVERHEAD, WARM, HEADS };
+    enum { STORAGE = 1000, THREADS, POST, OVERHEAD, WARM, HEADS, ROWKERNELS };
     const char *only = NULL;
     static const struct option options[] = {
         {"grid", required_argument, NULL, 'g'},  {"tile", required_argument, NULL, 't'},
@@ -394,10 +482,10 @@ int main(int argc, char **argv)
         {"threads", required_argument, NULL, THREADS}, {"help", no_argument, NULL, 'h'},
         {"policy", required_argument, NULL, 'p'}, {"post", required_argument, NULL, POST},
         {"flashcache-overhead", no_argument, NULL, OVERHEAD}, {"warm", no_argument, NULL, WARM},
-        {"heads", required_argument, NULL, HEADS},
+        {"heads", required_argument, NULL, HEADS}, {"row-kernels", no_argument, NULL, ROWKERNELS},
         {NULL, 0, NULL, 0}};
     int rows = 64, cols = 128, tr = 4, tc = 4, layers = 4, batch = 1, steps = 20, threads = 0, c;
-    int post = 32, overhead = 0, layers_set = 0, warm = 0, n_q = 28, n_kv = 4;
+    int post = 32, overhead = 0, layers_set = 0, warm = 0, n_q = 28, n_kv = 4, row_kernels = 0;
     double ratio = 0.4;
     const char *artifact_path = NULL;
     enum kvcap_dtype storage = KVCAP_DTYPE_F16;
@@ -419,6 +507,7 @@ int main(int argc, char **argv)
         case POST: post = atoi(optarg); break;
         case OVERHEAD: overhead = 1; break;
         case WARM: warm = 1; break;
+        case ROWKERNELS: row_kernels = 1; break;
         case HEADS:
             if (sscanf(optarg, "%d/%d", &n_q, &n_kv) != 2 || n_q < 1 || n_kv < 1 || n_q % n_kv)
                 return cli_usage_error("--heads: '%s' is not Q/KV with KV dividing Q", optarg);
@@ -501,6 +590,16 @@ int main(int argc, char **argv)
         return cli_fail(kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "bench: out of memory"));
     if (ev.buf)
         memset(ev.buf, 0, ev_bytes);
+    if (row_kernels) { /* --warm does not apply: the cold row is the point */
+        float *own = ev.buf ? NULL : calloc(ev_bytes / sizeof(float), sizeof(float));
+        struct evictor cold = {ev.buf ? ev.buf : own, ev_bytes / sizeof(float)};
+        st = cold.buf ? row_kernels_report(&g, storage, &cold)
+                      : kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "bench: out of memory");
+        free(own);
+        free(ev.buf);
+        kvcap_artifact_free(a);
+        return st == KVCAP_OK ? 0 : cli_fail(st);
+    }
     double bw = read_bandwidth(nthreads), flops = fma_peak(nthreads);
     const char *policies[6] = {"full", "streaming", "kvcapsule", "flashcache", "vlcache", "freekv"};
     int n_policies = 6;
