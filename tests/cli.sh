@@ -83,6 +83,13 @@ expect conv_missing 1 "no_such.kvcs" "$convert" "$work/no_such.kvcs" --out "$wor
 expect conv_wrong_kind 1 "kvcap.kind: 'artifact', expected 'calib'" "$convert" "$work/a.kvcap" --out "$work/b.kvcap"
 [ -e "$work/b.kvcap" ] && fail "a failed conversion left b.kvcap behind"
 
+bench="$bin/kvcap-bench"
+expect bench_help 0 "--row-kernels" "$bench" --help
+expect bench_bad_heads 2 "--heads: '7/2'" "$bench" --heads 7/2
+expect bench_run 0 "kvcapsule: bytes include the maps" "$bench" --grid 8x8 --layers 1 --steps 2 --heads 4/1 --policy kvcapsule --warm --threads 1
+grep -q "4 q / 1 kv heads" "$work/bench_run.out" || fail "bench_run: --heads 4/1 not in the header"
+expect bench_rows 0 "cold K/V (caches evicted before each call)" "$bench" --row-kernels --heads 2/1 --storage bf16
+
 if [ "$failures" -ne 0 ]; then
   echo "$failures CLI check(s) failed"
   exit 1
