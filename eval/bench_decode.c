@@ -177,7 +177,7 @@ static double fma_peak(int threads)
 }
 
 /* Plain attention (the row kernels both full and KVCapsule use) of one KV head's G queries on
- * one thread: the best-of-5 rate in GB/s of K/V read, over `n` rows that either stay in L2
+ * one thread: the best-of-15 rate in GB/s of K/V read, over `n` rows that either stay in L2
  * between calls (ev NULL: the kernels' compute rate) or are evicted before each call. */
 static double row_kernel_rate(const void *k, const void *v, enum kvcap_dtype dt, int n, int d,
                               const float *q, int nq, struct kvcap_partial acc,
@@ -186,7 +186,7 @@ static double row_kernel_rate(const void *k, const void *v, enum kvcap_dtype dt,
     struct kvcap_rows rows = {k, v, dt, (size_t)d, n};
     int reps = ev ? 1 : 64;
     double best = 0;
-    for (int rep = 0; rep < 5; rep++) {
+    for (int rep = 0; rep < 15; rep++) {
         if (ev)
             evict_caches(ev);
         else
