@@ -407,20 +407,12 @@ static int cmp_kv_key(const void *a, const void *b)
 
 static const struct kv *find_kv(const struct kvgguf_file *f, const char *key)
 {
-    if (!f || !key)
+    if (!f || !key || f->n_kv == 0)
         return NULL;
-    size_t lo = 0, hi = f->n_kv;
-    while (lo < hi) {
-        size_t mid = lo + (hi - lo) / 2;
-        int c = strcmp(key, f->kv_by_key[mid]->key);
-        if (c == 0)
-            return f->kv_by_key[mid];
-        if (c < 0)
-            hi = mid;
-        else
-            lo = mid + 1;
-    }
-    return NULL;
+    struct kv probe = {.key = key};
+    const struct kv *pp = &probe, *const *hit =
+        bsearch(&pp, f->kv_by_key, f->n_kv, sizeof *f->kv_by_key, cmp_kv_key);
+    return hit ? *hit : NULL;
 }
 
 /* Once every key is read: the key index (sorted, unique) and the alignment it sets. */
@@ -1017,20 +1009,12 @@ const struct kvgguf_tensor *kvgguf_tensor_at(const struct kvgguf_file *f, size_t
 
 const struct kvgguf_tensor *kvgguf_tensor_find(const struct kvgguf_file *f, const char *name)
 {
-    if (!f || !name)
+    if (!f || !name || f->n_tensors == 0)
         return NULL;
-    size_t lo = 0, hi = f->n_tensors;
-    while (lo < hi) {
-        size_t mid = lo + (hi - lo) / 2;
-        int c = strcmp(name, f->tensor_by_name[mid]->name);
-        if (c == 0)
-            return f->tensor_by_name[mid];
-        if (c < 0)
-            hi = mid;
-        else
-            lo = mid + 1;
-    }
-    return NULL;
+    struct kvgguf_tensor probe = {.name = name};
+    const struct kvgguf_tensor *pp = &probe, *const *hit =
+        bsearch(&pp, f->tensor_by_name, f->n_tensors, sizeof *f->tensor_by_name, cmp_tensor_name);
+    return hit ? *hit : NULL;
 }
 
 /* ---- Dequantisation (ggml-quants.c, dequantize_row_*) ----------------------------------- */
