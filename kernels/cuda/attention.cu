@@ -48,6 +48,7 @@ extern "C" {
 #include "internal.h"
 }
 #include "attention_cuda.h"
+#include "policies_common.cuh"
 
 #define MAX_NQ KVCAP_CUDA_ATTN_MAX_NQ
 #define MIN_D KVCAP_CUDA_ATTN_MIN_D
@@ -70,35 +71,6 @@ namespace {
 
 // ---- Device functions -------------------------------------------------------------------------
 
-__device__ __forceinline__ float to_f32(float x)
-{
-    return x;
-}
-
-__device__ __forceinline__ float to_f32(__half x)
-{
-    return __half2float(x);
-}
-
-__device__ __forceinline__ float to_f32(__nv_bfloat16 x)
-{
-    return __bfloat162float(x);
-}
-
-__device__ __forceinline__ float warp_sum(float x)
-{
-    for (int off = 16; off > 0; off >>= 1)
-        x += __shfl_xor_sync(0xffffffffu, x, off);
-    return x;
-}
-
-__device__ __forceinline__ float warp_max(float x)
-{
-    for (int off = 16; off > 0; off >>= 1)
-        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
-    return x;
-}
-
 // The CPU's partial_empty: a partial that has seen no keys is skipped by a merge.
 __device__ __forceinline__ bool partial_empty(float mx, float sum)
 {
@@ -115,14 +87,14 @@ __device__ __forceinline__ void softmax_step(float *s, int nv, float *mrun, floa
     float tmax = -INFINITY;
     for (int j = lane; j < nv; j += 32)
         tmax = fmaxf(tmax, s[j]);
-    tmax = warp_max(tmax);
+    tmax = kvcap_warp_max(tmax);
     float mold = *mrun, mnew = fmaxf(mold, tmax), part = 0.0f;
     for (int j = lane; j < nv; j += 32) {
         float p = expf(s[j] - mnew);
         s[j] = p;
         part += p;
     }
-    part = warp_sum(part);
+    part = kvcap_warp_sum(part);
     __syncwarp();
     if (lane == 0) {
         float a = expf(mold - mnew);
@@ -176,7 +148,7 @@ __global__ void __launch_bounds__(ROWS_THREADS)
         const int nv = min(tok, j_end - j0);
         for (int e = tid; e < nv * d; e += blockDim.x) {
             int t = e / d, c = e - t * d;
-            ks[t * ld + c] = to_f32(K[(size_t)(j0 + t) * stride + c]);
+            ks[t * ld + c] = kvcap_load_f32(&K[(size_t)(j0 + t) * stride + c]);
         }
         __syncthreads();
         for (int e = tid; e < nq * tok; e += blockDim.x) {
@@ -201,7 +173,7 @@ __global__ void __launch_bounds__(ROWS_THREADS)
                 const float *pg = ps + g * tok;
                 float a = acc[k] * alpha[g];
                 for (int t = 0; t < nv; t++)
-                    a += pg[t] * to_f32(V[(size_t)(j0 + t) * stride + c]);
+                    a += pg[t] * kvcap_load_f32(&V[(size_t)(j0 + t) * stride + c]);
                 acc[k] = a;
             }
         }
@@ -338,7 +310,7 @@ __global__ void __launch_bounds__(CAPS_THREADS)
             float s = 0.0f;
             for (int c = lane; c < d; c += 32)
                 s += qs[g * d + c];
-            s = warp_sum(s);
+            s = kvcap_warp_sum(s);
             if (lane == 0)
                 sq[g] = s;
         }
@@ -353,7 +325,7 @@ __global__ void __launch_bounds__(CAPS_THREADS)
                 for (int g = 0; g < MAX_NQ; g++)
                     dot[g] = 0.0f;
                 for (int c = lane; c < d; c += 32) {
-                    float x = to_f32(row[c]);
+                    float x = kvcap_load_f32(&row[c]);
 #pragma unroll
                     for (int g = 0; g < MAX_NQ; g++)
                         if (g < gn)
@@ -362,7 +334,7 @@ __global__ void __launch_bounds__(CAPS_THREADS)
 #pragma unroll
                 for (int g = 0; g < MAX_NQ; g++)
                     if (g < gn) {
-                        float v = warp_sum(dot[g]);
+                        float v = kvcap_warp_sum(dot[g]);
                         if (lane == 0)
                             zs[g * h + a] = v;
                     }
@@ -395,9 +367,9 @@ __global__ void __launch_bounds__(CAPS_THREADS)
             for (int e = tid; e < gn * d; e += blockDim.x) {
                 int g = e / d, c = e - g * d;
                 const float *yg = ys + g * rv;
-                float o = os[e] * alpha[g] + psum[g] * to_f32(mu[c]);
+                float o = os[e] * alpha[g] + psum[g] * kvcap_load_f32(&mu[c]);
                 for (int r = 0; r < rv; r++)
-                    o += yg[r] * to_f32(Vt[((size_t)t * rv + r) * d + c]);
+                    o += yg[r] * kvcap_load_f32(&Vt[((size_t)t * rv + r) * d + c]);
                 os[e] = o;
             }
             __syncthreads();
@@ -444,9 +416,7 @@ __global__ void partial_finish_kernel(kvcap_partial p, size_t rows, int d, float
 enum kvcap_status launch_status(const char *op)
 {
     cudaError_t e = cudaGetLastError();
-    if (e != cudaSuccess)
-        return kvcap_fail(KVCAP_ERR_DEVICE, "cuda %s: launch: %s", op, cudaGetErrorString(e));
-    return KVCAP_OK;
+    return e == cudaSuccess ? KVCAP_OK : kvcap_cuda_fail(e, op, "launch", __FILE__, __LINE__);
 }
 
 enum kvcap_status check_shape(const char *op, enum kvcap_dtype dtype, int nq, int d)
