@@ -926,6 +926,18 @@ static ATTN_AVX2 void tile_scale_avx2(float *y, const float *f, const float *w, 
  * vector. Z is gathered into that layout; y, mt and st are written back in the row kernels'
  * layout ([.][8], lanes >= nq zero). Same operations in the same order per (tile, query) as
  * tile_scores_avx2 / tile_values_avx2, so the results are the same. */
+/* Unpacks a packed vector (lane p*nq + l) into np rows of the [.][8] layout, `step` floats
+ * apart: row p gets lanes p*nq .. p*nq + nq - 1 in lanes 0 .. nq - 1 and zeros after. */
+ATTN_AVX2_INLINE void unpack_lanes_avx2(__m256 a, float *dst, size_t step, int np, int nq)
+{
+    float lanes[ATTN_LANES];
+    _mm256_storeu_ps(lanes, a);
+    for (int p = 0; p < np; p++) {
+        _mm256_storeu_ps(dst + (size_t)p * step, _mm256_setzero_ps());
+        memcpy(dst + (size_t)p * step, lanes + p * nq, sizeof(float) * (size_t)nq);
+    }
+}
+
 static ATTN_AVX2 void tile_maps_packed_avx2(const float *w2, const float *b2, const float *u,
                                             int m, int h, int rv, const float *z, const float *cv,
                                             float scale, int T, int nq, float *y, float *mt,
@@ -945,9 +957,10 @@ static ATTN_AVX2 void tile_maps_packed_avx2(const float *w2, const float *b2, co
     for (int j = 0; j < m; j++)
         _mm256_storeu_ps(bias + j * ATTN_LANES, _mm256_mul_ps(_mm256_set1_ps(b2[j]), vcv));
     __m256 zc[ATTN_SMALL_MAP];
+    const __m256i full_idx = _mm256_loadu_si256((const __m256i *)(const void *)lane_idx);
     for (int t = 0; t < T; t += P) {
         int np = T - t < P ? T - t : P;
-        __m256i vidx = _mm256_loadu_si256((const __m256i *)(const void *)lane_idx);
+        __m256i vidx = full_idx;
         if (np < P) { /* last group: the missing tiles repeat the last one (not written) */
             int idx[ATTN_LANES] = {0};
             for (int p = 0; p < P; p++)
@@ -972,24 +985,16 @@ static ATTN_AVX2 void tile_maps_packed_avx2(const float *w2, const float *b2, co
             sum = _mm256_add_ps(sum, e);
             _mm256_storeu_ps(pj + j * ATTN_LANES, e);
         }
-        float out[ATTN_LANES];
-        for (int r = 0; r <= rv + 1; r++) { /* rows of y, then mt, then st */
-            __m256 a = r == rv ? mx : sum;
-            if (r < rv) {
-                a = _mm256_setzero_ps();
-                for (int j = 0; j < m; j++)
-                    a = _mm256_fmadd_ps(_mm256_set1_ps(u[(size_t)r * m + j]),
-                                        _mm256_loadu_ps(pj + j * ATTN_LANES), a);
-            }
-            _mm256_storeu_ps(out, a);
-            for (int p = 0; p < np; p++) {
-                float *dst = r < rv   ? y + ((size_t)(t + p) * rv + r) * ATTN_LANES
-                             : r == rv ? mt + (size_t)(t + p) * ATTN_LANES
-                                       : st + (size_t)(t + p) * ATTN_LANES;
-                _mm256_storeu_ps(dst, _mm256_setzero_ps());
-                memcpy(dst, out + p * nq, sizeof(float) * (size_t)nq);
-            }
+        for (int r = 0; r < rv; r++) {
+            __m256 a = _mm256_setzero_ps();
+            for (int j = 0; j < m; j++)
+                a = _mm256_fmadd_ps(_mm256_set1_ps(u[(size_t)r * m + j]),
+                                    _mm256_loadu_ps(pj + j * ATTN_LANES), a);
+            unpack_lanes_avx2(a, y + ((size_t)t * rv + r) * ATTN_LANES, (size_t)rv * ATTN_LANES,
+                              np, nq);
         }
+        unpack_lanes_avx2(mx, mt + (size_t)t * ATTN_LANES, ATTN_LANES, np, nq);
+        unpack_lanes_avx2(sum, st + (size_t)t * ATTN_LANES, ATTN_LANES, np, nq);
     }
 }
 
