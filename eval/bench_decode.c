@@ -187,6 +187,7 @@ static double row_kernel_rate(const void *k, const void *v, enum kvcap_dtype dt,
     int reps = ev ? 1 : 64;
     double best = 0;
     for (int rep = 0; rep < 15; rep++) {
+        kvcap_partial_reset(acc, nq, d);
         if (ev)
             evict_caches(ev);
         else
