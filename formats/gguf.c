@@ -780,21 +780,31 @@ static const char *int_str(char *buf, size_t cap, int neg, uint64_t mag)
     return buf;
 }
 
-enum kvcap_status kvgguf_get_u32(const struct kvgguf_file *f, const char *key, uint32_t *out)
+/* The integer value of `key` if it lies in [-neg_limit, max]; `op` and `target` (the C type)
+ * name the getter in errors. */
+static enum kvcap_status get_int(const struct kvgguf_file *f, const char *key, const char *op,
+                                 uint64_t neg_limit, uint64_t max, const char *target,
+                                 int64_t *out)
 {
     const struct kv *kv;
-    KVCAP_TRY(lookup(f, key, "kvgguf_get_u32", &kv));
+    KVCAP_TRY(lookup(f, key, op, &kv));
     if (!is_integer_type(kv->type))
         return wrong_type(f, kv, "an integer");
     int neg;
     uint64_t mag;
-    int64_t v;
     char buf[32];
     read_int(kv->type, kv->val, &neg, &mag);
-    KVCAP_RETURN_IF(!fit_int(neg, mag, 0, UINT32_MAX, &v), KVCAP_ERR_FORMAT,
-                    "%s: key '%.*s': %s value %s does not fit in uint32", f->path,
-                    NAME_IN_MESSAGE, kv->key, value_type_name(kv->type),
-                    int_str(buf, sizeof buf, neg, mag));
+    KVCAP_RETURN_IF(!fit_int(neg, mag, neg_limit, max, out), KVCAP_ERR_FORMAT,
+                    "%s: key '%.*s': %s value %s does not fit in %s", f->path, NAME_IN_MESSAGE,
+                    kv->key, value_type_name(kv->type), int_str(buf, sizeof buf, neg, mag),
+                    target);
+    return KVCAP_OK;
+}
+
+enum kvcap_status kvgguf_get_u32(const struct kvgguf_file *f, const char *key, uint32_t *out)
+{
+    int64_t v = 0;
+    KVCAP_TRY(get_int(f, key, "kvgguf_get_u32", 0, UINT32_MAX, "uint32", &v));
     if (out)
         *out = (uint32_t)v;
     return KVCAP_OK;
@@ -802,19 +812,8 @@ enum kvcap_status kvgguf_get_u32(const struct kvgguf_file *f, const char *key, u
 
 enum kvcap_status kvgguf_get_i64(const struct kvgguf_file *f, const char *key, int64_t *out)
 {
-    const struct kv *kv;
-    KVCAP_TRY(lookup(f, key, "kvgguf_get_i64", &kv));
-    if (!is_integer_type(kv->type))
-        return wrong_type(f, kv, "an integer");
-    int neg;
-    uint64_t mag;
-    int64_t v;
-    char buf[32];
-    read_int(kv->type, kv->val, &neg, &mag);
-    KVCAP_RETURN_IF(!fit_int(neg, mag, (uint64_t)INT64_MAX + 1, INT64_MAX, &v), KVCAP_ERR_FORMAT,
-                    "%s: key '%.*s': %s value %s does not fit in int64", f->path,
-                    NAME_IN_MESSAGE, kv->key, value_type_name(kv->type),
-                    int_str(buf, sizeof buf, neg, mag));
+    int64_t v = 0;
+    KVCAP_TRY(get_int(f, key, "kvgguf_get_i64", (uint64_t)INT64_MAX + 1, INT64_MAX, "int64", &v));
     if (out)
         *out = v;
     return KVCAP_OK;
