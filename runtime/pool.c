@@ -1,11 +1,20 @@
-/* pool.c — the blocking thread pool of pool.h: a generation counter wakes the workers, tasks
- * are handed out through an atomic counter, and the caller works too. */
+/* pool.c — the blocking thread pool of pool.h. A run publishes its task list under a new
+ * generation and wakes the workers; tasks are handed out through one atomic ticket that holds
+ * (generation, next task), so a worker that wakes late, even after the run ended and the next
+ * began, can only claim tasks of the run it read. The caller works too and then waits for the
+ * tasks still running, not for workers that have not woken yet: in a VM, waking an idle core
+ * can take longer than a decode call's whole share of work. */
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdlib.h>
 
 #include "internal.h"
 #include "pool.h"
+
+/* Polls of the caller for running tasks to finish before it blocks (a few µs to tens of µs;
+ * the tasks it waits for are already running on other cores). */
+#define POOL_SPIN 20000
 
 struct worker {
     struct kvcap_pool *pool;
@@ -13,27 +22,46 @@ struct worker {
     pthread_t thread;
 };
 
+typedef void (*pool_fn)(void *, int, int);
+
 struct kvcap_pool {
     int n_threads;
     struct worker *workers;
     pthread_mutex_t lock;
     pthread_cond_t wake, done;
-    unsigned generation; /* bumped per run */
-    int stopping, active;
-    /* the current run */
-    void (*fn)(void *, int, int);
+    int stopping;
+    /* the current run, written under the lock before generation changes */
+    uint32_t generation;
+    pool_fn fn;
     void *ctx;
     int n_tasks;
-    atomic_int next;
+    _Atomic uint64_t ticket; /* generation << 32 | next task */
+    atomic_int remaining;    /* tasks of the current run not finished */
 };
 
-static void work(struct kvcap_pool *p, int thread)
+static void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+/* Claims and runs tasks of run `gen` until none are left (or a newer run has begun). */
+static void work(struct kvcap_pool *p, uint32_t gen, pool_fn fn, void *ctx, int n_tasks,
+                 int thread)
 {
     for (;;) {
-        int t = atomic_fetch_add(&p->next, 1);
-        if (t >= p->n_tasks)
-            return;
-        p->fn(p->ctx, t, thread);
+        uint64_t t = atomic_load(&p->ticket);
+        do {
+            if ((uint32_t)(t >> 32) != gen || (int)(uint32_t)t >= n_tasks)
+                return;
+        } while (!atomic_compare_exchange_weak(&p->ticket, &t, t + 1));
+        fn(ctx, (int)(uint32_t)t, thread);
+        if (atomic_fetch_sub(&p->remaining, 1) == 1) {
+            pthread_mutex_lock(&p->lock);
+            pthread_cond_signal(&p->done);
+            pthread_mutex_unlock(&p->lock);
+        }
     }
 }
 
@@ -41,7 +69,7 @@ static void *worker_main(void *arg)
 {
     struct worker *w = arg;
     struct kvcap_pool *p = w->pool;
-    unsigned seen = 0;
+    uint32_t seen = 0;
     pthread_mutex_lock(&p->lock);
     for (;;) {
         while (!p->stopping && p->generation == seen)
@@ -49,11 +77,12 @@ static void *worker_main(void *arg)
         if (p->stopping)
             break;
         seen = p->generation;
+        pool_fn fn = p->fn;
+        void *ctx = p->ctx;
+        int n_tasks = p->n_tasks;
         pthread_mutex_unlock(&p->lock);
-        work(p, w->index);
+        work(p, seen, fn, ctx, n_tasks, w->index);
         pthread_mutex_lock(&p->lock);
-        if (--p->active == 0)
-            pthread_cond_signal(&p->done);
     }
     pthread_mutex_unlock(&p->lock);
     return NULL;
@@ -108,24 +137,29 @@ void kvcap_pool_run(struct kvcap_pool *p, int n_tasks, void (*fn)(void *, int, i
 {
     if (n_tasks <= 0)
         return;
-    int helpers = p->n_threads - 1 < n_tasks - 1 ? p->n_threads - 1 : n_tasks - 1;
-    if (helpers <= 0) { /* nothing to share */
+    if (p->n_threads < 2 || n_tasks < 2) { /* nothing to share */
         for (int t = 0; t < n_tasks; t++)
             fn(ctx, t, 0);
         return;
     }
     pthread_mutex_lock(&p->lock);
+    uint32_t gen = ++p->generation;
+    if (gen == 0) /* 0 is the workers' "nothing seen yet" */
+        gen = ++p->generation;
     p->fn = fn;
     p->ctx = ctx;
     p->n_tasks = n_tasks;
-    atomic_store(&p->next, 0);
-    p->active = p->n_threads - 1;
-    p->generation++;
+    atomic_store(&p->remaining, n_tasks);
+    atomic_store(&p->ticket, (uint64_t)gen << 32);
     pthread_cond_broadcast(&p->wake);
     pthread_mutex_unlock(&p->lock);
-    work(p, 0);
-    pthread_mutex_lock(&p->lock);
-    while (p->active > 0)
-        pthread_cond_wait(&p->done, &p->lock);
-    pthread_mutex_unlock(&p->lock);
+    work(p, gen, fn, ctx, n_tasks, 0);
+    for (int i = 0; i < POOL_SPIN && atomic_load(&p->remaining) > 0; i++)
+        cpu_relax();
+    if (atomic_load(&p->remaining) > 0) {
+        pthread_mutex_lock(&p->lock);
+        while (atomic_load(&p->remaining) > 0)
+            pthread_cond_wait(&p->done, &p->lock);
+        pthread_mutex_unlock(&p->lock);
+    }
 }

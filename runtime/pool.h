@@ -12,9 +12,10 @@ struct kvcap_pool;
 enum kvcap_status kvcap_pool_create(int n_threads, struct kvcap_pool **out);
 void kvcap_pool_free(struct kvcap_pool *pool); /* NULL is a no-op */
 
-/* Runs fn(ctx, task, thread) for task = 0..n_tasks-1 on the pool's threads (thread in
- * 0..n_threads-1, distinct per concurrently running call) and returns when all are done.
- * Not reentrant: one run at a time per pool. */
+/* Runs fn(ctx, task, thread) once for each task = 0..n_tasks-1 on the pool's threads (thread
+ * in 0..n_threads-1, distinct per concurrently running call; the caller is thread 0) and
+ * returns when all are done. The caller does not wait for workers that have not woken yet:
+ * they find no task left. Not reentrant: one run at a time per pool. */
 void kvcap_pool_run(struct kvcap_pool *pool, int n_tasks, void (*fn)(void *ctx, int task, int thread),
                     void *ctx);
 

@@ -1,6 +1,8 @@
 /* test_common.c — the public conventions: version agreement between header and library, status
- * strings, per-thread last error, the log callback, geometry and bucket validation, names. */
+ * strings, per-thread last error, the log callback, geometry and bucket validation, names; and
+ * the runtime's thread pool. */
 #include <pthread.h>
+#include <stdatomic.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -10,6 +12,7 @@
 #include <cmocka.h>
 
 #include "internal.h"
+#include "pool.h"
 
 static void test_version_agrees(void **state)
 {
@@ -182,6 +185,61 @@ static void test_names_round_trip(void **state)
     assert_int_equal(kvcap_dtype_size((enum kvcap_dtype)77), 0);
 }
 
+/* ---- Thread pool ---------------------------------------------------------------------------- */
+
+#define POOL_MAX_TASKS 64
+#define POOL_THREADS 4
+
+struct pool_probe {
+    atomic_int runs[POOL_MAX_TASKS];
+    atomic_int bad_thread, busy[POOL_THREADS];
+    atomic_int overlap; /* a thread index used by two tasks at once */
+    int spin;           /* busy work per task, varied so workers join early or late */
+};
+
+static void pool_probe_task(void *ctx, int task, int thread)
+{
+    struct pool_probe *p = ctx;
+    if (thread < 0 || thread >= POOL_THREADS) {
+        atomic_fetch_add(&p->bad_thread, 1);
+        return;
+    }
+    if (atomic_fetch_add(&p->busy[thread], 1) != 0)
+        atomic_fetch_add(&p->overlap, 1);
+    volatile unsigned x = (unsigned)task;
+    for (int i = 0; i < p->spin * (task % 5 + 1); i++)
+        x = x * 1664525u + 1013904223u;
+    atomic_fetch_add(&p->runs[task], 1);
+    atomic_fetch_sub(&p->busy[thread], 1);
+}
+
+/* Every task runs exactly once per run, on a valid and exclusive thread index, whatever the task
+ * count and however late the workers wake; back-to-back runs never mix. */
+static void test_pool_runs_each_task_once(void **state)
+{
+    (void)state;
+    struct kvcap_pool *pool = NULL;
+    assert_int_equal(kvcap_pool_create(POOL_THREADS, &pool), KVCAP_OK);
+    static struct pool_probe probe;
+    for (int run = 0; run < 3000; run++) {
+        int n = 1 + (run * 7) % POOL_MAX_TASKS;
+        for (int t = 0; t < POOL_MAX_TASKS; t++)
+            atomic_store(&probe.runs[t], 0);
+        probe.spin = run % 3 == 0 ? 0 : run % 3 == 1 ? 200 : 5000;
+        kvcap_pool_run(pool, n, pool_probe_task, &probe);
+        for (int t = 0; t < POOL_MAX_TASKS; t++)
+            if (atomic_load(&probe.runs[t]) != (t < n))
+                fail_msg("run %d (%d tasks): task %d ran %d times", run, n, t,
+                         atomic_load(&probe.runs[t]));
+    }
+    assert_int_equal(atomic_load(&probe.bad_thread), 0);
+    assert_int_equal(atomic_load(&probe.overlap), 0);
+    kvcap_pool_run(pool, 0, pool_probe_task, &probe); /* no tasks: returns at once */
+    kvcap_pool_free(pool);
+    kvcap_pool_free(NULL);
+    assert_int_equal(kvcap_pool_create(0, &pool), KVCAP_ERR_INVALID_ARGUMENT);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -192,6 +250,7 @@ int main(void)
         cmocka_unit_test(test_geometry_validate),
         cmocka_unit_test(test_bucket_validate),
         cmocka_unit_test(test_names_round_trip),
+        cmocka_unit_test(test_pool_runs_each_task_once),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
