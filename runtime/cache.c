@@ -209,9 +209,10 @@ void kvcap_cache_free(struct kvcap_cache *c)
     kvcap_device_free(c);
     for (int t = 0; c->scratch && t < c->threads; t++) {
         struct kvcap_thread_scratch *s = &c->scratch[t];
-        free(s->part), free(s->qrot), free(s->spans), free(s->work);
+        free(s->qrot), free(s->spans), free(s->work);
     }
     free(c->scratch);
+    free(c->parts);
     free(c->layers);
     kvcap_runtime_config_free(&c->cfg);
     free(c);
@@ -688,10 +689,40 @@ static struct kvcap_capsule_maps unit_maps(const struct kvcap_unit_maps *u)
     return m;
 }
 
+/* Slices of one KV head's work per attend call: enough tasks for every thread to stay busy when
+ * a worker wakes late or the heads are few (4 KV heads on 16 threads), never slices smaller than
+ * ATTEND_MIN_TOKENS tokens, whose fixed costs would show. */
+#define ATTEND_TASKS_PER_THREAD 4
+#define ATTEND_MAX_PARTS 16
+#define ATTEND_MIN_TOKENS 256
+
+static int attend_parts(const struct kvcap_cache *c)
+{
+    if (c->threads < 2)
+        return 1;
+    int want = (ATTEND_TASKS_PER_THREAD * c->threads + c->g.n_kv_heads - 1) / c->g.n_kv_heads;
+    return want < 1 ? 1 : want > ATTEND_MAX_PARTS ? ATTEND_MAX_PARTS : want;
+}
+
+/* Slice k of n items cut into at most n_parts slices of at least `min` items: [*lo, *hi), which
+ * is empty when k is past the last slice. Whole to slice 0 when n is too small to cut. */
+static void part_range(int n, int k, int n_parts, int min, int *lo, int *hi)
+{
+    int cuts = n / (min > 0 ? min : 1);
+    cuts = cuts < 1 ? 1 : cuts > n_parts ? n_parts : cuts;
+    *lo = *hi = 0;
+    if (k < cuts) {
+        *lo = (int)((int64_t)n * k / cuts);
+        *hi = (int)((int64_t)n * (k + 1) / cuts);
+    }
+}
+
 static enum kvcap_status prepare_scratch(struct kvcap_cache *c, int layer)
 {
     int G = c->g.n_q_heads / c->g.n_kv_heads, d = c->g.head_dim;
-    size_t part = (size_t)c->n_seqs * (size_t)G * (size_t)(d + 2);
+    c->n_parts = attend_parts(c);
+    size_t part = (size_t)c->g.n_kv_heads * c->n_parts * c->n_seqs * (size_t)G * (size_t)(d + 2);
+    KVCAP_TRY(grow((void **)&c->parts, &c->parts_cap, part, sizeof(float)));
     size_t spans = 1, work = 1;
     for (int b = 0; c->artifact && b < c->artifact->n_buckets; b++) {
         int max_tiles, n = bucket_spans(c, layer, b, &max_tiles);
@@ -706,7 +737,6 @@ static enum kvcap_status prepare_scratch(struct kvcap_cache *c, int layer)
     }
     for (int t = 0; t < c->threads; t++) {
         struct kvcap_thread_scratch *s = &c->scratch[t];
-        KVCAP_TRY(grow((void **)&s->part, &s->part_cap, part, sizeof(float)));
         KVCAP_TRY(grow((void **)&s->qrot, &s->qrot_cap, spans * (size_t)G * d, sizeof(float)));
         KVCAP_TRY(grow((void **)&s->spans, &s->spans_cap, spans, sizeof(struct kvcap_capsule_span)));
         KVCAP_TRY(grow((void **)&s->work, &s->work_cap, work, sizeof(float)));
@@ -714,78 +744,84 @@ static enum kvcap_status prepare_scratch(struct kvcap_cache *c, int layer)
     return KVCAP_OK;
 }
 
-static struct kvcap_partial seq_partial(float *part, int s, int G, int d)
+/* The partial of sequence s in slice k of KV head h. */
+static struct kvcap_partial seq_partial(const struct kvcap_cache *c, int h, int k, int s)
 {
-    float *base = part + (size_t)s * G * (d + 2);
+    int G = c->g.n_q_heads / c->g.n_kv_heads, d = c->g.head_dim;
+    float *base = c->parts + (((size_t)h * c->n_parts + k) * c->n_seqs + s) * G * (d + 2);
     struct kvcap_partial p = {base, base + G, base + 2 * G};
     return p;
 }
 
-/* All of KV head h at `layer`, for every sequence: plain segments row by row, KVCapsule
- * segments bucket by bucket across the batch. */
-static uint64_t attend_head(struct kvcap_cache *c, int layer, int h, const float *q, float *out,
-                            float *lse, struct kvcap_thread_scratch *sc, uint64_t *map_bytes)
+/* Slice k of KV head h at `layer`, for every sequence: slice k of each plain segment's rows,
+ * row by row, and slice k of each KVCapsule span's tiles, bucket by bucket across the batch
+ * (FreeKV state: slice 0). Bytes count what one whole head reads: the maps and each span's μ,
+ * which every slice reads, are counted by slice 0 only. */
+static uint64_t attend_part(struct kvcap_cache *c, int layer, int h, int k, const float *q,
+                            struct kvcap_thread_scratch *sc, uint64_t *map_bytes)
 {
     const struct kvcap_model_geometry *g = &c->g;
-    int G = g->n_q_heads / g->n_kv_heads, d = g->head_dim;
+    int G = g->n_q_heads / g->n_kv_heads, d = g->head_dim, P = c->n_parts;
     float scale = 1.0f / sqrtf((float)d);
     size_t es = kvcap_dtype_size(c->storage);
     uint64_t bytes = 0;
     for (int s = 0; s < c->n_seqs; s++) {
-        struct kvcap_partial acc = seq_partial(sc->part, s, G, d);
+        struct kvcap_partial acc = seq_partial(c, h, k, s);
         kvcap_partial_reset(acc, G, d);
         const float *qs = q + ((size_t)s * g->n_q_heads + (size_t)h * G) * d;
         const struct kvcap_seq_layer *sl = kvcap_cache_seq_layer(c, s, layer);
         for (int i = 0; i <= sl->n_segs; i++) {
             const struct kvcap_segment *seg = i < sl->n_segs ? &sl->segs[i] : &sl->gen;
+            int lo, hi;
             if (seg->policy == KVCAP_POLICY_KVCAPSULE || seg->n_rows == 0)
                 continue;
-            struct kvcap_rows rows = {(const char *)seg->k + (size_t)h * seg->cap * d * es,
-                                      (const char *)seg->v + (size_t)h * seg->cap * d * es,
-                                      c->storage, (size_t)d, seg->n_rows};
+            part_range(seg->n_rows, k, P, ATTEND_MIN_TOKENS, &lo, &hi);
+            if (hi == lo)
+                continue;
+            size_t at = ((size_t)h * seg->cap + lo) * d * es;
+            struct kvcap_rows rows = {(const char *)seg->k + at, (const char *)seg->v + at,
+                                      c->storage, (size_t)d, hi - lo};
             bytes += kvcap_attend_rows(&rows, qs, G, d, scale, acc);
         }
-        if (sl->freekv)
+        if (sl->freekv && k == 0)
             bytes += kvcap_freekv_attend(sl->freekv, h, qs, scale, acc);
     }
     for (int b = 0; c->artifact && b < c->artifact->n_buckets; b++) {
-        int n = 0;
+        const struct kvcap_unit_maps *u = kvcap_artifact_unit(c->artifact, layer, h, b);
+        int n = 0, min_tiles = (ATTEND_MIN_TOKENS + u->m - 1) / u->m;
         for (int s = 0; s < c->n_seqs; s++) {
             const struct kvcap_seq_layer *sl = kvcap_cache_seq_layer(c, s, layer);
             const float *qs = q + ((size_t)s * g->n_q_heads + (size_t)h * G) * d;
             for (int i = 0; i < sl->n_segs; i++) {
                 const struct kvcap_segment *seg = &sl->segs[i];
+                int lo, hi;
                 if (seg->policy != KVCAP_POLICY_KVCAPSULE || seg->bucket != b)
+                    continue;
+                part_range(seg->tiles, k, P, min_tiles, &lo, &hi);
+                if (hi == lo)
                     continue;
                 float *qr = sc->qrot + (size_t)n * G * d;
                 memcpy(qr, qs, sizeof(float) * (size_t)G * d);
                 kvcap_rope_rotate(g, qr, (size_t)G, (size_t)d, -(double)seg->p0);
-                size_t per_head_h = (size_t)seg->tiles * seg->h * d;
-                size_t per_head_v = (size_t)seg->tiles * seg->rv * d;
+                size_t hs = ((size_t)h * seg->tiles + lo) * seg->h * d,
+                       vt = ((size_t)h * seg->tiles + lo) * seg->rv * d;
                 struct kvcap_capsule_span span = {
-                    (const char *)seg->hs + (size_t)h * per_head_h * es,
-                    (const char *)seg->vt + (size_t)h * per_head_v * es,
-                    (const char *)seg->mu + (size_t)h * d * es, c->storage, seg->tiles, qr,
-                    seq_partial(sc->part, s, G, d)};
+                    (const char *)seg->hs + hs * es, (const char *)seg->vt + vt * es,
+                    (const char *)seg->mu + (size_t)h * d * es, c->storage, hi - lo, qr,
+                    seq_partial(c, h, k, s)};
                 sc->spans[n++] = span;
             }
         }
         if (n == 0)
             continue;
-        const struct kvcap_unit_maps *u = kvcap_artifact_unit(c->artifact, layer, h, b);
         struct kvcap_capsule_maps m = unit_maps(u);
         uint64_t got = kvcap_capsule_attend(&m, sc->spans, n, G, d, scale, sc->work, sc->work_cap);
         uint64_t maps = ((uint64_t)u->h * u->m + (uint64_t)u->m + (uint64_t)u->rv * u->m) * 4;
+        if (k == 0)
+            *map_bytes += maps;
+        else if (got > 0) /* the maps and μ again: slice 0 counted them */
+            got -= maps + (uint64_t)n * d * es;
         bytes += got;
-        *map_bytes += maps;
-    }
-    for (int s = 0; s < c->n_seqs; s++) {
-        struct kvcap_partial p = seq_partial(sc->part, s, G, d);
-        kvcap_partial_finish(p, G, d, out + ((size_t)s * g->n_q_heads + (size_t)h * G) * d,
-                             (size_t)d);
-        for (int i = 0; lse && i < G; i++)
-            lse[(size_t)s * g->n_q_heads + (size_t)h * G + i] =
-                p.sum[i] > 0 ? p.mx[i] + logf(p.sum[i]) : -INFINITY;
     }
     return bytes;
 }
@@ -794,17 +830,34 @@ struct attend_job {
     struct kvcap_cache *c;
     int layer;
     const float *q;
-    float *out, *lse;
     uint64_t bytes[64], map_bytes[64]; /* per thread */
 };
 
-static void attend_task(void *ctx, int h, int thread)
+static void attend_task(void *ctx, int task, int thread)
 {
     struct attend_job *job = ctx;
     uint64_t maps = 0;
-    job->bytes[thread] += attend_head(job->c, job->layer, h, job->q, job->out, job->lse,
+    int P = job->c->n_parts;
+    job->bytes[thread] += attend_part(job->c, job->layer, task / P, task % P, job->q,
                                       &job->c->scratch[thread], &maps);
     job->map_bytes[thread] += maps;
+}
+
+/* Merges each (sequence, KV head)'s slices and writes its outputs (and log-sum-exps). */
+static void attend_finish(struct kvcap_cache *c, float *out, float *lse)
+{
+    const struct kvcap_model_geometry *g = &c->g;
+    int G = g->n_q_heads / g->n_kv_heads, d = g->head_dim;
+    for (int s = 0; s < c->n_seqs; s++)
+        for (int h = 0; h < g->n_kv_heads; h++) {
+            struct kvcap_partial p = seq_partial(c, h, 0, s);
+            for (int k = 1; k < c->n_parts; k++)
+                kvcap_partial_merge(p, seq_partial(c, h, k, s), G, d);
+            size_t at = (size_t)s * g->n_q_heads + (size_t)h * G;
+            kvcap_partial_finish(p, G, d, out + at * d, (size_t)d);
+            for (int i = 0; lse && i < G; i++)
+                lse[at + i] = p.sum[i] > 0 ? p.mx[i] + logf(p.sum[i]) : -INFINITY;
+        }
 }
 
 enum kvcap_status kvcap_cache_attend_lse(struct kvcap_cache *c, int layer, const float *q,
@@ -819,14 +872,15 @@ enum kvcap_status kvcap_cache_attend_lse(struct kvcap_cache *c, int layer, const
     KVCAP_TRY(prepare_scratch(c, layer));
     if (c->recorder)
         KVCAP_TRY(kvcap_recorder_decode_queries(c->recorder, layer, q));
-    struct attend_job job = {c, layer, q, out, lse, {0}, {0}};
+    struct attend_job job = {c, layer, q, {0}, {0}};
     /* KV heads are independent; BLAS runs single-threaded inside the parallel tasks. */
     int blas_threads = openblas_get_num_threads();
     if (c->threads > 1)
         openblas_set_num_threads(1);
-    kvcap_pool_run(c->pool, c->g.n_kv_heads, attend_task, &job);
+    kvcap_pool_run(c->pool, c->g.n_kv_heads * c->n_parts, attend_task, &job);
     if (c->threads > 1)
         openblas_set_num_threads(blas_threads);
+    attend_finish(c, out, lse);
     uint64_t bytes = 0, map_bytes = 0;
     for (int t = 0; t < c->threads; t++)
         bytes += job.bytes[t], map_bytes += job.map_bytes[t];

@@ -53,11 +53,10 @@ struct kvcap_pool;
 
 /* Per-thread scratch of attend, grown before each parallel region. */
 struct kvcap_thread_scratch {
-    float *part;    /* per sequence: mx[G], sum[G], o[G][d] */
     float *qrot;    /* offset-free queries of the spans of one bucket: [spans][G][d] */
     struct kvcap_capsule_span *spans;
     float *work;    /* kvcap_capsule_attend scratch */
-    size_t part_cap, qrot_cap, spans_cap, work_cap;
+    size_t qrot_cap, spans_cap, work_cap;
 };
 
 struct kvcap_cache {
@@ -68,6 +67,11 @@ struct kvcap_cache {
     struct kvcap_runtime_config cfg;
     struct kvcap_seq_layer *layers; /* [n_seqs][n_layers] */
     struct kvcap_thread_scratch *scratch; /* [threads] */
+    /* attend's partial results, [KV head][part][sequence] of (mx[G], sum[G], o[G][d]): each KV
+     * head's rows are cut into `parts` slices so that all threads have work at batch 1 */
+    float *parts;
+    size_t parts_cap;
+    int n_parts;
     struct kvcap_recorder *recorder;      /* record mode, else NULL */
     struct kvcap_pool *pool;              /* threads of attend */
     struct kvcap_freekv_worker *freekv_worker; /* started with the first FreeKV state */

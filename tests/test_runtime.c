@@ -290,13 +290,16 @@ static void scenario_check(const struct scenario *sc, const struct kvcap_artifac
     free(q), free(out);
 }
 
-/* A cache; `yaml` (runtime config text) NULL: the defaults. */
-static struct kvcap_cache *make_cache(const struct kvcap_model_geometry *g, int n_seqs,
-                                      enum kvcap_dtype storage, const struct kvcap_artifact *a,
-                                      const char *yaml)
+/* A cache on `threads` threads (0: all cores); `yaml` (runtime config text) NULL: the
+ * defaults. */
+static struct kvcap_cache *make_cache_threads(const struct kvcap_model_geometry *g, int n_seqs,
+                                              enum kvcap_dtype storage,
+                                              const struct kvcap_artifact *a, const char *yaml,
+                                              int threads)
 {
     struct kvcap_cache_params p;
     kvcap_cache_default_params(&p);
+    p.n_threads = threads;
     p.model = *g;
     p.n_seqs = n_seqs;
     p.storage = storage;
@@ -317,6 +320,13 @@ static struct kvcap_cache *make_cache(const struct kvcap_model_geometry *g, int 
     if (st != KVCAP_OK)
         fail_msg("create: %s", kvcap_last_error());
     return c;
+}
+
+static struct kvcap_cache *make_cache(const struct kvcap_model_geometry *g, int n_seqs,
+                                      enum kvcap_dtype storage, const struct kvcap_artifact *a,
+                                      const char *yaml)
+{
+    return make_cache_threads(g, n_seqs, storage, a, yaml, 0);
 }
 
 /* Every span kind kept in full (without an artifact vision spans default to flashcache). */
@@ -389,6 +399,53 @@ static void test_fused_matches_materialised(void **state)
     check_fused(7, 1, 128);
     check_fused(8, 8, 80);
     check_fused(2, 1, 256);
+}
+
+/* With several threads a KV head's rows and tiles are cut into slices whose partials are merged:
+ * spans long enough to be cut give the reference's outputs and the same bytes-read figures on
+ * 1, 3 and 4 threads (more threads than cores is allowed). */
+static void test_sliced_attend_matches(void **state)
+{
+    (void)state;
+    struct kvcap_model_geometry g = geometry(2, 8, 2, 64);
+    const struct test_bucket tb[1] = {{32, 32, 4, 4, 6, 6, 6}};
+    char path[512];
+    tmp_path(path, sizeof path, "sliced.kvcap");
+    write_artifact(path, &g, tb, 1, 77);
+    struct kvcap_artifact *a = NULL;
+    if (kvcap_artifact_open(path, &a) != KVCAP_OK)
+        fail_msg("%s", kvcap_last_error());
+    unlink(path);
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 12);
+    struct scenario sc = {.g = g, .n_seqs = 2};
+    scenario_add(&sc, 0, KVCAP_SPAN_TEXT, 1, 1100, 0, &r);    /* plain rows: 4 slices */
+    scenario_add(&sc, 0, KVCAP_SPAN_VISION, 32, 32, 1100, &r); /* 64 tiles: 4 slices */
+    scenario_add(&sc, 1, KVCAP_SPAN_VISION, 32, 32, 7, &r);
+    scenario_add(&sc, 1, KVCAP_SPAN_TEXT, 1, 300, 1031, &r);   /* too short to cut */
+    scenario_gen(&sc, 0, 3, &r);
+    const int threads[3] = {1, 3, 4};
+    struct kvcap_cache_stats first;
+    for (int i = 0; i < 3; i++) {
+        struct kvcap_cache *c = make_cache_threads(&g, 2, KVCAP_DTYPE_F32, a, NULL, threads[i]);
+        scenario_load(&sc, c);
+        scenario_check(&sc, a, c, FUSED_REL_TOL, &r);
+        struct kvcap_cache_stats st;
+        assert_int_equal(kvcap_cache_stats(c, &st), KVCAP_OK);
+        assert_true(st.bytes_by_policy[KVCAP_POLICY_KVCAPSULE] > 0);
+        if (i == 0)
+            first = st;
+        else if (st.bytes_read_last_attend != first.bytes_read_last_attend ||
+                 st.map_bytes_read_last_attend != first.map_bytes_read_last_attend)
+            fail_msg("%d threads: read %llu (maps %llu), 1 thread: %llu (maps %llu)", threads[i],
+                     (unsigned long long)st.bytes_read_last_attend,
+                     (unsigned long long)st.map_bytes_read_last_attend,
+                     (unsigned long long)first.bytes_read_last_attend,
+                     (unsigned long long)first.map_bytes_read_last_attend);
+        kvcap_cache_free(c);
+    }
+    scenario_free(&sc);
+    kvcap_artifact_free(a);
 }
 
 /* NHD, HND and paged views of the same data give the same cache. */
@@ -1036,6 +1093,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_full_matches_naive),
         cmocka_unit_test(test_fused_matches_materialised),
+        cmocka_unit_test(test_sliced_attend_matches),
         cmocka_unit_test(test_strided_and_paged_views),
         cmocka_unit_test(test_bytes_held),
         cmocka_unit_test(test_invalid_calls_leave_cache_usable),
