@@ -290,6 +290,23 @@ static void scenario_check(const struct scenario *sc, const struct kvcap_artifac
     free(q), free(out);
 }
 
+/* An artifact with random maps (test_artifact.h) for g and the nb buckets of tb, opened from a
+ * temporary file `name`.kvcap that is removed again. */
+static struct kvcap_artifact *test_artifact(const struct kvcap_model_geometry *g,
+                                            const struct test_bucket *tb, int nb, uint64_t seed,
+                                            const char *name)
+{
+    char path[512], file[64];
+    snprintf(file, sizeof file, "%s.kvcap", name);
+    tmp_path(path, sizeof path, file);
+    write_artifact(path, g, tb, nb, seed);
+    struct kvcap_artifact *a = NULL;
+    if (kvcap_artifact_open(path, &a) != KVCAP_OK)
+        fail_msg("%s: %s", path, kvcap_last_error());
+    unlink(path);
+    return a;
+}
+
 /* A cache on `threads` threads (0: all cores); `yaml` (runtime config text) NULL: the
  * defaults. */
 static struct kvcap_cache *make_cache_threads(const struct kvcap_model_geometry *g, int n_seqs,
@@ -361,13 +378,7 @@ static void check_fused(int q_heads, int kv_heads, int d)
 {
     struct kvcap_model_geometry g = geometry(2, q_heads, kv_heads, d);
     const struct test_bucket tb[2] = {{4, 6, 0, 0, 8, 6, 7}, {8, 8, 4, 4, 5, 4, 6}};
-    char path[512];
-    tmp_path(path, sizeof path, "fused.kvcap");
-    write_artifact(path, &g, tb, 2, (uint64_t)(q_heads * 1000 + d));
-    struct kvcap_artifact *a = NULL;
-    if (kvcap_artifact_open(path, &a) != KVCAP_OK)
-        fail_msg("%s", kvcap_last_error());
-    unlink(path);
+    struct kvcap_artifact *a = test_artifact(&g, tb, 2, (uint64_t)(q_heads * 1000 + d), "fused");
     struct kvcap_rng r;
     kvcap_rng_seed(&r, (uint64_t)d);
     struct scenario sc = {.g = g, .n_seqs = 3};
@@ -409,13 +420,7 @@ static void test_sliced_attend_matches(void **state)
     (void)state;
     struct kvcap_model_geometry g = geometry(2, 8, 2, 64);
     const struct test_bucket tb[1] = {{32, 32, 4, 4, 6, 6, 6}};
-    char path[512];
-    tmp_path(path, sizeof path, "sliced.kvcap");
-    write_artifact(path, &g, tb, 1, 77);
-    struct kvcap_artifact *a = NULL;
-    if (kvcap_artifact_open(path, &a) != KVCAP_OK)
-        fail_msg("%s", kvcap_last_error());
-    unlink(path);
+    struct kvcap_artifact *a = test_artifact(&g, tb, 1, 77, "sliced");
     struct kvcap_rng r;
     kvcap_rng_seed(&r, 12);
     struct scenario sc = {.g = g, .n_seqs = 2};
@@ -501,12 +506,7 @@ static void test_bytes_held(void **state)
     struct kvcap_model_geometry g = geometry(2, 4, 2, 64);
     /* r = 0.4 on a 16x16 dense grid: rk = h = rv = round(0.4 * 256) = 102 */
     const struct test_bucket tb[1] = {{16, 16, 0, 0, 102, 102, 102}};
-    char path[512];
-    tmp_path(path, sizeof path, "bytes.kvcap");
-    write_artifact(path, &g, tb, 1, 3);
-    struct kvcap_artifact *a = NULL;
-    assert_int_equal(kvcap_artifact_open(path, &a), KVCAP_OK);
-    unlink(path);
+    struct kvcap_artifact *a = test_artifact(&g, tb, 1, 3, "bytes");
     struct kvcap_rng r;
     kvcap_rng_seed(&r, 8);
     struct scenario sc = {.g = g, .n_seqs = 2};
@@ -541,12 +541,7 @@ static void test_invalid_calls_leave_cache_usable(void **state)
     (void)state;
     struct kvcap_model_geometry g = geometry(2, 4, 2, 64);
     const struct test_bucket tb[1] = {{4, 4, 0, 0, 4, 4, 4}};
-    char path[512];
-    tmp_path(path, sizeof path, "invalid.kvcap");
-    write_artifact(path, &g, tb, 1, 4);
-    struct kvcap_artifact *a = NULL;
-    assert_int_equal(kvcap_artifact_open(path, &a), KVCAP_OK);
-    unlink(path);
+    struct kvcap_artifact *a = test_artifact(&g, tb, 1, 4, "invalid");
     /* an artifact of another model */
     struct kvcap_cache_params p;
     kvcap_cache_default_params(&p);
@@ -985,12 +980,7 @@ static void test_composition(void **state)
     struct kvcap_model_geometry g = geometry(2, 8, 2, 64);
     int L = g.n_layers, H = g.n_kv_heads, Hq = g.n_q_heads, d = g.head_dim;
     const struct test_bucket tb[1] = {{4, 4, 0, 0, 6, 6, 6}};
-    char path[512];
-    tmp_path(path, sizeof path, "compose.kvcap");
-    write_artifact(path, &g, tb, 1, 31);
-    struct kvcap_artifact *a = NULL;
-    assert_int_equal(kvcap_artifact_open(path, &a), KVCAP_OK);
-    unlink(path);
+    struct kvcap_artifact *a = test_artifact(&g, tb, 1, 31, "compose");
     /* vision with a bucket → kvcapsule, without → flashcache, text → streaming, generated →
      * freekv (small pages so selection really chooses) */
     const char *yaml = "policies: {vision: kvcapsule, text: streaming, generated: freekv}\n"
