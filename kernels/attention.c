@@ -13,7 +13,8 @@
  *
  * Limits: d in 1..ATTN_MAX_D (4096). Outside the limits, with NULL inputs, or with too little
  * scratch (capsule), the fast functions read nothing, leave the partials untouched and return 0.
- * The _ref functions allocate working memory; if that fails they also return 0 untouched.
+ * The _ref functions, and kvcap_attend_rows past 4096 floats of queries (nq × d rounded up to
+ * 8), allocate working memory; if that fails they also return 0 untouched.
  * No function here starts threads; BLAS is called for the dense capsule maps' two products only. */
 #include <limits.h>
 #include <math.h>
@@ -45,6 +46,7 @@
 #define ATTN_BLOCK_FLOATS 4096 /* floats per portable conversion buffer: 16 KiB, in L1 */
 #define ATTN_MAX_B 64          /* rows per block */
 #define ATTN_LANES 8           /* queries per group, one per lane */
+#define ATTN_PACKED_STACK 4096 /* packed query floats kept on the stack (16 queries at d 256) */
 
 static int block_rows(int d)
 {
@@ -412,9 +414,44 @@ static const float *block_f32(enum kvcap_dtype dt, const void *rows, size_t stri
     return buf;
 }
 
+/* Queries packed for the score kernels: d rounded up to 8 (dp), each group of up to 8
+ * queries as [dp/8][ng][8], so the ng vectors one 8-column step needs are adjacent and the
+ * FMAs take them straight from L1 through one pointer (from ng separate rows, GCC ran out of
+ * registers and copied query vectors to the stack in the inner loop, at 45 % of the FMA peak
+ * where the packed loop runs at 70-80 %). Group g starts at g * 8 * dp; past d, zeros. */
+static size_t packed_floats(int nq, int d)
+{
+    return (size_t)nq * (size_t)((d + 7) & ~7);
+}
+
+static void pack_queries(const float *q, int nq, int d, float *qp)
+{
+    int dp = (d + 7) & ~7;
+    for (int g = 0; g < nq; g += ATTN_LANES) {
+        int ng = nq - g < ATTN_LANES ? nq - g : ATTN_LANES;
+        float *dst = qp + (size_t)g * dp;
+        for (int c = 0; c < dp; c += 8)
+            for (int l = 0; l < ng; l++)
+                for (int u = 0; u < 8; u++)
+                    *dst++ = c + u < d ? q[(size_t)(g + l) * d + c + u] : 0.0f;
+    }
+}
+
+/* The packed group that starts at query g. */
+static const float *packed_group(const float *qp, int g, int d)
+{
+    return qp + (size_t)g * (size_t)((d + 7) & ~7);
+}
+
+/* Element c of query l in a group packed with ng queries. */
+ATTN_INLINE float packed_at(const float *qp, int ng, int l, int c)
+{
+    return qp[(size_t)(c & ~7) * ng + (size_t)l * 8 + (c & 7)];
+}
+
 /* out[j][l] = k_j · q_l for l < nq (0 for the other lanes); nr rows from `k` (storage dtype,
- * `ks` elements apart). */
-static void scores_generic(enum kvcap_dtype dt, const void *k, size_t ks, int nr, const float *q,
+ * `ks` elements apart); qp is one group packed by pack_queries. */
+static void scores_generic(enum kvcap_dtype dt, const void *k, size_t ks, int nr, const float *qp,
                            int nq, int d, float *out)
 {
     float buf[ATTN_BLOCK_FLOATS];
@@ -425,14 +462,13 @@ static void scores_generic(enum kvcap_dtype dt, const void *k, size_t ks, int nr
         for (int l = 0; l < ATTN_LANES; l++) {
             float v = 0.0f;
             if (l < nq) {
-                const float *ql = q + (size_t)l * d;
                 float a[8] = {0};
                 int c = 0;
                 for (; c + 8 <= d; c += 8)
                     for (int u = 0; u < 8; u++)
-                        a[u] += ql[c + u] * kr[c + u];
+                        a[u] += packed_at(qp, nq, l, c + u) * kr[c + u];
                 for (; c < d; c++)
-                    a[0] += ql[c] * kr[c];
+                    a[0] += packed_at(qp, nq, l, c) * kr[c];
                 v = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
             }
             out[j * ATTN_LANES + l] = v;
@@ -555,9 +591,9 @@ ATTN_INLINE float load1(const unsigned char *row, int c, const int DT)
     return f;
 }
 
-/* Scores of R rows (kb bytes apart) against NQ queries with R * NQ <= 16 accumulators, one FMA
- * chain each: enough independent chains to hide the FMA latency whatever NQ is. P rows share
- * one horizontal sum (lane p*NQ + l). */
+/* Scores of R rows (kb bytes apart) against NQ queries (one packed group, pack_queries) with
+ * R * NQ <= 16 accumulators, one FMA chain each: enough independent chains to hide the FMA
+ * latency whatever NQ is. P rows share one horizontal sum (lane p*NQ + l). */
 ATTN_AVX2_INLINE void scores_tile_avx2(const unsigned char *k, size_t kb, const float *q, int d,
                                        float *out, const int R, const int NQ, const int DT)
 {
@@ -569,8 +605,8 @@ ATTN_AVX2_INLINE void scores_tile_avx2(const unsigned char *k, size_t kb, const 
     int c = 0;
     for (; c + 8 <= d; c += 8) {
 #  pragma GCC unroll 8
-        for (int l = 0; l < NQ; l++)
-            qv[l] = _mm256_loadu_ps(q + (size_t)l * d + c);
+        for (int l = 0; l < NQ; l++) /* adjacent: the compiler folds them into the FMAs */
+            qv[l] = _mm256_loadu_ps(q + (size_t)c * NQ + 8 * l);
 #  pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
             __m256 kv = load8_avx2(k + (size_t)r * kb, c, DT);
@@ -592,8 +628,8 @@ ATTN_AVX2_INLINE void scores_tile_avx2(const unsigned char *k, size_t kb, const 
             for (int p = 0; p < P; p++)
                 for (int l = 0; l < NQ; l++)
                     for (int cc = c; cc < d; cc++)
-                        t[p * NQ + l] +=
-                            q[(size_t)l * d + cc] * load1(k + (size_t)(r0 + p) * kb, cc, DT);
+                        t[p * NQ + l] += packed_at(q, NQ, l, cc) *
+                                         load1(k + (size_t)(r0 + p) * kb, cc, DT);
             sum = _mm256_loadu_ps(t);
         }
         if (P == 1) {
@@ -622,69 +658,48 @@ ATTN_AVX2_INLINE void scores_nq_avx2(const unsigned char *k, size_t kb, int nr, 
         scores_tile_avx2(k + (size_t)j * kb, kb, q, d, out + j * ATTN_LANES, 1, NQ, DT);
 }
 
-/* o[l][c0 : c0+8*CH] += Σ_j w[j][l] v_j[...] for NQ queries; accumulators stay in registers
- * over the whole block, J sets of them (rows j, j+1, ...) so that J * CH * NQ chains are in
- * flight (<= 12 accumulators). */
+/* o[l][c0 : c0+8*CH] += Σ_j w[j][l] v_j[...] for NQ <= 4 queries; NQ * CH accumulators (8 or
+ * 9 FMA chains in flight) stay in registers over the whole block, next to the CH converted
+ * columns of a row and the NQ broadcast weights. */
 ATTN_AVX2_INLINE void accum_tile_avx2(const unsigned char *v, size_t vb, int nr, const float *w,
                                       float *o, int d, int c0, const int CH, const int NQ,
-                                      const int J, const int DT)
+                                      const int DT)
 {
-    __m256 acc[2][8], vv[8];
-#  pragma GCC unroll 8
+    __m256 acc[16], vv[8], wb[4];
+#  pragma GCC unroll 4
     for (int l = 0; l < NQ; l++)
+#  pragma GCC unroll 8
+        for (int hh = 0; hh < CH; hh++)
+            acc[l * CH + hh] = _mm256_loadu_ps(o + (size_t)l * d + c0 + 8 * hh);
+    for (int j = 0; j < nr; j++) {
+        const unsigned char *vr = v + (size_t)j * vb;
+#  pragma GCC unroll 4
+        for (int l = 0; l < NQ; l++)
+            wb[l] = _mm256_broadcast_ss(w + j * ATTN_LANES + l);
 #  pragma GCC unroll 8
         for (int hh = 0; hh < CH; hh++) {
-            acc[0][l * CH + hh] = _mm256_loadu_ps(o + (size_t)l * d + c0 + 8 * hh);
-            acc[1][l * CH + hh] = _mm256_setzero_ps();
-        }
-    int j = 0;
-    for (; j + J <= nr; j += J)
-#  pragma GCC unroll 2
-        for (int u = 0; u < J; u++) {
-            const unsigned char *vr = v + (size_t)(j + u) * vb;
-#  pragma GCC unroll 8
-            for (int hh = 0; hh < CH; hh++)
-                vv[hh] = load8_avx2(vr, c0 + 8 * hh, DT);
-#  pragma GCC unroll 8
-            for (int l = 0; l < NQ; l++) {
-                __m256 wb = _mm256_broadcast_ss(w + (j + u) * ATTN_LANES + l);
-#  pragma GCC unroll 8
-                for (int hh = 0; hh < CH; hh++)
-                    acc[u][l * CH + hh] = _mm256_fmadd_ps(wb, vv[hh], acc[u][l * CH + hh]);
-            }
-        }
-    for (; j < nr; j++) {
-        const unsigned char *vr = v + (size_t)j * vb;
-#  pragma GCC unroll 8
-        for (int hh = 0; hh < CH; hh++)
             vv[hh] = load8_avx2(vr, c0 + 8 * hh, DT);
-#  pragma GCC unroll 8
-        for (int l = 0; l < NQ; l++) {
-            __m256 wb = _mm256_broadcast_ss(w + j * ATTN_LANES + l);
-#  pragma GCC unroll 8
-            for (int hh = 0; hh < CH; hh++)
-                acc[0][l * CH + hh] = _mm256_fmadd_ps(wb, vv[hh], acc[0][l * CH + hh]);
+#  pragma GCC unroll 4
+            for (int l = 0; l < NQ; l++)
+                acc[l * CH + hh] = _mm256_fmadd_ps(wb[l], vv[hh], acc[l * CH + hh]);
         }
     }
-#  pragma GCC unroll 8
+#  pragma GCC unroll 4
     for (int l = 0; l < NQ; l++)
 #  pragma GCC unroll 8
         for (int hh = 0; hh < CH; hh++)
-            _mm256_storeu_ps(o + (size_t)l * d + c0 + 8 * hh,
-                             J > 1 ? _mm256_add_ps(acc[0][l * CH + hh], acc[1][l * CH + hh])
-                                   : acc[0][l * CH + hh]);
+            _mm256_storeu_ps(o + (size_t)l * d + c0 + 8 * hh, acc[l * CH + hh]);
 }
 
-ATTN_AVX2_INLINE void accum_nq_avx2(const unsigned char *v, size_t vb, int nr, const float *w,
-                                    int d, float *o, const int NQ, const int DT)
+ATTN_AVX2_INLINE void accum_part_avx2(const unsigned char *v, size_t vb, int nr, const float *w,
+                                      int d, float *o, const int NQ, const int DT)
 {
-    const int CH = NQ == 1 ? 8 : NQ == 2 ? 4 : NQ <= 4 ? 2 : 1;
-    const int J = NQ >= 5 && NQ <= 7 ? 2 : 1; /* NQ = 8: 16 accumulators would spill */
+    const int CH = NQ == 1 ? 8 : NQ == 2 ? 4 : NQ == 3 ? 3 : 2;
     int c = 0;
     for (; c + 8 * CH <= d; c += 8 * CH)
-        accum_tile_avx2(v, vb, nr, w, o, d, c, CH, NQ, J, DT);
+        accum_tile_avx2(v, vb, nr, w, o, d, c, CH, NQ, DT);
     for (; c + 8 <= d; c += 8)
-        accum_tile_avx2(v, vb, nr, w, o, d, c, 1, NQ, J, DT);
+        accum_tile_avx2(v, vb, nr, w, o, d, c, 1, NQ, DT);
     for (; c < d; c++)
         for (int l = 0; l < NQ; l++) {
             float a = o[(size_t)l * d + c];
@@ -692,6 +707,20 @@ ATTN_AVX2_INLINE void accum_nq_avx2(const unsigned char *v, size_t vb, int nr, c
                 a += w[j * ATTN_LANES + l] * load1(v + (size_t)j * vb, c, DT);
             o[(size_t)l * d + c] = a;
         }
+}
+
+/* Groups of 5..8 queries go as 4 + the rest, each over the whole block (the second pass reads
+ * the block from L1): one pass over 8 would hold 8 weights and 8 accumulators per column
+ * vector, so it could keep only one column vector in flight and would load a weight per FMA. */
+ATTN_AVX2_INLINE void accum_nq_avx2(const unsigned char *v, size_t vb, int nr, const float *w,
+                                    int d, float *o, const int NQ, const int DT)
+{
+    if (NQ <= 4) {
+        accum_part_avx2(v, vb, nr, w, d, o, NQ, DT);
+        return;
+    }
+    accum_part_avx2(v, vb, nr, w, d, o, 4, DT);
+    accum_part_avx2(v, vb, nr, w + 4, d, o + (size_t)4 * d, NQ - 4, DT);
 }
 
 /* One specialisation per (dtype, group size), so every loop above has constant bounds. */
@@ -1202,7 +1231,11 @@ uint64_t kvcap_attend_rows(const struct kvcap_rows *rows, const float *q, int nq
         return 0;
     const struct attn_isa *isa = attn_isa();
     int B = block_rows(d);
-    float sc[ATTN_MAX_B * ATTN_LANES];
+    float sc[ATTN_MAX_B * ATTN_LANES], qstack[ATTN_PACKED_STACK];
+    float *qp = qstack;
+    if (packed_floats(nq, d) > ATTN_PACKED_STACK && !(qp = malloc(sizeof(float) * packed_floats(nq, d))))
+        return 0;
+    pack_queries(q, nq, d, qp);
     for (int j0 = 0; j0 < rows->n; j0 += B) {
         int nr = rows->n - j0 < B ? rows->n - j0 : B;
         const void *kb = row_at(rows->k, rows->dtype, rows->row_stride, (size_t)j0);
@@ -1214,7 +1247,8 @@ uint64_t kvcap_attend_rows(const struct kvcap_rows *rows, const float *q, int nq
                 m8[l] = l < ng ? acc.mx[g + l] : -INFINITY;
                 s8[l] = l < ng ? acc.sum[g + l] : 0.0f;
             }
-            isa->scores(rows->dtype, kb, rows->row_stride, nr, q + (size_t)g * d, ng, d, sc);
+            isa->scores(rows->dtype, kb, rows->row_stride, nr, packed_group(qp, g, d), ng,
+                        d, sc);
             isa->softmax(sc, nr, scale, m8, s8, a8);
             for (int l = 0; l < ng; l++) {
                 rescale(acc.o + (size_t)(g + l) * d, d, a8[l]);
@@ -1224,6 +1258,8 @@ uint64_t kvcap_attend_rows(const struct kvcap_rows *rows, const float *q, int nq
             isa->accum(rows->dtype, vb, rows->row_stride, nr, sc, ng, d, acc.o + (size_t)g * d);
         }
     }
+    if (qp != qstack)
+        free(qp);
     return rows_bytes(rows, d);
 }
 
@@ -1344,25 +1380,25 @@ uint64_t kvcap_capsule_attend_ref(const struct kvcap_capsule_maps *maps,
 size_t kvcap_capsule_scratch_floats(const struct kvcap_capsule_maps *maps, int n_spans,
                                     int max_tiles, int nq, int d)
 {
-    (void)d;
-    if (!maps || n_spans <= 0 || max_tiles <= 0 || nq <= 0 || maps->m <= 0 || maps->h < 0 ||
-        maps->rv < 0)
+    if (!maps || n_spans <= 0 || max_tiles <= 0 || nq <= 0 || d <= 0 || maps->m <= 0 ||
+        maps->h < 0 || maps->rv < 0)
         return 0;
-    size_t total;
+    size_t total, qp = packed_floats(nq, d); /* one span's queries, packed (last) */
     if (maps->h <= ATTN_SMALL_MAP && maps->rv <= ATTN_SMALL_MAP) { /* see capsule_attend_tiled */
         size_t per = (size_t)maps->h + (size_t)maps->rv + 2, tiles;
         size_t sbuf = ((size_t)tile_chunk(maps->m) + 1) * (size_t)maps->m; /* + bias [m][8] */
         if (!kvcap_mul_size(per, (size_t)max_tiles, &tiles) ||
-            !kvcap_mul_size(tiles + sbuf, ATTN_LANES, &total))
+            !kvcap_mul_size(tiles + sbuf, ATTN_LANES, &total) || total > SIZE_MAX - qp)
             return SIZE_MAX;
-        return total;
+        return total + qp;
     }
     size_t hv = (size_t)(maps->h > maps->rv ? maps->h : maps->rv);
     size_t per = hv + (size_t)maps->m + 2, cols;
     if (!kvcap_mul_size((size_t)n_spans, (size_t)max_tiles, &cols) ||
-        !kvcap_mul_size(cols, (size_t)nq, &cols) || !kvcap_mul_size(per, cols, &total))
+        !kvcap_mul_size(cols, (size_t)nq, &cols) || !kvcap_mul_size(per, cols, &total) ||
+        total > SIZE_MAX - qp)
         return SIZE_MAX;
-    return total;
+    return total + qp;
 }
 
 /* Σ x[0..n) in 8 independent partial sums (vectorisable; one chain would be latency-bound). */
@@ -1404,6 +1440,7 @@ static float merge_factor(struct kvcap_partial acc, int q, int d, float mx, floa
  *   S    [m][cols]           scores, then probabilities
  *   cv   [cols]              sum(q') per column, later Σ_j p per column
  *   cmax [cols]              column max, then the max of the column's (span, query)
+ *   qp   [packed_floats]     the span's queries, packed for the score kernel
  * Steps: Z (per span, streaming H) -> S = W2ᵀ Z (one sgemm: W2 read once) -> bias, scale, max
  * -> P = exp -> Y = U P (one sgemm) -> per span: merge factors, o += Ṽᵀ y (+ Σp μ). */
 static void capsule_attend_dense(const struct kvcap_capsule_maps *maps,
@@ -1413,6 +1450,7 @@ static void capsule_attend_dense(const struct kvcap_capsule_maps *maps,
     int m = maps->m, h = maps->h, rv = maps->rv;
     size_t hv = (size_t)(h > rv ? h : rv);
     float *ZY = scratch, *S = ZY + hv * cols, *cv = S + (size_t)m * cols, *cmax = cv + cols;
+    float *qp = cmax + cols;
     const struct attn_isa *isa = attn_isa();
     int B = block_rows(d);
     float sc[ATTN_MAX_B * ATTN_LANES];
@@ -1431,13 +1469,15 @@ static void capsule_attend_dense(const struct kvcap_capsule_maps *maps,
             for (int t = 0; t < T; t++)
                 cv[off + (size_t)t * nq + qi] = sq;
         }
+        pack_queries(sp->q, nq, d, qp);
         size_t nrows = (size_t)T * h;
         for (size_t r0 = 0; r0 < nrows; r0 += (size_t)B) {
             int nr = nrows - r0 < (size_t)B ? (int)(nrows - r0) : B;
             const void *hb = row_at(sp->hs, sp->dtype, (size_t)d, r0);
             for (int g = 0; g < nq; g += ATTN_LANES) {
                 int ng = nq - g < ATTN_LANES ? nq - g : ATTN_LANES;
-                isa->scores(sp->dtype, hb, (size_t)d, nr, sp->q + (size_t)g * d, ng, d, sc);
+                isa->scores(sp->dtype, hb, (size_t)d, nr, packed_group(qp, g, d), ng,
+                            d, sc);
                 size_t t = r0 / (size_t)h, a = r0 % (size_t)h; /* row r0 + jj = (t, a) */
                 for (int jj = 0; jj < nr; jj++) {
                     float *zc = ZY + a * cols + off + t * (size_t)nq + (size_t)g;
@@ -1538,7 +1578,7 @@ static void capsule_attend_dense(const struct kvcap_capsule_maps *maps,
  *   one shift per query: f_t = 2^(mt - max_t mt), folded with the merge factor b into y
  *   o += Ṽᵀ y  (y [T][rv][8] is the row kernel's weight layout) + (Σp) μ.
  * Scratch: Z [T][h][8], Y [T][rv][8], mt and st [T][8], sbuf [tile_chunk(m) + 1][m][8], T = the
- * most tiles. */
+ * most tiles, then the span's queries packed (packed_floats). */
 static void capsule_attend_tiled(const struct kvcap_capsule_maps *maps,
                                  const struct kvcap_capsule_span *spans, int n_spans, int nq,
                                  int d, float scale, int max_tiles, float *scratch)
@@ -1547,6 +1587,7 @@ static void capsule_attend_tiled(const struct kvcap_capsule_maps *maps,
     float *Z = scratch, *Y = Z + (size_t)max_tiles * h * ATTN_LANES;
     float *mt = Y + (size_t)max_tiles * rv * ATTN_LANES, *st = mt + (size_t)max_tiles * ATTN_LANES;
     float *sbuf = st + (size_t)max_tiles * ATTN_LANES;
+    float *qp = sbuf + ((size_t)tile_chunk(m) + 1) * (size_t)m * ATTN_LANES;
     const struct attn_isa *isa = attn_isa();
     int B = block_rows(d);
     for (int i = 0; i < n_spans; i++) {
@@ -1554,6 +1595,7 @@ static void capsule_attend_tiled(const struct kvcap_capsule_maps *maps,
         int T = sp->tiles;
         if (T == 0)
             continue;
+        pack_queries(sp->q, nq, d, qp);
         for (int g = 0; g < nq; g += ATTN_LANES) {
             int ng = nq - g < ATTN_LANES ? nq - g : ATTN_LANES;
             const float *q = sp->q + (size_t)g * d;
@@ -1562,7 +1604,7 @@ static void capsule_attend_tiled(const struct kvcap_capsule_maps *maps,
             for (size_t r0 = 0; r0 < nrows; r0 += (size_t)B) {
                 int nr = nrows - r0 < (size_t)B ? (int)(nrows - r0) : B;
                 isa->scores(sp->dtype, row_at(sp->hs, sp->dtype, (size_t)d, r0), (size_t)d, nr,
-                            q, ng, d, Z + r0 * ATTN_LANES);
+                            packed_group(qp, g, d), ng, d, Z + r0 * ATTN_LANES);
             }
             float cv[ATTN_LANES] = {0}, mx[ATTN_LANES], sum[ATTN_LANES];
             float w[ATTN_LANES] = {0}, psum[ATTN_LANES] = {0};
