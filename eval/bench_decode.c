@@ -50,9 +50,10 @@ static void usage(FILE *out)
             "      --warm           leave the caches warm between attention calls (default:\n"
             "                       read a buffer 8x the last-level cache before each call,\n"
             "                       untimed, as a model's weights would between two layers)\n"
-            "      --row-kernels    instead: the plain-attention row kernels on one thread, on\n"
-            "                       K/V that stay in L2 (compute rate) and on cold K/V, next to\n"
-            "                       the read bandwidth: where the decode time goes\n"
+            "      --row-kernels    instead: the plain-attention row kernels and (tiled maps)\n"
+            "                       fused KVCapsule attention on one thread, on data that stays\n"
+            "                       in L2 (compute rate) and on cold data, next to the read\n"
+            "                       bandwidth: where the decode time goes\n"
             "      --flashcache-overhead\n"
             "                       instead: FlashCache compression time of one span over all\n"
             "                       layers at 2K, 4K and 8K tokens (--layers default 28 here)\n"
@@ -191,45 +192,100 @@ static double fma_peak(int threads)
 #endif
 }
 
-/* Plain attention (the row kernels both full and KVCapsule use) of one KV head's G queries on
- * one thread: the best-of-15 rate in GB/s of K/V read, over `n` rows that either stay in L2
- * between calls (ev NULL: the kernels' compute rate) or are evicted before each call. */
-static double row_kernel_rate(const void *k, const void *v, enum kvcap_dtype dt, int n, int d,
-                              const float *q, int nq, struct kvcap_partial acc,
-                              struct evictor *ev)
+/* One kernel of one KV head's G queries on one thread: plain attention over rows of K/V, or
+ * (maps set) fused KVCapsule attention over tiles, with H and Ṽ in k and v. */
+struct rate_job {
+    const void *k, *v, *mu;
+    enum kvcap_dtype dt;
+    int d, nq;
+    const float *q;
+    struct kvcap_partial acc;
+    const struct kvcap_capsule_maps *maps; /* NULL: plain rows */
+    float *scratch;
+    size_t scratch_floats;
+};
+
+/* One call over the first `rows` rows of k and v; returns the bytes it read. */
+static uint64_t rate_job_run(const struct rate_job *j, int rows)
 {
-    struct kvcap_rows rows = {k, v, dt, (size_t)d, n};
+    kvcap_partial_reset(j->acc, j->nq, j->d);
+    if (!j->maps) {
+        struct kvcap_rows r = {j->k, j->v, j->dt, (size_t)j->d, rows};
+        return kvcap_attend_rows(&r, j->q, j->nq, j->d, 0.088f, j->acc);
+    }
+    int per_tile = j->maps->h > j->maps->rv ? j->maps->h : j->maps->rv;
+    struct kvcap_capsule_span sp = {j->k, j->v, j->mu, j->dt, rows / per_tile, j->q, j->acc};
+    return kvcap_capsule_attend(j->maps, &sp, 1, j->nq, j->d, 0.088f, j->scratch,
+                                j->scratch_floats);
+}
+
+/* The best-of-15 rate in GB/s of bytes read, over `rows` rows that either stay in L2 between
+ * calls (ev NULL: the kernel's compute rate) or are evicted before each call. */
+static double kernel_rate(const struct rate_job *j, int rows, struct evictor *ev)
+{
     int reps = ev ? 1 : 64;
     double best = 0;
     for (int rep = 0; rep < 15; rep++) {
-        kvcap_partial_reset(acc, nq, d);
         if (ev)
             evict_caches(ev);
         else
-            kvcap_attend_rows(&rows, q, nq, d, 0.088f, acc); /* load into L2 */
+            rate_job_run(j, rows); /* load into L2 */
         double t0 = kvcap_seconds();
         uint64_t bytes = 0;
-        for (int i = 0; i < reps; i++) {
-            kvcap_partial_reset(acc, nq, d);
-            bytes += kvcap_attend_rows(&rows, q, nq, d, 0.088f, acc);
-        }
+        for (int i = 0; i < reps; i++)
+            bytes += rate_job_run(j, rows);
         double rate = (double)bytes / (kvcap_seconds() - t0) * 1e-9;
         best = rate > best ? rate : best;
     }
     return best;
 }
 
-/* --row-kernels: compute rate (K/V in L2), cold rate, and the read bandwidth of one thread. */
+/* FLOP per byte of fused KVCapsule decode with tiled maps of m points: per tile 2·G·d FLOP per
+ * row of H and Ṽ (h + R_v rows of d elements) and 2·G·m per row for the two map products; the
+ * exps are not counted. */
+static double capsule_flop_per_byte(double G, double d, double m, enum kvcap_dtype dt)
+{
+    return 2 * G * (d + m) / (d * (double)kvcap_dtype_size(dt));
+}
+
+/* The table rows of one kernel: compute rate, cold rate, and the two overlap models. */
+static void print_rates(const char *what, double hot, double cold, double bw, double flops,
+                        double flop_per_byte)
+{
+    double both = hot < bw ? hot : bw, serial = 1.0 / (1.0 / hot + 1.0 / bw);
+    printf("%s\n", what);
+    printf("  %-50s %7.1f %7.0f%%\n", "in L2 (the kernel's compute rate)", hot, 100 * hot / bw);
+    printf("  %-50s %7.1f %7.0f%%\n", "cold (caches evicted before each call)", cold,
+           100 * cold / bw);
+    printf("  %-50s %7.1f %7.0f%%\n", "model, reads overlap compute: min(compute, bw)", both,
+           100 * both / bw);
+    printf("  %-50s %7.1f %7.0f%%\n", "model, no overlap: 1 / (1/compute + 1/bw)", serial,
+           100 * serial / bw);
+    if (flops > 0)
+        printf("  compute rate = %.0f%% of the FMA peak (%.1f FLOP per byte)\n",
+               100 * hot * flop_per_byte / flops, flop_per_byte);
+}
+
+/* --row-kernels: compute rate (data in L2) and cold rate of the plain-attention row kernels
+ * and, for tiled maps, of fused KVCapsule attention, next to the read bandwidth of one thread.
+ * The KVCapsule maps are layer 0 / KV head 0 of bucket 0. */
 static enum kvcap_status row_kernels_report(const struct kvcap_model_geometry *g,
-                                            enum kvcap_dtype dt, struct evictor *ev)
+                                            const struct kvcap_artifact *a, enum kvcap_dtype dt,
+                                            struct evictor *ev)
 {
     int d = g->head_dim, nq = g->n_q_heads / g->n_kv_heads;
     size_t es = kvcap_dtype_size(dt);
     int n_hot = (int)((128u << 10) / (d * es)), n_cold = (int)((8u << 20) / (d * es));
+    const struct kvcap_unit_maps *u = kvcap_artifact_unit(a, 0, 0, 0);
+    struct kvcap_capsule_maps maps = {u->m, u->h, u->rv, u->w2, u->b2, u->u};
+    int tiled = a->buckets[0].structure == KVCAP_STRUCTURE_TILED && u->h > 0 && u->rv > 0;
+    int per_tile = u->h > u->rv ? u->h : u->rv;
+    size_t sf = tiled ? kvcap_capsule_scratch_floats(&maps, 1, n_cold / per_tile, nq, d) : 0;
     void *k = malloc((size_t)n_cold * d * es), *v = malloc((size_t)n_cold * d * es);
     float *q = malloc(sizeof(float) * (size_t)nq * d),
           *pbuf = malloc(sizeof(float) * (size_t)nq * (d + 2)), *tmp = malloc(sizeof(float) * d);
-    enum kvcap_status st = k && v && q && pbuf && tmp
+    float *scratch = tiled && sf != SIZE_MAX ? malloc(sizeof(float) * sf) : NULL;
+    enum kvcap_status st = k && v && q && pbuf && tmp && (!tiled || scratch)
                                ? KVCAP_OK
                                : kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "bench: out of memory");
     if (st == KVCAP_OK) {
@@ -247,32 +303,37 @@ static enum kvcap_status row_kernels_report(const struct kvcap_model_geometry *g
     }
     if (st == KVCAP_OK) {
         struct kvcap_partial acc = {pbuf, pbuf + nq, pbuf + 2 * nq};
+        struct rate_job job = {k, v, NULL, dt, d, nq, q, acc, NULL, NULL, 0};
         double bw = read_bandwidth(1), flops = fma_peak(1);
-        double hot = row_kernel_rate(k, v, dt, n_hot, d, q, nq, acc, NULL);
-        double cold = row_kernel_rate(k, v, dt, n_cold, d, q, nq, acc, ev);
-        double fl = 2.0 * nq / (double)es; /* 4·G·d FLOP (scores, values) per 2·d elements */
-        double both = hot < bw ? hot : bw, serial = 1.0 / (1.0 / hot + 1.0 / bw);
-        printf("plain-attention row kernels, one thread, G = %d, d %d, %s storage\n"
-               "read bandwidth, measured now: %.1f GB/s; fp32 FMA peak: %.1f GFLOP/s\n\n",
-               nq, d, kvcap_dtype_name(dt), bw, flops);
-        printf("%-46s %8s %8s\n", "", "GB/s", "% bw");
-        printf("%-46s %8.1f %7.0f%%\n", "K/V in L2 (the kernels' compute rate)", hot,
-               100 * hot / bw);
-        printf("%-46s %8.1f %7.0f%%\n", "cold K/V (caches evicted before each call)", cold,
-               100 * cold / bw);
-        printf("%-46s %8.1f %7.0f%%\n", "model, reads overlap compute: min(compute, bw)", both,
-               100 * both / bw);
-        printf("%-46s %8.1f %7.0f%%\n", "model, no overlap: 1 / (1/compute + 1/bw)", serial,
-               100 * serial / bw);
-        if (flops > 0)
-            printf("\ncompute rate = %.0f%% of the FMA peak (%.1f FLOP per byte)\n",
-                   100 * hot * fl / flops, fl);
+        printf("decode kernels on one thread, G = %d, d %d, %s storage\n"
+               "read bandwidth, measured now: %.1f GB/s; fp32 FMA peak: %.1f GFLOP/s\n\n"
+               "%-52s %7s %8s\n",
+               nq, d, kvcap_dtype_name(dt), bw, flops, "", "GB/s", "% bw");
+        /* 4·G·d FLOP (scores, values) per 2·d elements */
+        print_rates("plain-attention row kernels (full; KVCapsule's rows too)",
+                    kernel_rate(&job, n_hot, NULL), kernel_rate(&job, n_cold, ev), bw, flops,
+                    2.0 * nq / (double)es);
+        printf("\n");
+        if (tiled) {
+            char what[160];
+            job.mu = k; /* any d-vector */
+            job.maps = &maps;
+            job.scratch = scratch;
+            job.scratch_floats = sf;
+            snprintf(what, sizeof what, "fused KVCapsule, tiled maps of %d points, h %d, R_v %d",
+                     u->m, u->h, u->rv);
+            print_rates(what, kernel_rate(&job, n_hot, NULL), kernel_rate(&job, n_cold, ev), bw,
+                        flops, capsule_flop_per_byte(nq, d, u->m, dt));
+        } else {
+            printf("fused KVCapsule: dense maps, not measured here (use --tile)\n");
+        }
     }
     free(k);
     free(v);
     free(q);
     free(pbuf);
     free(tmp);
+    free(scratch);
     return st;
 }
 
@@ -608,7 +669,7 @@ int main(int argc, char **argv)
     if (!ev.buf && (!warm || row_kernels))
         return cli_fail(kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "bench: out of memory"));
     if (row_kernels) {
-        st = row_kernels_report(&g, storage, &ev);
+        st = row_kernels_report(&g, a, storage, &ev);
         free(ev.buf);
         kvcap_artifact_free(a);
         return st == KVCAP_OK ? 0 : cli_fail(st);
@@ -686,10 +747,8 @@ int main(int argc, char **argv)
             printf("%s: bytes include the maps, %s per step\n", res[i].name,
                    cli_bytes(res[i].map_bytes_per_step, per, sizeof per));
         if (flops > 0 && strcmp(res[i].name, "kvcapsule") == 0) {
-            /* Per tile: 2·G·d FLOP per row of H and Ṽ (h + R_v rows of d elements) and
-             * 2·G·m per row for the two map products; the exps are not counted. */
-            double G = (double)g.n_q_heads / g.n_kv_heads, d = g.head_dim;
-            double per_byte = 2 * G * (d + u->m) / (d * kvcap_dtype_size(storage));
+            double per_byte = capsule_flop_per_byte((double)g.n_q_heads / g.n_kv_heads,
+                                                    g.head_dim, u->m, storage);
             printf("kvcapsule: at least %.1f FLOP per byte (rows and map products, exps not "
                    "counted),\nso its compute roof is at most %.1f GB/s = %.0f%% of the read "
                    "bandwidth\n",
