@@ -419,14 +419,19 @@ static const float *block_f32(enum kvcap_dtype dt, const void *rows, size_t stri
  * FMAs take them straight from L1 through one pointer (from ng separate rows, GCC ran out of
  * registers and copied query vectors to the stack in the inner loop, at 45 % of the FMA peak
  * where the packed loop runs at 70-80 %). Group g starts at g * 8 * dp; past d, zeros. */
+static int packed_dim(int d)
+{
+    return (d + 7) & ~7;
+}
+
 static size_t packed_floats(int nq, int d)
 {
-    return (size_t)nq * (size_t)((d + 7) & ~7);
+    return (size_t)nq * (size_t)packed_dim(d);
 }
 
 static void pack_queries(const float *q, int nq, int d, float *qp)
 {
-    int dp = (d + 7) & ~7;
+    int dp = packed_dim(d);
     for (int g = 0; g < nq; g += ATTN_LANES) {
         int ng = nq - g < ATTN_LANES ? nq - g : ATTN_LANES;
         float *dst = qp + (size_t)g * dp;
@@ -440,7 +445,7 @@ static void pack_queries(const float *q, int nq, int d, float *qp)
 /* The packed group that starts at query g. */
 static const float *packed_group(const float *qp, int g, int d)
 {
-    return qp + (size_t)g * (size_t)((d + 7) & ~7);
+    return qp + (size_t)g * (size_t)packed_dim(d);
 }
 
 /* Element c of query l in a group packed with ng queries. */
@@ -1233,7 +1238,8 @@ uint64_t kvcap_attend_rows(const struct kvcap_rows *rows, const float *q, int nq
     int B = block_rows(d);
     float sc[ATTN_MAX_B * ATTN_LANES], qstack[ATTN_PACKED_STACK];
     float *qp = qstack;
-    if (packed_floats(nq, d) > ATTN_PACKED_STACK && !(qp = malloc(sizeof(float) * packed_floats(nq, d))))
+    size_t nqp = packed_floats(nq, d);
+    if (nqp > ATTN_PACKED_STACK && !(qp = malloc(sizeof(float) * nqp)))
         return 0;
     pack_queries(q, nq, d, qp);
     for (int j0 = 0; j0 < rows->n; j0 += B) {
@@ -1388,17 +1394,16 @@ size_t kvcap_capsule_scratch_floats(const struct kvcap_capsule_maps *maps, int n
         size_t per = (size_t)maps->h + (size_t)maps->rv + 2, tiles;
         size_t sbuf = ((size_t)tile_chunk(maps->m) + 1) * (size_t)maps->m; /* + bias [m][8] */
         if (!kvcap_mul_size(per, (size_t)max_tiles, &tiles) ||
-            !kvcap_mul_size(tiles + sbuf, ATTN_LANES, &total) || total > SIZE_MAX - qp)
+            !kvcap_mul_size(tiles + sbuf, ATTN_LANES, &total))
             return SIZE_MAX;
-        return total + qp;
+    } else {
+        size_t hv = (size_t)(maps->h > maps->rv ? maps->h : maps->rv);
+        size_t per = hv + (size_t)maps->m + 2, cols;
+        if (!kvcap_mul_size((size_t)n_spans, (size_t)max_tiles, &cols) ||
+            !kvcap_mul_size(cols, (size_t)nq, &cols) || !kvcap_mul_size(per, cols, &total))
+            return SIZE_MAX;
     }
-    size_t hv = (size_t)(maps->h > maps->rv ? maps->h : maps->rv);
-    size_t per = hv + (size_t)maps->m + 2, cols;
-    if (!kvcap_mul_size((size_t)n_spans, (size_t)max_tiles, &cols) ||
-        !kvcap_mul_size(cols, (size_t)nq, &cols) || !kvcap_mul_size(per, cols, &total) ||
-        total > SIZE_MAX - qp)
-        return SIZE_MAX;
-    return total + qp;
+    return total > SIZE_MAX - qp ? SIZE_MAX : total + qp;
 }
 
 /* Σ x[0..n) in 8 independent partial sums (vectorisable; one chain would be latency-bound). */
