@@ -102,6 +102,9 @@ enum kvcap_status kvcap_cache_create(const struct kvcap_cache_params *p, struct 
                     "params.storage: %s is not F32, F16 or BF16", kvcap_dtype_name(p->storage));
     KVCAP_RETURN_IF(p->n_threads < 0 || p->n_threads > 64, KVCAP_ERR_INVALID_ARGUMENT,
                     "params.n_threads: %d is outside 0..64", p->n_threads);
+    KVCAP_RETURN_IF(p->parallel_for && p->n_threads == 0, KVCAP_ERR_INVALID_ARGUMENT,
+                    "params.n_threads: 0 (all cores) with params.parallel_for; set the number "
+                    "of engine threads it runs tasks on (1..64)");
     KVCAP_RETURN_IF(p->memory != KVCAP_MEMORY_HOST && p->memory != KVCAP_MEMORY_CUDA,
                     KVCAP_ERR_INVALID_ARGUMENT,
                     "params.memory: %d is not KVCAP_MEMORY_HOST or KVCAP_MEMORY_CUDA",
@@ -166,7 +169,9 @@ enum kvcap_status kvcap_cache_create(const struct kvcap_cache_params *p, struct 
         st = device_check(c, p);
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
     c->threads = p->n_threads ? p->n_threads : (int)(cores > 0 ? (cores < 64 ? cores : 64) : 1);
-    if (st == KVCAP_OK)
+    c->parallel_for = p->parallel_for;
+    c->parallel_user = p->parallel_user;
+    if (st == KVCAP_OK && !c->parallel_for)
         st = kvcap_pool_create(c->threads, &c->pool);
     if (st == KVCAP_OK) {
         c->layers = calloc((size_t)c->n_seqs * c->g.n_layers, sizeof *c->layers);
@@ -188,6 +193,17 @@ enum kvcap_status kvcap_cache_create(const struct kvcap_cache_params *p, struct 
     }
     *out = c;
     return KVCAP_OK;
+}
+
+void kvcap_cache_parallel(struct kvcap_cache *c, int n_tasks, kvcap_task_fn fn, void *ctx)
+{
+    if (c->parallel_for && n_tasks > 1)
+        c->parallel_for(c->parallel_user, n_tasks, fn, ctx);
+    else if (c->parallel_for) /* one task: nothing to share, no engine round trip */
+        for (int t = 0; t < n_tasks; t++)
+            fn(ctx, t, 0);
+    else
+        kvcap_pool_run(c->pool, n_tasks, fn, ctx);
 }
 
 void kvcap_cache_free(struct kvcap_cache *c)
@@ -877,7 +893,7 @@ enum kvcap_status kvcap_cache_attend_lse(struct kvcap_cache *c, int layer, const
     int blas_threads = openblas_get_num_threads();
     if (c->threads > 1)
         openblas_set_num_threads(1);
-    kvcap_pool_run(c->pool, c->g.n_kv_heads * c->n_parts, attend_task, &job);
+    kvcap_cache_parallel(c, c->g.n_kv_heads * c->n_parts, attend_task, &job);
     if (c->threads > 1)
         openblas_set_num_threads(blas_threads);
     attend_finish(c, out, lse);

@@ -73,7 +73,9 @@ struct kvcap_cache {
     size_t parts_cap;
     int n_parts;
     struct kvcap_recorder *recorder;      /* record mode, else NULL */
-    struct kvcap_pool *pool;              /* threads of attend */
+    struct kvcap_pool *pool;              /* threads of attend, unless the engine's: */
+    kvcap_parallel_for_fn parallel_for;
+    void *parallel_user;
     struct kvcap_freekv_worker *freekv_worker; /* started with the first FreeKV state */
     int64_t tokens_by_kind[3], spans_fallback;
     uint64_t last_read, last_map_read;
@@ -147,6 +149,9 @@ enum kvcap_status kvcap_segment_keep_top(const struct kvcap_cache *c, struct kvc
 enum kvcap_status kvcap_cache_freekv(struct kvcap_cache *c, struct kvcap_seq_layer *sl,
                                      struct kvcap_freekv **out);
 
+/* Runs fn(ctx, task, thread) for every task on the engine's threads (params.parallel_for) or
+ * on the cache's pool; returns when all are done. */
+void kvcap_cache_parallel(struct kvcap_cache *c, int n_tasks, kvcap_task_fn fn, void *ctx);
 void kvcap_segment_release(struct kvcap_segment *seg);
 uint64_t kvcap_segment_bytes(const struct kvcap_cache *c, const struct kvcap_segment *seg);
 

@@ -12,7 +12,6 @@
 
 #include "cache_internal.h"
 #include "flashcache.h"
-#include "pool.h"
 
 /* The compressible tokens [lo, hi) of an n-token span. */
 static void compressible(const struct kvcap_flashcache_config *f, int n, int *lo, int *hi)
@@ -82,7 +81,7 @@ static enum kvcap_status flashcache_prefill(struct kvcap_cache *c, int seq, int 
                             seg->n_tokens, layer);
     }
     if (st == KVCAP_OK) {
-        kvcap_pool_run(c->pool, H, score_head, &job);
+        kvcap_cache_parallel(c, H, score_head, &job);
         struct kvcap_energy e = {0, 0, 0, 0};
         for (int h = 0; h < H; h++) {
             e.k_total += job.energy[h].k_total, e.k_low += job.energy[h].k_low;

@@ -11,7 +11,6 @@
 #include <string.h>
 
 #include "cache_internal.h"
-#include "pool.h"
 #include "vlcache.h"
 
 static enum kvcap_status vlcache_prefill(struct kvcap_cache *c, int seq, int layer,
@@ -116,7 +115,7 @@ static enum kvcap_status score_layer(struct kvcap_cache *c, int seq, int layer, 
                 j.chunks[(size_t)h * j.n_chunks + ci++] = r;
             }
         }
-        kvcap_pool_run(c->pool, H, layer_head, &j);
+        kvcap_cache_parallel(c, H, layer_head, &j);
         if (kvcap_parallel_failed(&j.err))
             st = kvcap_parallel_status(&j.err);
     }

@@ -15,6 +15,8 @@
 #include <string.h>
 #include <unistd.h>
 #include <dirent.h>
+#include <pthread.h>
+#include <stdatomic.h>
 
 #include <cmocka.h>
 
@@ -307,16 +309,72 @@ static struct kvcap_artifact *test_artifact(const struct kvcap_model_geometry *g
     return a;
 }
 
-/* A cache on `threads` threads (0: all cores); `yaml` (runtime config text) NULL: the
- * defaults. */
-static struct kvcap_cache *make_cache_threads(const struct kvcap_model_geometry *g, int n_seqs,
-                                              enum kvcap_dtype storage,
-                                              const struct kvcap_artifact *a, const char *yaml,
-                                              int threads)
+/* An engine's thread pool for params.parallel_for, as the contract asks: `threads` threads,
+ * started for each call, claim tasks through one counter and pass their own index. It counts
+ * calls and tasks, and flags a thread index out of range. */
+struct engine_pool {
+    int threads;
+    atomic_int calls, tasks, bad_thread;
+};
+
+struct engine_call {
+    struct engine_pool *pool;
+    kvcap_task_fn fn;
+    void *ctx;
+    int n_tasks;
+    atomic_int next;
+};
+
+struct engine_thread {
+    struct engine_call *call;
+    int index;
+};
+
+static void *engine_thread_main(void *arg)
+{
+    struct engine_thread *t = arg;
+    struct engine_call *call = t->call;
+    for (int k; (k = atomic_fetch_add(&call->next, 1)) < call->n_tasks;) {
+        call->fn(call->ctx, k, t->index);
+        atomic_fetch_add(&call->pool->tasks, 1);
+    }
+    return NULL;
+}
+
+static void engine_parallel_for(void *user, int n_tasks, kvcap_task_fn fn, void *ctx)
+{
+    struct engine_pool *pool = user;
+    struct engine_call call = {pool, fn, ctx, n_tasks, 0};
+    struct engine_thread t[8];
+    pthread_t tid[8];
+    atomic_fetch_add(&pool->calls, 1);
+    if (pool->threads > 8)
+        atomic_store(&pool->bad_thread, 1);
+    int n = pool->threads < 8 ? pool->threads : 8;
+    for (int i = 1; i < n; i++) {
+        t[i] = (struct engine_thread){&call, i};
+        if (pthread_create(&tid[i], NULL, engine_thread_main, &t[i]) != 0)
+            n = i; /* fewer threads: the others run the tasks */
+    }
+    t[0] = (struct engine_thread){&call, 0};
+    engine_thread_main(&t[0]); /* the calling thread is thread 0 */
+    for (int i = 1; i < n; i++)
+        pthread_join(tid[i], NULL);
+}
+
+/* A cache on `threads` threads (0: all cores), the engine's when `engine` is not NULL; `yaml`
+ * (runtime config text) NULL: the defaults. */
+static struct kvcap_cache *make_cache_on(const struct kvcap_model_geometry *g, int n_seqs,
+                                         enum kvcap_dtype storage, const struct kvcap_artifact *a,
+                                         const char *yaml, int threads, struct engine_pool *engine)
 {
     struct kvcap_cache_params p;
     kvcap_cache_default_params(&p);
     p.n_threads = threads;
+    if (engine) {
+        p.parallel_for = engine_parallel_for;
+        p.parallel_user = engine;
+    }
     p.model = *g;
     p.n_seqs = n_seqs;
     p.storage = storage;
@@ -337,6 +395,14 @@ static struct kvcap_cache *make_cache_threads(const struct kvcap_model_geometry 
     if (st != KVCAP_OK)
         fail_msg("create: %s", kvcap_last_error());
     return c;
+}
+
+static struct kvcap_cache *make_cache_threads(const struct kvcap_model_geometry *g, int n_seqs,
+                                              enum kvcap_dtype storage,
+                                              const struct kvcap_artifact *a, const char *yaml,
+                                              int threads)
+{
+    return make_cache_on(g, n_seqs, storage, a, yaml, threads, NULL);
 }
 
 static struct kvcap_cache *make_cache(const struct kvcap_model_geometry *g, int n_seqs,
@@ -414,7 +480,8 @@ static void test_fused_matches_materialised(void **state)
 
 /* With several threads a KV head's rows and tiles are cut into slices whose partials are merged:
  * spans long enough to be cut give the reference's outputs and the same bytes-read figures on
- * 1, 3 and 4 threads (more threads than cores is allowed). */
+ * 1, 3 and 4 threads of the cache's pool (more threads than cores is allowed) and on 3 threads
+ * of an engine's own pool (params.parallel_for), which then runs every parallel loop. */
 static void test_sliced_attend_matches(void **state)
 {
     (void)state;
@@ -429,12 +496,20 @@ static void test_sliced_attend_matches(void **state)
     scenario_add(&sc, 1, KVCAP_SPAN_VISION, 32, 32, 7, &r);
     scenario_add(&sc, 1, KVCAP_SPAN_TEXT, 1, 300, 1031, &r);   /* too short to cut */
     scenario_gen(&sc, 0, 3, &r);
-    const int threads[3] = {1, 3, 4};
+    const int threads[4] = {1, 3, 4, 3};
+    struct engine_pool engine = {3, 0, 0, 0};
     struct kvcap_cache_stats first;
-    for (int i = 0; i < 3; i++) {
-        struct kvcap_cache *c = make_cache_threads(&g, 2, KVCAP_DTYPE_F32, a, NULL, threads[i]);
+    for (int i = 0; i < 4; i++) {
+        struct kvcap_cache *c = make_cache_on(&g, 2, KVCAP_DTYPE_F32, a, NULL, threads[i],
+                                              i == 3 ? &engine : NULL);
         scenario_load(&sc, c);
         scenario_check(&sc, a, c, FUSED_REL_TOL, &r);
+        if (i == 3) { /* every attend went through the engine, at least a task per KV head */
+            int calls = atomic_load(&engine.calls), tasks = atomic_load(&engine.tasks);
+            assert_true(calls >= g.n_layers);
+            assert_true(tasks >= calls * g.n_kv_heads && tasks % calls == 0);
+            assert_int_equal(atomic_load(&engine.bad_thread), 0);
+        }
         struct kvcap_cache_stats st;
         assert_int_equal(kvcap_cache_stats(c, &st), KVCAP_OK);
         assert_true(st.bytes_by_policy[KVCAP_POLICY_KVCAPSULE] > 0);
@@ -549,6 +624,15 @@ static void test_invalid_calls_leave_cache_usable(void **state)
     p.artifact = a;
     struct kvcap_cache *bad = NULL;
     expect_status(kvcap_cache_create(&p, &bad), KVCAP_ERR_GEOMETRY, "model.q_heads");
+    assert_null(bad);
+
+    /* the engine's threads without saying how many */
+    struct engine_pool engine = {2, 0, 0, 0};
+    kvcap_cache_default_params(&p);
+    p.model = g;
+    p.parallel_for = engine_parallel_for;
+    p.parallel_user = &engine;
+    expect_status(kvcap_cache_create(&p, &bad), KVCAP_ERR_INVALID_ARGUMENT, "params.n_threads");
     assert_null(bad);
 
     struct kvcap_cache *c = make_cache(&g, 1, KVCAP_DTYPE_F16, a, NULL);

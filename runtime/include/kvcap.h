@@ -202,7 +202,8 @@ KVCAP_API const struct kvcap_model_geometry *kvcap_artifact_geometry(
 /* ---- The cache ------------------------------------------------------------------------- */
 /* The KV cache of a batch of sequences for one model. Thread safety: calls on one cache must
  * not overlap (the engine serialises them, as it does its own forward pass); different caches
- * are independent. The cache may use several threads inside a call (params.n_threads). */
+ * are independent. The cache may use several threads inside a call (params.n_threads): its own
+ * pool's, or the engine's (params.parallel_for). */
 struct kvcap_cache;
 
 /* Where a cache keeps its state, and so where the pointers an engine passes to it live.
@@ -211,6 +212,18 @@ enum kvcap_memory {
     KVCAP_MEMORY_HOST = 0, /* host memory (the default) */
     KVCAP_MEMORY_CUDA = 1  /* memory of CUDA device params.cuda_device: see "Device caches" */
 };
+
+/* The engine's own threads for a host cache's parallel loops (params.parallel_for), so that
+ * attend runs on threads that are already awake instead of waking the cache's pool (waking an
+ * idle core costs tens to hundreds of µs in a VM, a sizeable share of a decode call).
+ * parallel_for(user, n_tasks, fn, ctx) must call fn(ctx, task, thread) exactly once for every
+ * task in 0..n_tasks-1 and return when all calls have returned. `thread` must be in
+ * 0..params.n_threads-1 (which must then be set, 1..64), and no two calls running at the same
+ * time may pass the same one: the index of the engine thread that runs the task does. Any order and any number of threads, the calling one
+ * alone included, are fine. It is called only from inside the cache's calls, on the thread that
+ * made the call. */
+typedef void (*kvcap_task_fn)(void *ctx, int task, int thread);
+typedef void (*kvcap_parallel_for_fn)(void *user, int n_tasks, kvcap_task_fn fn, void *ctx);
 
 struct kvcap_cache_params {
     struct kvcap_model_geometry model;     /* required */
@@ -223,6 +236,10 @@ struct kvcap_cache_params {
     const char *record_dir;                /* non-NULL: record mode, vision spans and their decode
                                             * queries are appended to dataset shards there */
     int n_threads;                         /* 0: all cores */
+    kvcap_parallel_for_fn parallel_for;    /* NULL (default): the cache's own pool of
+                                            * n_threads (its idle workers block); else the
+                                            * engine's threads, see kvcap_parallel_for_fn */
+    void *parallel_user;                   /* passed to parallel_for */
     enum kvcap_memory memory;              /* HOST (default) or CUDA (see "Device caches") */
     int cuda_device;                       /* CUDA: the device ordinal, 0 (default) ..
                                             * kvcap_cuda_device_count() - 1 */
