@@ -1,6 +1,7 @@
-/* bench_decode.c — kvcap-bench: replays prefill + N decode steps for each policy and prints, per
- * policy, time per decode step, bytes read per step, achieved GB/s against this machine's read
- * bandwidth measured in the same run, bytes held, and the same against `full` as ratios; and
+/* bench_decode.c — kvcap-bench: replays prefill + N decode steps for each policy (the policies
+ * taking turns step by step) and prints, per policy, time per decode step, bytes read per step,
+ * achieved GB/s against this machine's read bandwidth measured in the same run, bytes held, and
+ * the same against `full` as ratios; and
  * (--flashcache-overhead) FlashCache's compression time per prefill at 2K/4K/8K tokens. */
 #include <getopt.h>
 #include <stdio.h>
@@ -44,6 +45,10 @@ static void usage(FILE *out)
             "  -a, --artifact FILE  use this artifact (its geometry and buckets) instead\n"
             "      --storage T      f32, f16 (default) or bf16\n"
             "      --threads N      threads (default: all cores)\n"
+            "      --engine-threads attend's tasks run on the bench's own OpenMP threads, which\n"
+            "                       also do the eviction between calls, as an engine's thread\n"
+            "                       pool would (params.parallel_for); default: the cache's pool,\n"
+            "                       whose sleeping workers each call must wake\n"
             "  -p, --policy P       run only full and P (streaming, kvcapsule, flashcache,\n"
             "                       vlcache or freekv), e.g. to profile\n"
             "      --post N         post-vision queries given to vlcache (default 32)\n"
@@ -69,6 +74,7 @@ static void usage(FILE *out)
 struct evictor {
     float *buf;
     size_t n;
+    int threads; /* > 1: read by that many OpenMP threads, as an engine's pool reads weights */
 };
 
 static size_t last_level_cache_bytes(void)
@@ -98,8 +104,10 @@ static void evict_caches(struct evictor *e)
     if (!e->buf)
         return;
     float s = 0;
-    for (size_t i = 0; i < e->n; i += 16) /* one touch per 64-byte line */
-        s += e->buf[i];
+    long n = (long)(e->n / 16); /* one touch per 64-byte line */
+#pragma omp parallel for num_threads(e->threads) reduction(+ : s) if (e->threads > 1)
+    for (long i = 0; i < n; i++)
+        s += e->buf[16 * (size_t)i];
     evict_sink = s;
 }
 
@@ -107,7 +115,7 @@ static void evict_caches(struct evictor *e)
  * shared zero page and evict nothing); buf NULL when out of memory. */
 static struct evictor evictor_make(size_t bytes)
 {
-    struct evictor e = {malloc(bytes), bytes / sizeof(float)};
+    struct evictor e = {malloc(bytes), bytes / sizeof(float), 1};
     for (size_t i = 0; e.buf && i < e.n; i++)
         e.buf[i] = (float)(i & 255);
     return e;
@@ -377,7 +385,8 @@ static enum kvcap_status random_artifact(const char *path, const struct kvcap_mo
 
 struct result {
     const char *name;
-    double ms_per_step, compress_ms;
+    double ms_per_step, ms_best, compress_ms; /* median and fastest of the timed steps */
+    double time_full;                         /* median of step time / full's same step */
     uint64_t bytes_per_step, map_bytes_per_step, held;
     double recalled_per_step, corrected; /* FreeKV: pages per step; share of head-steps */
 };
@@ -389,11 +398,49 @@ static void random_rows(struct kvcap_rng *r, float *x, size_t count)
         x[i] = (float)(2.0 * kvcap_rng_uniform(r) - 1.0);
 }
 
-static enum kvcap_status run_policy(const struct kvcap_model_geometry *g, int batch, int rows,
-                                    int cols, enum kvcap_dtype storage, int threads, int steps,
-                                    const struct kvcap_artifact *a, const char *policy,
-                                    int post, struct evictor *ev, struct result *res)
+/* --engine-threads: the cache's parallel loops on the bench's OpenMP threads, the ones that
+ * also evict the caches between calls, as an engine's thread pool runs its layers; between two
+ * parallel regions OpenMP's threads wait actively for a while, so they are awake at attend. */
+static void omp_parallel_for(void *user, int n_tasks, kvcap_task_fn fn, void *ctx)
 {
+    int threads = *(const int *)user;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int t = 0; t < n_tasks; t++)
+        fn(ctx, t, omp_get_thread_num());
+}
+
+/* One policy's cache after prefill, stepped one decode step at a time so that the policies'
+ * steps can interleave: a slow phase of a noisy machine then hits every policy alike. */
+struct policy_run {
+    const char *policy;
+    const struct kvcap_model_geometry *g;
+    int batch;
+    struct kvcap_cache *c;
+    struct kvcap_rng r;
+    float *q, *out, *gen;
+    double *step_ms; /* [steps] */
+    uint64_t bytes, map_bytes;
+    struct kvcap_cache_stats cs0; /* FreeKV counters from the first timed step on */
+};
+
+static void policy_run_free(struct policy_run *pr)
+{
+    free(pr->q), free(pr->out), free(pr->gen), free(pr->step_ms);
+    kvcap_cache_free(pr->c);
+    memset(pr, 0, sizeof *pr);
+}
+
+/* Creates the policy's cache and prefills one synthetic vision span per sequence. */
+static enum kvcap_status policy_run_prepare(struct policy_run *pr, const struct kvcap_model_geometry *g,
+                                            int batch, int rows, int cols, enum kvcap_dtype storage,
+                                            int threads, int *engine_threads, int steps,
+                                            const struct kvcap_artifact *a, const char *policy,
+                                            int post)
+{
+    memset(pr, 0, sizeof *pr);
+    pr->policy = policy;
+    pr->g = g;
+    pr->batch = batch;
     char cfg_path[4200];
     const char *tmp = getenv("TMPDIR");
     snprintf(cfg_path, sizeof cfg_path, "%s/kvcap-bench-%d.yaml", tmp ? tmp : "/tmp", (int)getpid());
@@ -410,8 +457,11 @@ static enum kvcap_status run_policy(const struct kvcap_model_geometry *g, int ba
     p.artifact = strcmp(policy, "kvcapsule") == 0 ? a : NULL;
     p.config_path = cfg_path;
     p.n_threads = threads;
-    struct kvcap_cache *c = NULL;
-    enum kvcap_status st = kvcap_cache_create(&p, &c);
+    if (engine_threads) {
+        p.parallel_for = omp_parallel_for;
+        p.parallel_user = engine_threads;
+    }
+    enum kvcap_status st = kvcap_cache_create(&p, &pr->c);
     remove(cfg_path);
     KVCAP_TRY(st);
     int n = rows * cols, d = g->head_dim, H = g->n_kv_heads, Hq = g->n_q_heads;
@@ -421,13 +471,15 @@ static enum kvcap_status run_policy(const struct kvcap_model_geometry *g, int ba
     sp.rank_k = sp.rank_v = 16;
     float *kf = malloc(sizeof(float) * (size_t)n * d);
     float *k = malloc(sizeof(float) * (size_t)H * n * d), *v = malloc(sizeof(float) * (size_t)H * n * d);
-    float *q = malloc(sizeof(float) * (size_t)batch * Hq * d), *out = malloc(sizeof(float) * (size_t)batch * Hq * d);
     float *pq = malloc(sizeof(float) * (size_t)Hq * (post > 0 ? post : 1) * d);
-    float *gen = malloc(sizeof(float) * 2 * (size_t)H * d);
-    if (!kf || !k || !v || !q || !out || !pq || !gen)
+    pr->q = malloc(sizeof(float) * (size_t)batch * Hq * d);
+    pr->out = malloc(sizeof(float) * (size_t)batch * Hq * d);
+    pr->gen = malloc(sizeof(float) * 2 * (size_t)H * d);
+    pr->step_ms = malloc(sizeof(double) * (size_t)steps);
+    if (!kf || !k || !v || !pq || !pr->q || !pr->out || !pr->gen || !pr->step_ms)
         st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "bench: out of memory");
-    struct kvcap_rng r;
-    kvcap_rng_seed(&r, 3);
+    struct kvcap_rng *r = &pr->r;
+    kvcap_rng_seed(r, 3);
     for (int s = 0; st == KVCAP_OK && s < batch; s++)
         for (int l = 0; st == KVCAP_OK && l < g->n_layers; l++) {
             for (int h = 0; st == KVCAP_OK && h < H; h++)
@@ -437,66 +489,97 @@ static enum kvcap_status run_policy(const struct kvcap_model_geometry *g, int ba
             struct kvcap_tensor_view kv = {k, NULL, 0, KVCAP_DTYPE_F32, (int64_t)n * d, d};
             struct kvcap_tensor_view vv = {v, NULL, 0, KVCAP_DTYPE_F32, (int64_t)n * d, d};
             if (st == KVCAP_OK)
-                st = kvcap_cache_add_span(c, s, l, &desc, &kv, &vv);
+                st = kvcap_cache_add_span(pr->c, s, l, &desc, &kv, &vv);
             /* post-vision queries: what vlcache scores with (random, timing only) */
             if (st == KVCAP_OK && post > 0) {
                 for (size_t i = 0; i < (size_t)Hq * post * d; i++)
-                    pq[i] = (float)kvcap_rng_normal(&r);
-                st = kvcap_cache_add_post_queries(c, s, l, pq, post);
+                    pq[i] = (float)kvcap_rng_normal(r);
+                st = kvcap_cache_add_post_queries(pr->c, s, l, pq, post);
             }
         }
     for (int s = 0; st == KVCAP_OK && s < batch; s++)
-        st = kvcap_cache_end_prefill(c, s);
-    for (size_t i = 0; i < (size_t)batch * Hq * d && q; i++)
-        q[i] = (float)kvcap_rng_normal(&r);
-    double best = 1e30;
-    uint64_t bytes = 0, map_bytes = 0;
-    struct kvcap_cache_stats cs, cs0;
-    memset(&cs0, 0, sizeof cs0);
-    for (int rep = -1; st == KVCAP_OK && rep < steps; rep++) { /* rep -1 warms up */
-        /* consecutive decode queries are similar, not equal: cosine ~0.95 step to step */
-        for (size_t i = 0; i < (size_t)batch * Hq * d; i++)
-            q[i] = (float)(0.95 * q[i] + 0.31 * kvcap_rng_normal(&r));
-        double t = 0;
-        uint64_t b = 0, mb = 0;
-        for (int l = 0; st == KVCAP_OK && l < g->n_layers; l++) {
-            /* one generated token per layer, then the step's attention (timed) */
-            random_rows(&r, gen, 2 * (size_t)H * d);
-            struct kvcap_tensor_view gk = {gen, NULL, 0, KVCAP_DTYPE_F32, d, 0};
-            struct kvcap_tensor_view gv = {gen + (size_t)H * d, NULL, 0, KVCAP_DTYPE_F32, d, 0};
-            for (int s = 0; st == KVCAP_OK && s < batch; s++)
-                st = kvcap_cache_append(c, s, l, &gk, &gv);
-            evict_caches(ev);
-            double t0 = kvcap_seconds();
-            if (st == KVCAP_OK)
-                st = kvcap_cache_attend(c, l, q, out);
-            t += kvcap_seconds() - t0;
-            kvcap_cache_stats(c, &cs);
-            b += cs.bytes_read_last_attend;
-            mb += cs.map_bytes_read_last_attend;
-        }
-        if (rep < 0)
-            cs0 = cs; /* FreeKV counters from the first timed step on */
-        if (rep >= 0 && t < best)
-            best = t;
-        bytes = b;
-        map_bytes = mb;
+        st = kvcap_cache_end_prefill(pr->c, s);
+    for (size_t i = 0; st == KVCAP_OK && i < (size_t)batch * Hq * d; i++)
+        pr->q[i] = (float)kvcap_rng_normal(r);
+    free(kf), free(k), free(v), free(pq);
+    if (st != KVCAP_OK)
+        policy_run_free(pr);
+    return st;
+}
+
+/* Decode step `rep` (-1 warms up, untimed): per layer one generated token per sequence, the
+ * caches evicted (untimed), then the layer's attention (timed). */
+static enum kvcap_status policy_run_step(struct policy_run *pr, int rep, struct evictor *ev)
+{
+    const struct kvcap_model_geometry *g = pr->g;
+    int d = g->head_dim, H = g->n_kv_heads, Hq = g->n_q_heads;
+    enum kvcap_status st = KVCAP_OK;
+    struct kvcap_cache_stats cs;
+    /* consecutive decode queries are similar, not equal: cosine ~0.95 step to step */
+    for (size_t i = 0; i < (size_t)pr->batch * Hq * d; i++)
+        pr->q[i] = (float)(0.95 * pr->q[i] + 0.31 * kvcap_rng_normal(&pr->r));
+    double t = 0;
+    uint64_t b = 0, mb = 0;
+    for (int l = 0; st == KVCAP_OK && l < g->n_layers; l++) {
+        random_rows(&pr->r, pr->gen, 2 * (size_t)H * d);
+        struct kvcap_tensor_view gk = {pr->gen, NULL, 0, KVCAP_DTYPE_F32, d, 0};
+        struct kvcap_tensor_view gv = {pr->gen + (size_t)H * d, NULL, 0, KVCAP_DTYPE_F32, d, 0};
+        for (int s = 0; st == KVCAP_OK && s < pr->batch; s++)
+            st = kvcap_cache_append(pr->c, s, l, &gk, &gv);
+        evict_caches(ev);
+        double t0 = kvcap_seconds();
+        if (st == KVCAP_OK)
+            st = kvcap_cache_attend(pr->c, l, pr->q, pr->out);
+        t += kvcap_seconds() - t0;
+        /* also waits for FreeKV's background work, so none of it runs in another's timing */
+        if (st == KVCAP_OK)
+            st = kvcap_cache_stats(pr->c, &cs);
+        b += cs.bytes_read_last_attend;
+        mb += cs.map_bytes_read_last_attend;
     }
-    if (st == KVCAP_OK)
-        st = kvcap_cache_stats(c, &cs);
+    if (st != KVCAP_OK)
+        return st;
+    if (rep < 0)
+        pr->cs0 = cs;
+    else
+        pr->step_ms[rep] = t * 1e3;
+    pr->bytes = b;
+    pr->map_bytes = mb;
+    return KVCAP_OK;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Median of x[0..n), n >= 1; sorts x. */
+static double median(double *x, int n)
+{
+    qsort(x, (size_t)n, sizeof(double), cmp_double);
+    return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
+}
+
+/* The policy's figures over its `steps` timed steps; frees the run. */
+static enum kvcap_status policy_run_finish(struct policy_run *pr, int steps, struct result *res)
+{
+    struct kvcap_cache_stats cs;
+    enum kvcap_status st = kvcap_cache_stats(pr->c, &cs);
     if (st == KVCAP_OK) {
-        res->name = policy;
-        res->ms_per_step = best * 1e3;
+        res->name = pr->policy;
+        res->ms_per_step = median(pr->step_ms, steps);
+        res->ms_best = pr->step_ms[0];
         res->compress_ms = cs.compress_seconds * 1e3;
-        res->bytes_per_step = bytes + map_bytes;
-        res->map_bytes_per_step = map_bytes;
+        res->bytes_per_step = pr->bytes + pr->map_bytes;
+        res->map_bytes_per_step = pr->map_bytes;
         res->held = cs.bytes_held;
-        res->recalled_per_step = (double)(cs.freekv_pages_recalled - cs0.freekv_pages_recalled) / steps;
-        int64_t hs = cs.freekv_head_steps - cs0.freekv_head_steps;
-        res->corrected = hs > 0 ? (double)(cs.freekv_corrections - cs0.freekv_corrections) / hs : 0;
+        const struct kvcap_cache_stats *c0 = &pr->cs0;
+        res->recalled_per_step = (double)(cs.freekv_pages_recalled - c0->freekv_pages_recalled) / steps;
+        int64_t hs = cs.freekv_head_steps - c0->freekv_head_steps;
+        res->corrected = hs > 0 ? (double)(cs.freekv_corrections - c0->freekv_corrections) / hs : 0;
     }
-    free(kf), free(k), free(v), free(q), free(out), free(pq), free(gen);
-    kvcap_cache_free(c);
+    policy_run_free(pr);
     return st;
 }
 
@@ -549,7 +632,7 @@ static enum kvcap_status flashcache_overhead(const struct kvcap_model_geometry *
 
 int main(int argc, char **argv)
 {
-    enum { STORAGE = 1000, THREADS, POST, OVERHEAD, WARM, HEADS, ROWKERNELS };
+    enum { STORAGE = 1000, THREADS, POST, OVERHEAD, WARM, HEADS, ROWKERNELS, ENGINE };
     const char *only = NULL;
     static const struct option options[] = {
         {"grid", required_argument, NULL, 'g'},  {"tile", required_argument, NULL, 't'},
@@ -560,9 +643,11 @@ int main(int argc, char **argv)
         {"policy", required_argument, NULL, 'p'}, {"post", required_argument, NULL, POST},
         {"flashcache-overhead", no_argument, NULL, OVERHEAD}, {"warm", no_argument, NULL, WARM},
         {"heads", required_argument, NULL, HEADS}, {"row-kernels", no_argument, NULL, ROWKERNELS},
+        {"engine-threads", no_argument, NULL, ENGINE},
         {NULL, 0, NULL, 0}};
     int rows = 64, cols = 128, tr = 4, tc = 4, layers = 4, batch = 1, steps = 20, threads = 0, c;
     int post = 32, overhead = 0, layers_set = 0, warm = 0, n_q = 28, n_kv = 4, row_kernels = 0;
+    int engine = 0;
     double ratio = 0.4;
     const char *artifact_path = NULL;
     enum kvcap_dtype storage = KVCAP_DTYPE_F16;
@@ -585,6 +670,7 @@ int main(int argc, char **argv)
         case OVERHEAD: overhead = 1; break;
         case WARM: warm = 1; break;
         case ROWKERNELS: row_kernels = 1; break;
+        case ENGINE: engine = 1; break;
         case HEADS:
             if (sscanf(optarg, "%d/%d", &n_q, &n_kv) != 2 || n_q < 1 || n_kv < 1 || n_q % n_kv)
                 return cli_usage_error("--heads: '%s' is not Q/KV with KV dividing Q", optarg);
@@ -665,7 +751,7 @@ int main(int argc, char **argv)
      * just over the cache's size leaves page-table entries and some lines cached */
     size_t ev_bytes = 8 * last_level_cache_bytes();
     /* --warm does not apply to --row-kernels: the cold row is the point */
-    struct evictor ev = warm && !row_kernels ? (struct evictor){NULL, 0} : evictor_make(ev_bytes);
+    struct evictor ev = warm && !row_kernels ? (struct evictor){NULL, 0, 1} : evictor_make(ev_bytes);
     if (!ev.buf && (!warm || row_kernels))
         return cli_fail(kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "bench: out of memory"));
     if (row_kernels) {
@@ -674,6 +760,8 @@ int main(int argc, char **argv)
         kvcap_artifact_free(a);
         return st == KVCAP_OK ? 0 : cli_fail(st);
     }
+    if (engine)
+        ev.threads = nthreads;
     double bw = read_bandwidth(nthreads), flops = fma_peak(nthreads);
     const char *policies[6] = {"full", "streaming", "kvcapsule", "flashcache", "vlcache", "freekv"};
     int n_policies = 6;
@@ -682,15 +770,44 @@ int main(int argc, char **argv)
         n_policies = 2;
     }
     struct result res[6];
+    struct policy_run runs[6];
     struct cli_progress prog;
-    cli_progress_begin(&prog, "policies", 0);
-    for (int i = 0; i < n_policies; i++) {
-        if ((st = run_policy(&g, batch, rows, cols, storage, nthreads, steps, a, policies[i],
-                             post, &ev, &res[i])) != KVCAP_OK) {
-            free(ev.buf);
-            return cli_fail(st);
-        }
-        cli_progress_update(&prog, i + 1, n_policies);
+    cli_progress_begin(&prog, "prefill", 0);
+    st = KVCAP_OK;
+    int prepared = 0;
+    for (; st == KVCAP_OK && prepared < n_policies; prepared++) {
+        st = policy_run_prepare(&runs[prepared], &g, batch, rows, cols, storage, nthreads,
+                                engine ? &nthreads : NULL, steps, a, policies[prepared], post);
+        if (st != KVCAP_OK)
+            break;
+        cli_progress_update(&prog, prepared + 1, n_policies);
+    }
+    /* Step by step, each step over all policies, each step starting one policy later: no
+     * policy always follows the same one. */
+    cli_progress_begin(&prog, "decode steps", 0);
+    for (int rep = -1; st == KVCAP_OK && rep < steps; rep++) {
+        for (int j = 0; st == KVCAP_OK && j < n_policies; j++)
+            st = policy_run_step(&runs[(j + rep + 1) % n_policies], rep, &ev);
+        cli_progress_update(&prog, rep + 2, steps + 1);
+    }
+    double *per_step = malloc(sizeof(double) * (size_t)steps);
+    if (st == KVCAP_OK && !per_step)
+        st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "bench: out of memory");
+    for (int i = 0; st == KVCAP_OK && i < prepared; i++) { /* step by step against full's */
+        for (int rep = 0; rep < steps; rep++)
+            per_step[rep] = runs[i].step_ms[rep] / runs[0].step_ms[rep];
+        res[i].time_full = median(per_step, steps);
+    }
+    free(per_step);
+    for (int i = 0; i < prepared; i++) {
+        enum kvcap_status fs = st == KVCAP_OK ? policy_run_finish(&runs[i], steps, &res[i])
+                                              : (policy_run_free(&runs[i]), KVCAP_OK);
+        st = st == KVCAP_OK ? fs : st;
+    }
+    if (st != KVCAP_OK) {
+        free(ev.buf);
+        kvcap_artifact_free(a);
+        return cli_fail(st);
     }
     free(ev.buf);
     double bw2 = read_bandwidth(nthreads);
@@ -709,8 +826,14 @@ int main(int argc, char **argv)
     if (warm)
         printf("caches: warm (left as the previous attention call left them)\n");
     else
-        printf("caches: cold (%zu MiB read before every attention call, untimed)\n",
-               ev_bytes >> 20);
+        printf("caches: cold (%zu MiB read before every attention call by %s, untimed)\n",
+               ev_bytes >> 20, engine ? "the engine threads" : "one thread");
+    if (engine)
+        printf("threads: the bench's %d OpenMP threads run attend's tasks (params.parallel_for), "
+               "awake from the eviction\n", nthreads);
+    else
+        printf("threads: the cache's pool of %d (its idle workers sleep, so each call wakes "
+               "them)\n", nthreads);
     printf("read bandwidth, measured now (%d thread%s): %.1f GB/s\n", nthreads,
            nthreads == 1 ? "" : "s", bw);
     if (flops > 0) {
@@ -724,15 +847,19 @@ int main(int argc, char **argv)
                flops / per_byte,
                100 * flops / per_byte / bw);
     }
-    printf("\n");
-    printf("%-10s %10s %12s %9s %7s %12s %9s %9s %9s\n", "policy", "ms/step", "bytes/step",
-           "GB/s", "% bw", "bytes held", "time/full", "read/full", "held/full");
+    printf("%d timed decode steps per policy, the policies taking turns step by step; ms per "
+           "step: the median and the\nfastest (best) step; GB/s and %% bw: bytes over the best "
+           "step; time/full: the median over steps of the\nstep's time over full's same step\n\n",
+           steps);
+    printf("%-10s %8s %8s %12s %9s %7s %12s %9s %9s %9s\n", "policy", "median", "best",
+           "bytes/step", "GB/s", "% bw", "bytes held", "time/full", "read/full", "held/full");
     for (int i = 0; i < n_policies; i++) {
-        double gbs = res[i].bytes_per_step / (res[i].ms_per_step * 1e-3) * 1e-9;
-        printf("%-10s %10.3f %12s %9.1f %6.0f%% %12s %9.3f %9.3f %9.3f\n", res[i].name,
-               res[i].ms_per_step, cli_bytes(res[i].bytes_per_step, per, sizeof per), gbs,
+        double gbs = res[i].bytes_per_step / (res[i].ms_best * 1e-3) * 1e-9;
+        printf("%-10s %8.3f %8.3f %12s %9.1f %6.0f%% %12s %9.3f %9.3f %9.3f\n", res[i].name,
+               res[i].ms_per_step, res[i].ms_best,
+               cli_bytes(res[i].bytes_per_step, per, sizeof per), gbs,
                100 * gbs / bw, cli_bytes(res[i].held, held, sizeof held),
-               res[i].ms_per_step / res[0].ms_per_step,
+               res[i].time_full,
                (double)res[i].bytes_per_step / (double)res[0].bytes_per_step,
                (double)res[i].held / (double)res[0].held);
     }

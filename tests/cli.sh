@@ -88,6 +88,8 @@ expect bench_help 0 "--row-kernels" "$bench" --help
 expect bench_bad_heads 2 "--heads: '7/2'" "$bench" --heads 7/2
 expect bench_run 0 "kvcapsule: bytes include the maps" "$bench" --grid 8x8 --layers 1 --steps 2 --heads 4/1 --policy kvcapsule --warm --threads 1
 grep -q "4 q / 1 kv heads" "$work/bench_run.out" || fail "bench_run: --heads 4/1 not in the header"
+expect bench_engine 0 "OpenMP threads run attend's tasks" "$bench" --grid 8x8 --layers 1 --steps 3 --heads 4/1 --policy streaming --engine-threads --threads 2
+grep -Eq "^streaming +[0-9.]+ +[0-9.]+ " "$work/bench_engine.out" || fail "bench_engine: no streaming row"
 expect bench_rows 0 "fused KVCapsule, tiled maps of 16 points, h 6, R_v 6" "$bench" --row-kernels --heads 2/1 --storage bf16
 [ "$(grep -c "cold (caches evicted before each call)" "$work/bench_rows.out")" -eq 2 ] ||
   fail "bench_rows: not one cold rate per kernel"
