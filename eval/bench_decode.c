@@ -534,8 +534,10 @@ static enum kvcap_status policy_run_step(struct policy_run *pr, int rep, struct 
         /* also waits for FreeKV's background work, so none of it runs in another's timing */
         if (st == KVCAP_OK)
             st = kvcap_cache_stats(pr->c, &cs);
-        b += cs.bytes_read_last_attend;
-        mb += cs.map_bytes_read_last_attend;
+        if (st == KVCAP_OK) {
+            b += cs.bytes_read_last_attend;
+            mb += cs.map_bytes_read_last_attend;
+        }
     }
     if (st != KVCAP_OK)
         return st;
