@@ -1,6 +1,7 @@
 /* cli.c — shared helpers of the kvcap tools (see cli.h). */
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <unistd.h>
 
 #include "cli.h"
@@ -98,4 +99,16 @@ int cli_progress_callback(int64_t done, int64_t total, void *user)
 {
     cli_progress_update(user, done, total);
     return 0;
+}
+
+int cli_cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+double cli_median(double *x, int n)
+{
+    qsort(x, (size_t)n, sizeof(double), cli_cmp_double);
+    return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
 }

@@ -1,5 +1,5 @@
 /* cli.h — what every kvcap command-line tool shares: logging libkvcap messages to stderr,
- * reporting a failed call with its detailed message, human-readable sizes. */
+ * reporting a failed call with its detailed message, human-readable sizes, medians of timings. */
 #ifndef KVCAP_CLI_H
 #define KVCAP_CLI_H
 
@@ -20,6 +20,12 @@ int cli_usage_error(const char *fmt, ...);
 
 /* "1.5 MiB"-style size into buf. */
 const char *cli_bytes(uint64_t bytes, char *buf, size_t cap);
+
+/* Ascending order of doubles for qsort. */
+int cli_cmp_double(const void *a, const void *b);
+
+/* Median of x[0..n), n >= 1 (the mean of the middle two when n is even); sorts x. */
+double cli_median(double *x, int n);
 
 /* Progress of long work on stderr: a redrawn bar on a terminal, a line every 10 % otherwise,
  * nothing when quiet. Call with done == total to finish the line. */

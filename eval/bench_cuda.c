@@ -181,12 +181,6 @@ static void fill(struct bench *b, void *dst, enum kvcap_dtype dt, size_t n, uint
     CU(kvcap_bench_fill(dst, dt, n, seed, lo, hi, b->s));
 }
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 /* ---- Timing ---------------------------------------------------------------------------------
  * A run is whatever `enqueue` puts on the main stream (it may fork to the side streams and
  * join back). By default it is captured once into a CUDA graph and each run is one graph
@@ -267,7 +261,7 @@ static double runner_time(struct runner *r, double *best)
     }
     for (int i = 0; i < 2 * reps; i++)
         CU(cudaEventDestroy(ev[i]));
-    qsort(ms, (size_t)reps, sizeof *ms, cmp_double);
+    qsort(ms, (size_t)reps, sizeof *ms, cli_cmp_double);
     double med = reps % 2 ? ms[reps / 2] : 0.5 * (ms[reps / 2 - 1] + ms[reps / 2]);
     if (best)
         *best = ms[0];
@@ -903,9 +897,9 @@ static int section_flashcache(struct bench *b)
                 CU(cudaEventElapsedTime(&t, j.t_budgets, e1));
                 tot[rep] = a, sc[rep] = s, tk[rep] = t;
             }
-            qsort(tot, (size_t)reps, sizeof *tot, cmp_double);
-            qsort(sc, (size_t)reps, sizeof *sc, cmp_double);
-            qsort(tk, (size_t)reps, sizeof *tk, cmp_double);
+            qsort(tot, (size_t)reps, sizeof *tot, cli_cmp_double);
+            qsort(sc, (size_t)reps, sizeof *sc, cli_cmp_double);
+            qsort(tk, (size_t)reps, sizeof *tk, cli_cmp_double);
             double mt = tot[reps / 2], ms = sc[reps / 2], mk = tk[reps / 2];
             if (reps % 2 == 0) {
                 mt = 0.5 * (mt + tot[reps / 2 - 1]);
@@ -1175,7 +1169,7 @@ static void fkv_context(struct bench *b, struct fkv *x, void *kc, void *vc)
     }
     float total = 0;
     CU(cudaEventElapsedTime(&total, ev[1], ev[S + 1]));
-    qsort(ms, (size_t)S, sizeof *ms, cmp_double);
+    qsort(ms, (size_t)S, sizeof *ms, cli_cmp_double);
     const double mean_us = 1e3 * total / S;
     const double med_us = 1e3 * (S % 2 ? ms[S / 2] : 0.5 * (ms[S / 2 - 1] + ms[S / 2]));
 

@@ -550,19 +550,6 @@ static enum kvcap_status policy_run_step(struct policy_run *pr, int rep, struct 
     return KVCAP_OK;
 }
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-/* Median of x[0..n), n >= 1; sorts x. */
-static double median(double *x, int n)
-{
-    qsort(x, (size_t)n, sizeof(double), cmp_double);
-    return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
-}
-
 /* The policy's figures over its `steps` timed steps; frees the run. */
 static enum kvcap_status policy_run_finish(struct policy_run *pr, int steps, struct result *res)
 {
@@ -570,8 +557,8 @@ static enum kvcap_status policy_run_finish(struct policy_run *pr, int steps, str
     enum kvcap_status st = kvcap_cache_stats(pr->c, &cs);
     if (st == KVCAP_OK) {
         res->name = pr->policy;
-        res->ms_per_step = median(pr->step_ms, steps);
-        res->ms_best = pr->step_ms[0];
+        res->ms_per_step = cli_median(pr->step_ms, steps);
+        res->ms_best = pr->step_ms[0]; /* sorted by cli_median */
         res->compress_ms = cs.compress_seconds * 1e3;
         res->bytes_per_step = pr->bytes + pr->map_bytes;
         res->map_bytes_per_step = pr->map_bytes;
@@ -798,7 +785,7 @@ int main(int argc, char **argv)
     for (int i = 0; st == KVCAP_OK && i < prepared; i++) { /* step by step against full's */
         for (int rep = 0; rep < steps; rep++)
             per_step[rep] = runs[i].step_ms[rep] / runs[0].step_ms[rep];
-        res[i].time_full = median(per_step, steps);
+        res[i].time_full = cli_median(per_step, steps);
     }
     free(per_step);
     for (int i = 0; i < prepared; i++) {
