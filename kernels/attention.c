@@ -960,16 +960,79 @@ static ATTN_AVX2 void tile_scale_avx2(float *y, const float *f, const float *w, 
  * vector. Z is gathered into that layout; y, mt and st are written back in the row kernels'
  * layout ([.][8], lanes >= nq zero). Same operations in the same order per (tile, query) as
  * tile_scores_avx2 / tile_values_avx2, so the results are the same. */
-/* Unpacks a packed vector (lane p*nq + l) into np rows of the [.][8] layout, `step` floats
- * apart: row p gets lanes p*nq .. p*nq + nq - 1 in lanes 0 .. nq - 1 and zeros after. */
-ATTN_AVX2_INLINE void unpack_lanes_avx2(__m256 a, float *dst, size_t step, int np, int nq)
+/* Unpacks a packed vector (lane p*NQ + l) into np rows of the [.][8] layout, `step` floats
+ * apart: row p gets lanes p*NQ .. p*NQ + NQ - 1 in lanes 0 .. NQ - 1 and zeros after. NQ is a
+ * compile-time constant, so the copies are plain moves. */
+ATTN_AVX2_INLINE void unpack_lanes_nq_avx2(__m256 a, float *dst, size_t step, int np,
+                                           const int NQ)
 {
     float lanes[ATTN_LANES];
     _mm256_storeu_ps(lanes, a);
     for (int p = 0; p < np; p++) {
         _mm256_storeu_ps(dst + (size_t)p * step, _mm256_setzero_ps());
-        memcpy(dst + (size_t)p * step, lanes + p * nq, sizeof(float) * (size_t)nq);
+#  pragma GCC unroll 4
+        for (int l = 0; l < NQ; l++)
+            dst[(size_t)p * step + l] = lanes[p * NQ + l];
     }
+}
+
+ATTN_AVX2_INLINE void unpack_lanes_avx2(__m256 a, float *dst, size_t step, int np, int nq)
+{
+    switch (nq) {
+    case 1: unpack_lanes_nq_avx2(a, dst, step, np, 1); break;
+    case 2: unpack_lanes_nq_avx2(a, dst, step, np, 2); break;
+    case 3: unpack_lanes_nq_avx2(a, dst, step, np, 3); break;
+    default: unpack_lanes_nq_avx2(a, dst, step, np, 4); break;
+    }
+}
+
+/* Scores of one packed vector of tiles with a compile-time reconstructor width H: zc the
+ * gathered, scaled z; s [m][8] in log2 units; returns the max over the m points. */
+ATTN_AVX2_INLINE __m256 packed_scores_avx2(const float *w2, const float *bias, int m,
+                                           const __m256 *zc, float *s, const int H)
+{
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (int j = 0; j < m; j++) {
+        __m256 a = _mm256_loadu_ps(bias + j * ATTN_LANES);
+#  pragma GCC unroll 16
+        for (int k = 0; k < H; k++)
+            a = _mm256_fmadd_ps(_mm256_set1_ps(w2[(size_t)k * m + j]), zc[k], a);
+        _mm256_storeu_ps(s + j * ATTN_LANES, a);
+        mx = _mm256_max_ps(a, mx);
+    }
+    return mx;
+}
+
+/* p_j = 2^(s_j - mx) in place of s_j, and their sum. */
+ATTN_AVX2_INLINE __m256 packed_exps_avx2(int m, float *s, __m256 mx)
+{
+    __m256 sum = _mm256_setzero_ps();
+    for (int j = 0; j < m; j++) {
+        __m256 p = exp2_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + j * ATTN_LANES), mx));
+        sum = _mm256_add_ps(sum, p);
+        _mm256_storeu_ps(s + j * ATTN_LANES, p);
+    }
+    return sum;
+}
+
+/* y_r = Σ_j U[r][j] p_j with a compile-time value rank RV: RV independent chains in registers
+ * (a separate pass from the exps, whose constants would otherwise push them to the stack). */
+ATTN_AVX2_INLINE void packed_values_avx2(const float *u, int m, const float *p, __m256 *y,
+                                         const int RV)
+{
+    __m256 acc[ATTN_SMALL_MAP + 1];
+#  pragma GCC unroll 16
+    for (int r = 0; r < RV; r++)
+        acc[r] = _mm256_setzero_ps();
+    for (int j = 0; j < m; j++) {
+        __m256 pj = _mm256_loadu_ps(p + j * ATTN_LANES);
+#  pragma GCC unroll 16
+        for (int r = 0; r < RV; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(u[(size_t)r * m + j]), pj, acc[r]);
+    }
+#  pragma GCC unroll 16
+    for (int r = 0; r < RV; r++)
+        y[r] = acc[r];
 }
 
 static ATTN_AVX2 void tile_maps_packed_avx2(const float *w2, const float *b2, const float *u,
@@ -990,7 +1053,7 @@ static ATTN_AVX2 void tile_maps_packed_avx2(const float *w2, const float *b2, co
     float *bias = sbuf + (size_t)tile_chunk(m) * m * ATTN_LANES, *pj = sbuf;
     for (int j = 0; j < m; j++)
         _mm256_storeu_ps(bias + j * ATTN_LANES, _mm256_mul_ps(_mm256_set1_ps(b2[j]), vcv));
-    __m256 zc[ATTN_SMALL_MAP];
+    __m256 zc[ATTN_SMALL_MAP + 1], acc[ATTN_SMALL_MAP + 1];
     const __m256i full_idx = _mm256_loadu_si256((const __m256i *)(const void *)lane_idx);
     for (int t = 0; t < T; t += P) {
         int np = T - t < P ? T - t : P;
@@ -1005,28 +1068,17 @@ static ATTN_AVX2 void tile_maps_packed_avx2(const float *w2, const float *b2, co
         const float *zt = z + (size_t)t * h * ATTN_LANES;
         for (int k = 0; k < h; k++)
             zc[k] = _mm256_mul_ps(_mm256_i32gather_ps(zt + k * ATTN_LANES, vidx, 4), vscale);
-        __m256 mx = _mm256_set1_ps(-INFINITY);
-        for (int j = 0; j < m; j++) {
-            __m256 a = _mm256_loadu_ps(bias + j * ATTN_LANES);
-            for (int k = 0; k < h; k++)
-                a = _mm256_fmadd_ps(_mm256_set1_ps(w2[(size_t)k * m + j]), zc[k], a);
-            _mm256_storeu_ps(pj + j * ATTN_LANES, a);
-            mx = _mm256_max_ps(a, mx);
-        }
-        __m256 sum = _mm256_setzero_ps();
-        for (int j = 0; j < m; j++) {
-            __m256 e = exp2_avx2(_mm256_sub_ps(_mm256_loadu_ps(pj + j * ATTN_LANES), mx));
-            sum = _mm256_add_ps(sum, e);
-            _mm256_storeu_ps(pj + j * ATTN_LANES, e);
-        }
-        for (int r = 0; r < rv; r++) {
-            __m256 a = _mm256_setzero_ps();
-            for (int j = 0; j < m; j++)
-                a = _mm256_fmadd_ps(_mm256_set1_ps(u[(size_t)r * m + j]),
-                                    _mm256_loadu_ps(pj + j * ATTN_LANES), a);
-            unpack_lanes_avx2(a, y + ((size_t)t * rv + r) * ATTN_LANES, (size_t)rv * ATTN_LANES,
-                              np, nq);
-        }
+        __m256 mx;
+#  define ATTN_PACKED_SCORES(H) mx = packed_scores_avx2(w2, bias, m, zc, pj, H)
+#  define ATTN_PACKED_VALUES(R) packed_values_avx2(u, m, pj, acc, R)
+        ATTN_SMALL_CASES(ATTN_PACKED_SCORES, h)
+        __m256 sum = packed_exps_avx2(m, pj, mx);
+        ATTN_SMALL_CASES(ATTN_PACKED_VALUES, rv)
+#  undef ATTN_PACKED_SCORES
+#  undef ATTN_PACKED_VALUES
+        for (int r = 0; r < rv; r++)
+            unpack_lanes_avx2(acc[r], y + ((size_t)t * rv + r) * ATTN_LANES,
+                              (size_t)rv * ATTN_LANES, np, nq);
         unpack_lanes_avx2(mx, mt + (size_t)t * ATTN_LANES, ATTN_LANES, np, nq);
         unpack_lanes_avx2(sum, st + (size_t)t * ATTN_LANES, ATTN_LANES, np, nq);
     }

@@ -467,10 +467,13 @@ static void capsule_sweep(int full)
     check_capsule(&r, &f16d);
     struct capsule_case f16t = {16, 6, 5, 128, 7, 3, 0, {64, 64, 5}, 1, KVCAP_DTYPE_F16, 0};
     check_capsule(&r, &f16t);
-    /* Tiled edges: the widest small maps (h = rv = 16) on tiles of 64 points, tiles of more
-     * than 256 points (one tile at a time), rank-1 maps on 3-point tiles. */
+    /* Tiled edges: the widest small maps (h = rv = 16) on tiles of 64 points, for 6 queries and
+     * for 3 (whose maps run packed, several tiles per vector), tiles of more than 256 points
+     * (one tile at a time), rank-1 maps on 3-point tiles. */
     struct capsule_case wide_tiles = {64, 16, 16, 80, 6, 2, 1, {40, 3}, 0, KVCAP_DTYPE_F16, 0};
     check_capsule(&r, &wide_tiles);
+    struct capsule_case wide_packed = {64, 16, 16, 80, 3, 2, 0, {40, 3}, 0, KVCAP_DTYPE_F16, 0};
+    check_capsule(&r, &wide_packed); /* the same maps with the tiles packed into the lanes */
     struct capsule_case big_tiles = {300, 12, 9, 64, 3, 2, 0, {5, 2}, 1, KVCAP_DTYPE_F32, 0};
     check_capsule(&r, &big_tiles);
     struct capsule_case rank1 = {3, 1, 1, 64, 9, 1, 1, {500}, 0, KVCAP_DTYPE_F32, 0};
