@@ -867,6 +867,24 @@ static ATTN_AVX2 void exp_cols_avx2(float *s, const float *cmax, float *csum, si
     exp_cols_body(s + i, cmax + i, csum + i, n - i);
 }
 
+/* The scores of one vector of columns (a query group's lanes, or packed tiles) over a tile's m
+ * points, with a compile-time reconstructor width H: zc the scaled z per k, bias [m][8];
+ * s [m][8] in log2 units; returns the max over the m points. */
+ATTN_AVX2_INLINE __m256 map_scores_avx2(const float *w2, const float *bias, int m,
+                                        const __m256 *zc, float *s, const int H)
+{
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (int j = 0; j < m; j++) {
+        __m256 a = _mm256_loadu_ps(bias + j * ATTN_LANES);
+#  pragma GCC unroll 16
+        for (int k = 0; k < H; k++)
+            a = _mm256_fmadd_ps(_mm256_set1_ps(w2[(size_t)k * m + j]), zc[k], a);
+        _mm256_storeu_ps(s + j * ATTN_LANES, a);
+        mx = _mm256_max_ps(a, mx);
+    }
+    return mx;
+}
+
 /* Scores of tiles [t0, t1) with a compile-time reconstructor width H (so the scaled z_t stay in
  * registers): s [t - t0][m][8] in log2 units and each tile's max into mt. */
 ATTN_AVX2_INLINE void tile_scores_avx2(const float *w2, const float *bias, int m, const float *z,
@@ -880,16 +898,7 @@ ATTN_AVX2_INLINE void tile_scores_avx2(const float *w2, const float *bias, int m
 #  pragma GCC unroll 16
         for (int k = 0; k < H; k++) /* scale folded into z: s_j = W2[:, j]ᵀ (scale z) + ... */
             zc[k] = _mm256_mul_ps(_mm256_loadu_ps(zt + k * ATTN_LANES), vscale);
-        __m256 mx = _mm256_set1_ps(-INFINITY);
-        for (int j = 0; j < m; j++) {
-            __m256 a = _mm256_loadu_ps(bias + j * ATTN_LANES);
-#  pragma GCC unroll 16
-            for (int k = 0; k < H; k++)
-                a = _mm256_fmadd_ps(_mm256_set1_ps(w2[(size_t)k * m + j]), zc[k], a);
-            _mm256_storeu_ps(st + j * ATTN_LANES, a);
-            mx = _mm256_max_ps(a, mx);
-        }
-        _mm256_storeu_ps(mt + (size_t)t * ATTN_LANES, mx);
+        _mm256_storeu_ps(mt + (size_t)t * ATTN_LANES, map_scores_avx2(w2, bias, m, zc, st, H));
     }
 }
 
@@ -986,23 +995,6 @@ ATTN_AVX2_INLINE void unpack_lanes_avx2(__m256 a, float *dst, size_t step, int n
     }
 }
 
-/* Scores of one packed vector of tiles with a compile-time reconstructor width H: zc the
- * gathered, scaled z; s [m][8] in log2 units; returns the max over the m points. */
-ATTN_AVX2_INLINE __m256 packed_scores_avx2(const float *w2, const float *bias, int m,
-                                           const __m256 *zc, float *s, const int H)
-{
-    __m256 mx = _mm256_set1_ps(-INFINITY);
-    for (int j = 0; j < m; j++) {
-        __m256 a = _mm256_loadu_ps(bias + j * ATTN_LANES);
-#  pragma GCC unroll 16
-        for (int k = 0; k < H; k++)
-            a = _mm256_fmadd_ps(_mm256_set1_ps(w2[(size_t)k * m + j]), zc[k], a);
-        _mm256_storeu_ps(s + j * ATTN_LANES, a);
-        mx = _mm256_max_ps(a, mx);
-    }
-    return mx;
-}
-
 /* p_j = 2^(s_j - mx) in place of s_j, and their sum. */
 ATTN_AVX2_INLINE __m256 packed_exps_avx2(int m, float *s, __m256 mx)
 {
@@ -1069,7 +1061,7 @@ static ATTN_AVX2 void tile_maps_packed_avx2(const float *w2, const float *b2, co
         for (int k = 0; k < h; k++)
             zc[k] = _mm256_mul_ps(_mm256_i32gather_ps(zt + k * ATTN_LANES, vidx, 4), vscale);
         __m256 mx;
-#  define ATTN_PACKED_SCORES(H) mx = packed_scores_avx2(w2, bias, m, zc, pj, H)
+#  define ATTN_PACKED_SCORES(H) mx = map_scores_avx2(w2, bias, m, zc, pj, H)
 #  define ATTN_PACKED_VALUES(R) packed_values_avx2(u, m, pj, acc, R)
         ATTN_SMALL_CASES(ATTN_PACKED_SCORES, h)
         __m256 sum = packed_exps_avx2(m, pj, mx);
