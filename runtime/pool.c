@@ -22,8 +22,6 @@ struct worker {
     pthread_t thread;
 };
 
-typedef void (*pool_fn)(void *, int, int);
-
 struct kvcap_pool {
     int n_threads;
     struct worker *workers;
@@ -32,7 +30,7 @@ struct kvcap_pool {
     int stopping;
     /* the current run, written under the lock before generation changes */
     uint32_t generation;
-    pool_fn fn;
+    kvcap_task_fn fn;
     void *ctx;
     int n_tasks;
     _Atomic uint64_t ticket; /* generation << 32 | next task */
@@ -47,7 +45,7 @@ static void cpu_relax(void)
 }
 
 /* Claims and runs tasks of run `gen` until none are left (or a newer run has begun). */
-static void work(struct kvcap_pool *p, uint32_t gen, pool_fn fn, void *ctx, int n_tasks,
+static void work(struct kvcap_pool *p, uint32_t gen, kvcap_task_fn fn, void *ctx, int n_tasks,
                  int thread)
 {
     for (;;) {
@@ -77,7 +75,7 @@ static void *worker_main(void *arg)
         if (p->stopping)
             break;
         seen = p->generation;
-        pool_fn fn = p->fn;
+        kvcap_task_fn fn = p->fn;
         void *ctx = p->ctx;
         int n_tasks = p->n_tasks;
         pthread_mutex_unlock(&p->lock);
@@ -133,7 +131,7 @@ void kvcap_pool_free(struct kvcap_pool *p)
     free(p);
 }
 
-void kvcap_pool_run(struct kvcap_pool *p, int n_tasks, void (*fn)(void *, int, int), void *ctx)
+void kvcap_pool_run(struct kvcap_pool *p, int n_tasks, kvcap_task_fn fn, void *ctx)
 {
     if (n_tasks <= 0)
         return;

@@ -16,7 +16,6 @@ void kvcap_pool_free(struct kvcap_pool *pool); /* NULL is a no-op */
  * in 0..n_threads-1, distinct per concurrently running call; the caller is thread 0) and
  * returns when all are done. The caller does not wait for workers that have not woken yet:
  * they find no task left. Not reentrant: one run at a time per pool. */
-void kvcap_pool_run(struct kvcap_pool *pool, int n_tasks, void (*fn)(void *ctx, int task, int thread),
-                    void *ctx);
+void kvcap_pool_run(struct kvcap_pool *pool, int n_tasks, kvcap_task_fn fn, void *ctx);
 
 #endif

@@ -219,9 +219,9 @@ enum kvcap_memory {
  * parallel_for(user, n_tasks, fn, ctx) must call fn(ctx, task, thread) exactly once for every
  * task in 0..n_tasks-1 and return when all calls have returned. `thread` must be in
  * 0..params.n_threads-1 (which must then be set, 1..64), and no two calls running at the same
- * time may pass the same one: the index of the engine thread that runs the task does. Any order and any number of threads, the calling one
- * alone included, are fine. It is called only from inside the cache's calls, on the thread that
- * made the call. */
+ * time may pass the same one: the index of the engine thread that runs the task does. Any
+ * order and any number of threads, the calling one alone included, are fine. It is called only
+ * from inside the cache's calls, on the thread that made the call. */
 typedef void (*kvcap_task_fn)(void *ctx, int task, int thread);
 typedef void (*kvcap_parallel_for_fn)(void *user, int n_tasks, kvcap_task_fn fn, void *ctx);
 
