@@ -454,17 +454,18 @@ ATTN_INLINE float packed_at(const float *qp, int ng, int l, int c)
     return qp[(size_t)(c & ~7) * ng + (size_t)l * 8 + (c & 7)];
 }
 
-/* out[j][l] = k_j · q_l for l < nq (0 for the other lanes); nr rows from `k` (storage dtype,
- * `ks` elements apart); qp is one group packed by pack_queries. */
+/* out[j][l] = k_j · q_l for l < nq; nr rows from `k` (storage dtype, `ks` elements apart); qp
+ * is one group packed by pack_queries. Rows of out are `ls` floats apart: ATTN_LANES (the lane
+ * layout, lanes >= nq set to 0) or nq (compact). */
 static void scores_generic(enum kvcap_dtype dt, const void *k, size_t ks, int nr, const float *qp,
-                           int nq, int d, float *out)
+                           int nq, int d, float *out, int ls)
 {
     float buf[ATTN_BLOCK_FLOATS];
     size_t ld;
     const float *kf = block_f32(dt, k, ks, nr, d, buf, &ld);
     for (int j = 0; j < nr; j++) {
         const float *kr = kf + (size_t)j * ld;
-        for (int l = 0; l < ATTN_LANES; l++) {
+        for (int l = 0; l < ls; l++) {
             float v = 0.0f;
             if (l < nq) {
                 float a[8] = {0};
@@ -476,14 +477,14 @@ static void scores_generic(enum kvcap_dtype dt, const void *k, size_t ks, int nr
                     a[0] += packed_at(qp, nq, l, c) * kr[c];
                 v = ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]));
             }
-            out[j * ATTN_LANES + l] = v;
+            out[(size_t)j * ls + l] = v;
         }
     }
 }
 
-/* o[l][:] += Σ_j w[j][l] v_j for l < nq. */
+/* o[l][:] += Σ_j w[j][l] v_j for l < nq; rows of w are `ls` floats apart (as in the scores). */
 static void accum_generic(enum kvcap_dtype dt, const void *v, size_t vs, int nr, const float *w,
-                          int nq, int d, float *o)
+                          int nq, int d, float *o, int ls)
 {
     float buf[ATTN_BLOCK_FLOATS];
     size_t ld;
@@ -496,7 +497,7 @@ static void accum_generic(enum kvcap_dtype dt, const void *v, size_t vs, int nr,
             for (int u = 0; u < 16; u++)
                 a[u] = ol[c + u];
             for (int j = 0; j < nr; j++) {
-                float wl = w[j * ATTN_LANES + l];
+                float wl = w[(size_t)j * ls + l];
                 const float *vr = vf + (size_t)j * ld + c;
                 for (int u = 0; u < 16; u++)
                     a[u] += wl * vr[u];
@@ -507,7 +508,7 @@ static void accum_generic(enum kvcap_dtype dt, const void *v, size_t vs, int nr,
         for (; c < d; c++) {
             float a = ol[c];
             for (int j = 0; j < nr; j++)
-                a += w[j * ATTN_LANES + l] * vf[(size_t)j * ld + c];
+                a += w[(size_t)j * ls + l] * vf[(size_t)j * ld + c];
             ol[c] = a;
         }
     }
@@ -596,11 +597,45 @@ ATTN_INLINE float load1(const unsigned char *row, int c, const int DT)
     return f;
 }
 
+/* Stores the scores of P rows from r0, lane p*NQ + l of `sum` (lanes past P*NQ are 0), as
+ * rows `ls` floats apart: the lane layout (ls = ATTN_LANES, lanes >= NQ zero) or compact
+ * (ls = NQ, so the P rows are P*NQ consecutive floats). */
+ATTN_AVX2_INLINE void store_scores_avx2(__m256 sum, float *out, int r0, const int P,
+                                        const int NQ, int ls)
+{
+    if (ls != ATTN_LANES) {
+        if (P * NQ == ATTN_LANES) {
+            _mm256_storeu_ps(out + (size_t)r0 * NQ, sum);
+        } else {
+            int keep[ATTN_LANES];
+            for (int i = 0; i < ATTN_LANES; i++)
+                keep[i] = i < P * NQ ? -1 : 0;
+            _mm256_maskstore_ps(out + (size_t)r0 * NQ,
+                                _mm256_loadu_si256((const __m256i *)(const void *)keep), sum);
+        }
+        return;
+    }
+    if (P == 1) {
+        _mm256_storeu_ps(out + (size_t)r0 * ATTN_LANES, sum);
+        return;
+    }
+    float t[ATTN_LANES];
+    _mm256_storeu_ps(t, sum);
+#  pragma GCC unroll 8
+    for (int p = 0; p < P; p++) {
+        _mm256_storeu_ps(out + (size_t)(r0 + p) * ATTN_LANES, _mm256_setzero_ps());
+#  pragma GCC unroll 8
+        for (int l = 0; l < NQ; l++)
+            out[(size_t)(r0 + p) * ATTN_LANES + l] = t[p * NQ + l];
+    }
+}
+
 /* Scores of R rows (kb bytes apart) against NQ queries (one packed group, pack_queries) with
  * R * NQ <= 16 accumulators, one FMA chain each: enough independent chains to hide the FMA
  * latency whatever NQ is. P rows share one horizontal sum (lane p*NQ + l). */
 ATTN_AVX2_INLINE void scores_tile_avx2(const unsigned char *k, size_t kb, const float *q, int d,
-                                       float *out, const int R, const int NQ, const int DT)
+                                       float *out, int ls, const int R, const int NQ,
+                                       const int DT)
 {
     const int P = 8 / NQ < R ? 8 / NQ : R; /* R is 1 or a multiple of 8 / NQ */
     __m256 acc[16], qv[8];
@@ -637,38 +672,54 @@ ATTN_AVX2_INLINE void scores_tile_avx2(const unsigned char *k, size_t kb, const 
                                          load1(k + (size_t)(r0 + p) * kb, cc, DT);
             sum = _mm256_loadu_ps(t);
         }
-        if (P == 1) {
-            _mm256_storeu_ps(out + r0 * ATTN_LANES, sum);
-            continue;
-        }
-        _mm256_storeu_ps(t, sum);
-#  pragma GCC unroll 8
-        for (int p = 0; p < P; p++) {
-            _mm256_storeu_ps(out + (r0 + p) * ATTN_LANES, _mm256_setzero_ps());
-#  pragma GCC unroll 8
-            for (int l = 0; l < NQ; l++)
-                out[(r0 + p) * ATTN_LANES + l] = t[p * NQ + l];
-        }
+        store_scores_avx2(sum, out, r0, P, NQ, ls);
     }
 }
 
+/* One query, 8 rows: each row's dot product runs to its end before the next row starts, so the
+ * rows are read in address order (on cold rows the hardware prefetchers keep up better than
+ * with the column order above); two FMA chains per row, and the out-of-order core overlaps
+ * consecutive rows. One horizontal sum for the 8 rows. */
+ATTN_AVX2_INLINE void scores_rows1_avx2(const unsigned char *k, size_t kb, const float *q, int d,
+                                        float *out, int r0, int ls, const int DT)
+{
+    __m256 acc[8];
+#  pragma GCC unroll 8
+    for (int r = 0; r < 8; r++) {
+        const unsigned char *kr = k + (size_t)r * kb;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        int c = 0;
+        for (; c + 16 <= d; c += 16) {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), load8_avx2(kr, c, DT), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + c + 8), load8_avx2(kr, c + 8, DT), a1);
+        }
+        for (; c + 8 <= d; c += 8)
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), load8_avx2(kr, c, DT), a0);
+        acc[r] = _mm256_add_ps(a0, a1);
+    }
+    store_scores_avx2(hsum8_avx2(acc), out, r0, 8, 1, ls);
+}
+
 ATTN_AVX2_INLINE void scores_nq_avx2(const unsigned char *k, size_t kb, int nr, const float *q,
-                                     int d, float *out, const int NQ, const int DT)
+                                     int d, float *out, int ls, const int NQ, const int DT)
 {
     const int R = NQ == 1 ? 8 : NQ <= 3 ? 4 : NQ <= 7 ? 2 : 1; /* R*NQ <= 16, R multiple of P */
     int j = 0;
+    if (NQ == 1 && d % 8 == 0) /* packed_group: one query is its d floats, in order */
+        for (; j + 8 <= nr; j += 8)
+            scores_rows1_avx2(k + (size_t)j * kb, kb, q, d, out, j, ls, DT);
     for (; j + R <= nr; j += R)
-        scores_tile_avx2(k + (size_t)j * kb, kb, q, d, out + j * ATTN_LANES, R, NQ, DT);
+        scores_tile_avx2(k + (size_t)j * kb, kb, q, d, out + (size_t)j * ls, ls, R, NQ, DT);
     for (; j < nr; j++)
-        scores_tile_avx2(k + (size_t)j * kb, kb, q, d, out + j * ATTN_LANES, 1, NQ, DT);
+        scores_tile_avx2(k + (size_t)j * kb, kb, q, d, out + (size_t)j * ls, ls, 1, NQ, DT);
 }
 
 /* o[l][c0 : c0+8*CH] += Σ_j w[j][l] v_j[...] for NQ <= 4 queries; NQ * CH accumulators (8 or
  * 9 FMA chains in flight) stay in registers over the whole block, next to the CH converted
  * columns of a row and the NQ broadcast weights. */
 ATTN_AVX2_INLINE void accum_tile_avx2(const unsigned char *v, size_t vb, int nr, const float *w,
-                                      float *o, int d, int c0, const int CH, const int NQ,
-                                      const int DT)
+                                      int ls, float *o, int d, int c0, const int CH,
+                                      const int NQ, const int DT)
 {
     __m256 acc[16], vv[8], wb[4];
 #  pragma GCC unroll 4
@@ -680,7 +731,7 @@ ATTN_AVX2_INLINE void accum_tile_avx2(const unsigned char *v, size_t vb, int nr,
         const unsigned char *vr = v + (size_t)j * vb;
 #  pragma GCC unroll 4
         for (int l = 0; l < NQ; l++)
-            wb[l] = _mm256_broadcast_ss(w + j * ATTN_LANES + l);
+            wb[l] = _mm256_broadcast_ss(w + (size_t)j * ls + l);
 #  pragma GCC unroll 8
         for (int hh = 0; hh < CH; hh++) {
             vv[hh] = load8_avx2(vr, c0 + 8 * hh, DT);
@@ -697,35 +748,64 @@ ATTN_AVX2_INLINE void accum_tile_avx2(const unsigned char *v, size_t vb, int nr,
 }
 
 ATTN_AVX2_INLINE void accum_part_avx2(const unsigned char *v, size_t vb, int nr, const float *w,
-                                      int d, float *o, const int NQ, const int DT)
+                                      int ls, int d, float *o, const int NQ, const int DT)
 {
     const int CH = NQ == 1 ? 8 : NQ == 2 ? 4 : NQ == 3 ? 3 : 2;
     int c = 0;
     for (; c + 8 * CH <= d; c += 8 * CH)
-        accum_tile_avx2(v, vb, nr, w, o, d, c, CH, NQ, DT);
+        accum_tile_avx2(v, vb, nr, w, ls, o, d, c, CH, NQ, DT);
     for (; c + 8 <= d; c += 8)
-        accum_tile_avx2(v, vb, nr, w, o, d, c, 1, NQ, DT);
+        accum_tile_avx2(v, vb, nr, w, ls, o, d, c, 1, NQ, DT);
     for (; c < d; c++)
         for (int l = 0; l < NQ; l++) {
             float a = o[(size_t)l * d + c];
             for (int j = 0; j < nr; j++)
-                a += w[j * ATTN_LANES + l] * load1(v + (size_t)j * vb, c, DT);
+                a += w[(size_t)j * ls + l] * load1(v + (size_t)j * vb, c, DT);
             o[(size_t)l * d + c] = a;
         }
+}
+
+/* One query: o += w_j v_j + w_{j+1} v_{j+1} over whole rows, two rows at a time, with o in L1
+ * rather than in registers, so each row is read once, in address order (the register tiles
+ * above would read every row in d / 64 column slices). */
+ATTN_AVX2_INLINE void accum_rows1_avx2(const unsigned char *v, size_t vb, int nr, const float *w,
+                                       int ls, int d, float *o, const int DT)
+{
+    int j = 0;
+    for (; j + 2 <= nr; j += 2) {
+        const unsigned char *v0 = v + (size_t)j * vb, *v1 = v0 + vb;
+        __m256 w0 = _mm256_broadcast_ss(w + (size_t)j * ls);
+        __m256 w1 = _mm256_broadcast_ss(w + (size_t)(j + 1) * ls);
+        for (int c = 0; c < d; c += 8) {
+            __m256 x = _mm256_fmadd_ps(w0, load8_avx2(v0, c, DT), _mm256_loadu_ps(o + c));
+            _mm256_storeu_ps(o + c, _mm256_fmadd_ps(w1, load8_avx2(v1, c, DT), x));
+        }
+    }
+    for (; j < nr; j++) {
+        const unsigned char *v0 = v + (size_t)j * vb;
+        __m256 w0 = _mm256_broadcast_ss(w + (size_t)j * ls);
+        for (int c = 0; c < d; c += 8)
+            _mm256_storeu_ps(o + c, _mm256_fmadd_ps(w0, load8_avx2(v0, c, DT),
+                                                    _mm256_loadu_ps(o + c)));
+    }
 }
 
 /* Groups of 5..8 queries go as 4 + the rest, each over the whole block (the second pass reads
  * the block from L1): one pass over 8 would hold 8 weights and 8 accumulators per column
  * vector, so it could keep only one column vector in flight and would load a weight per FMA. */
 ATTN_AVX2_INLINE void accum_nq_avx2(const unsigned char *v, size_t vb, int nr, const float *w,
-                                    int d, float *o, const int NQ, const int DT)
+                                    int ls, int d, float *o, const int NQ, const int DT)
 {
-    if (NQ <= 4) {
-        accum_part_avx2(v, vb, nr, w, d, o, NQ, DT);
+    if (NQ == 1 && d % 8 == 0) {
+        accum_rows1_avx2(v, vb, nr, w, ls, d, o, DT);
         return;
     }
-    accum_part_avx2(v, vb, nr, w, d, o, 4, DT);
-    accum_part_avx2(v, vb, nr, w + 4, d, o + (size_t)4 * d, NQ - 4, DT);
+    if (NQ <= 4) {
+        accum_part_avx2(v, vb, nr, w, ls, d, o, NQ, DT);
+        return;
+    }
+    accum_part_avx2(v, vb, nr, w, ls, d, o, 4, DT);
+    accum_part_avx2(v, vb, nr, w + 4, ls, d, o + (size_t)4 * d, NQ - 4, DT);
 }
 
 /* One specialisation per (dtype, group size), so every loop above has constant bounds. */
@@ -749,19 +829,19 @@ ATTN_AVX2_INLINE void accum_nq_avx2(const unsigned char *v, size_t vb, int nr, c
           ATTN_NQ_CASES(CALL, 0)
 
 static ATTN_AVX2 void scores_avx2(enum kvcap_dtype dt, const void *k, size_t ks, int nr,
-                                  const float *q, int nq, int d, float *out)
+                                  const float *q, int nq, int d, float *out, int ls)
 {
     size_t kb = ks * elem_size(dt);
-#  define ATTN_SCORES_CALL(N, DT) scores_nq_avx2(k, kb, nr, q, d, out, N, DT)
+#  define ATTN_SCORES_CALL(N, DT) scores_nq_avx2(k, kb, nr, q, d, out, ls, N, DT)
     ATTN_DT_NQ_CASES(ATTN_SCORES_CALL)
 #  undef ATTN_SCORES_CALL
 }
 
 static ATTN_AVX2 void accum_avx2(enum kvcap_dtype dt, const void *v, size_t vs, int nr,
-                                 const float *w, int nq, int d, float *o)
+                                 const float *w, int nq, int d, float *o, int ls)
 {
     size_t vb = vs * elem_size(dt);
-#  define ATTN_ACCUM_CALL(N, DT) accum_nq_avx2(v, vb, nr, w, d, o, N, DT)
+#  define ATTN_ACCUM_CALL(N, DT) accum_nq_avx2(v, vb, nr, w, ls, d, o, N, DT)
     ATTN_DT_NQ_CASES(ATTN_ACCUM_CALL)
 #  undef ATTN_ACCUM_CALL
 }
@@ -964,115 +1044,161 @@ static ATTN_AVX2 void tile_scale_avx2(float *y, const float *f, const float *w, 
     }
 }
 
-/* Small query groups (nq <= 4) leave most of the 8 lanes idle in the layout above, so the maps
- * run on packed vectors instead: lane p*nq + l holds query l of tile t+p, P = 8 / nq tiles per
- * vector. Z is gathered into that layout; y, mt and st are written back in the row kernels'
- * layout ([.][8], lanes >= nq zero). Same operations in the same order per (tile, query) as
- * tile_scores_avx2 / tile_values_avx2, so the results are the same. */
-/* Unpacks a packed vector (lane p*NQ + l) into np rows of the [.][8] layout, `step` floats
- * apart: row p gets lanes p*NQ .. p*NQ + NQ - 1 in lanes 0 .. NQ - 1 and zeros after. NQ is a
- * compile-time constant, so the copies are plain moves. */
-ATTN_AVX2_INLINE void unpack_lanes_nq_avx2(__m256 a, float *dst, size_t step, int np,
-                                           const int NQ)
+/* Small query groups (nq <= 4) leave most of the 8 lanes idle in the layout above, so their
+ * maps run on packed vectors instead, lane p*nq + l = query l of tile t+p, P = 8 / nq tiles
+ * per vector, over the whole span in two passes, so that one shift per query serves every tile
+ * (no per-tile shifts, factors or rescaling pass):
+ *   span_max_avx2: the scores of every tile, and each query's max (log2 units);
+ *   span_values_avx2: the same scores again (the same operations, so the same values),
+ *     p = 2^(s - shift) with the caller's shift per query, Σp per query and y = U p.
+ * Z comes compact, [T][h][nq] (the score kernel with ls = nq), and Y goes out compact,
+ * [T][rv][nq] (the accumulation kernel's weights with ls = nq): both stay in L1 for a span of
+ * 8K tokens, where the lane layout would take 8 / nq times the room. */
+
+/* The packed layout's set-up: bias [m][8] = scaled b2_j cv per lane, and the gather indices
+ * of z (relative to the group's first tile) for a group of np tiles; missing tiles of a last,
+ * short group repeat its last tile. */
+ATTN_AVX2_INLINE __m256i packed_setup_avx2(const float *b2, int m, int h, const float *cv,
+                                           int nq, __m256 vscale, int np, float *bias)
 {
+    const int P = ATTN_LANES / nq;
+    float cvp[ATTN_LANES] = {0};
+    int idx[ATTN_LANES] = {0};
+    for (int p = 0; p < P; p++)
+        for (int l = 0; l < nq; l++) {
+            cvp[p * nq + l] = cv[l];
+            idx[p * nq + l] = ((p < np ? p : np - 1) * h) * nq + l;
+        }
+    const __m256 vcv = _mm256_mul_ps(_mm256_loadu_ps(cvp), vscale);
+    for (int j = 0; bias && j < m; j++)
+        _mm256_storeu_ps(bias + j * ATTN_LANES, _mm256_mul_ps(_mm256_set1_ps(b2[j]), vcv));
+    return _mm256_loadu_si256((const __m256i *)(const void *)idx);
+}
+
+/* The scores of the group of tiles from t into s [m][8]; returns their max per lane. */
+ATTN_AVX2_INLINE __m256 packed_group_scores_avx2(const float *w2, const float *bias, int m,
+                                                 int h, const float *z, int t, int nq,
+                                                 __m256i vidx, __m256 vscale, float *s)
+{
+    __m256 zc[ATTN_SMALL_MAP + 1], mx;
+    const float *zt = z + (size_t)t * h * nq;
+    for (int k = 0; k < h; k++)
+        zc[k] = _mm256_mul_ps(_mm256_i32gather_ps(zt + (size_t)k * nq, vidx, 4), vscale);
+#  define ATTN_PACKED_SCORES(H) mx = map_scores_avx2(w2, bias, m, zc, s, H)
+    ATTN_SMALL_CASES(ATTN_PACKED_SCORES, h)
+#  undef ATTN_PACKED_SCORES
+    return mx;
+}
+
+/* mx[l] = the max of the lanes of query l. */
+static void lanes_max(const float *lanes, int nq, float *mx)
+{
+    for (int l = 0; l < nq; l++) {
+        mx[l] = -INFINITY;
+        for (int i = l; i < ATTN_LANES; i += nq)
+            mx[l] = lanes[i] > mx[l] ? lanes[i] : mx[l];
+    }
+}
+
+static ATTN_AVX2 void span_max_avx2(const float *w2, const float *b2, int m, int h,
+                                    const float *z, const float *cv, float scale, int T, int nq,
+                                    float *sbuf, float *mx)
+{
+    const int P = ATTN_LANES / nq;
+    const __m256 vscale = _mm256_set1_ps(scale * ATTN_LOG2E);
+    float *bias = sbuf + (size_t)m * ATTN_LANES;
+    __m256i vidx = packed_setup_avx2(b2, m, h, cv, nq, vscale, P, bias);
+    __m256 vmx = _mm256_set1_ps(-INFINITY);
+    for (int t = 0; t < T; t += P) {
+        if (T - t < P) /* repeated tiles do not change a max */
+            vidx = packed_setup_avx2(b2, m, h, cv, nq, vscale, T - t, NULL);
+        vmx = _mm256_max_ps(vmx, packed_group_scores_avx2(w2, bias, m, h, z, t, nq, vidx,
+                                                          vscale, sbuf));
+    }
     float lanes[ATTN_LANES];
-    _mm256_storeu_ps(lanes, a);
-    for (int p = 0; p < np; p++) {
-        _mm256_storeu_ps(dst + (size_t)p * step, _mm256_setzero_ps());
-#  pragma GCC unroll 4
-        for (int l = 0; l < NQ; l++)
-            dst[(size_t)p * step + l] = lanes[p * NQ + l];
-    }
+    _mm256_storeu_ps(lanes, vmx);
+    lanes_max(lanes, nq, mx);
 }
 
-ATTN_AVX2_INLINE void unpack_lanes_avx2(__m256 a, float *dst, size_t step, int np, int nq)
+/* p = 2^(s - shift) of one group's scores s [m][8] (lanes past `keep` masked out of the sum),
+ * and y = U p for the group's np tiles into y [np][RV][NQ]; RV and NQ compile-time, so the RV
+ * accumulators stay in registers and the compact stores are plain moves. */
+ATTN_AVX2_INLINE __m256 packed_group_values_avx2(const float *u, int m, float *s, __m256 shift,
+                                                 __m256 keep, int np, float *y, const int RV,
+                                                 const int NQ)
 {
-    switch (nq) {
-    case 1: unpack_lanes_nq_avx2(a, dst, step, np, 1); break;
-    case 2: unpack_lanes_nq_avx2(a, dst, step, np, 2); break;
-    case 3: unpack_lanes_nq_avx2(a, dst, step, np, 3); break;
-    default: unpack_lanes_nq_avx2(a, dst, step, np, 4); break;
-    }
-}
-
-/* p_j = 2^(s_j - mx) in place of s_j, and their sum. */
-ATTN_AVX2_INLINE __m256 packed_exps_avx2(int m, float *s, __m256 mx)
-{
-    __m256 sum = _mm256_setzero_ps();
+    __m256 sum = _mm256_setzero_ps(), acc[ATTN_SMALL_MAP + 1];
     for (int j = 0; j < m; j++) {
-        __m256 p = exp2_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + j * ATTN_LANES), mx));
-        sum = _mm256_add_ps(sum, p);
+        __m256 p = exp2_avx2(_mm256_sub_ps(_mm256_loadu_ps(s + j * ATTN_LANES), shift));
+        sum = _mm256_add_ps(sum, _mm256_and_ps(p, keep));
         _mm256_storeu_ps(s + j * ATTN_LANES, p);
     }
-    return sum;
-}
-
-/* y_r = Σ_j U[r][j] p_j with a compile-time value rank RV: RV independent chains in registers
- * (a separate pass from the exps, whose constants would otherwise push them to the stack). */
-ATTN_AVX2_INLINE void packed_values_avx2(const float *u, int m, const float *p, __m256 *y,
-                                         const int RV)
-{
-    __m256 acc[ATTN_SMALL_MAP + 1];
 #  pragma GCC unroll 16
     for (int r = 0; r < RV; r++)
         acc[r] = _mm256_setzero_ps();
-    for (int j = 0; j < m; j++) {
-        __m256 pj = _mm256_loadu_ps(p + j * ATTN_LANES);
+    for (int j = 0; j < m; j++) { /* a separate loop: the exps' constants would spill acc */
+        __m256 pj = _mm256_loadu_ps(s + j * ATTN_LANES);
 #  pragma GCC unroll 16
         for (int r = 0; r < RV; r++)
             acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(u[(size_t)r * m + j]), pj, acc[r]);
     }
+    float lanes[ATTN_SMALL_MAP + 1][ATTN_LANES];
 #  pragma GCC unroll 16
     for (int r = 0; r < RV; r++)
-        y[r] = acc[r];
+        _mm256_storeu_ps(lanes[r], acc[r]);
+    for (int p = 0; p < np; p++)
+#  pragma GCC unroll 16
+        for (int r = 0; r < RV; r++)
+#  pragma GCC unroll 4
+            for (int l = 0; l < NQ; l++)
+                y[((size_t)p * RV + r) * NQ + l] = lanes[r][p * NQ + l];
+    return sum;
 }
 
-static ATTN_AVX2 void tile_maps_packed_avx2(const float *w2, const float *b2, const float *u,
-                                            int m, int h, int rv, const float *z, const float *cv,
-                                            float scale, int T, int nq, float *y, float *mt,
-                                            float *st, float *sbuf)
+static ATTN_AVX2 void span_values_avx2(const float *w2, const float *b2, const float *u, int m,
+                                       int h, int rv, const float *z, const float *cv,
+                                       float scale, int T, int nq, const float *shift,
+                                       float *y, float *sum, float *sbuf)
 {
     const int P = ATTN_LANES / nq;
     const __m256 vscale = _mm256_set1_ps(scale * ATTN_LOG2E);
-    float cvp[ATTN_LANES] = {0};
-    int lane_idx[ATTN_LANES] = {0};
-    for (int p = 0; p < P; p++)
-        for (int l = 0; l < nq; l++) {
-            cvp[p * nq + l] = cv[l];
-            lane_idx[p * nq + l] = p * h * ATTN_LANES + l;
-        }
-    const __m256 vcv = _mm256_mul_ps(_mm256_loadu_ps(cvp), vscale);
-    float *bias = sbuf + (size_t)tile_chunk(m) * m * ATTN_LANES, *pj = sbuf;
-    for (int j = 0; j < m; j++)
-        _mm256_storeu_ps(bias + j * ATTN_LANES, _mm256_mul_ps(_mm256_set1_ps(b2[j]), vcv));
-    __m256 zc[ATTN_SMALL_MAP + 1], acc[ATTN_SMALL_MAP + 1];
-    const __m256i full_idx = _mm256_loadu_si256((const __m256i *)(const void *)lane_idx);
+    float *bias = sbuf + (size_t)m * ATTN_LANES, lane_shift[ATTN_LANES] = {0};
+    __m256i vidx = packed_setup_avx2(b2, m, h, cv, nq, vscale, P, bias);
+    for (int i = 0; i < ATTN_LANES; i++)
+        lane_shift[i] = i < P * nq ? shift[i % nq] : 0.0f;
+    const __m256 vshift = _mm256_loadu_ps(lane_shift);
+    __m256 keep = _mm256_castsi256_ps(_mm256_set1_epi32(-1)), vsum = _mm256_setzero_ps();
     for (int t = 0; t < T; t += P) {
         int np = T - t < P ? T - t : P;
-        __m256i vidx = full_idx;
-        if (np < P) { /* last group: the missing tiles repeat the last one (not written) */
-            int idx[ATTN_LANES] = {0};
-            for (int p = 0; p < P; p++)
-                for (int l = 0; l < nq; l++)
-                    idx[p * nq + l] = (p < np ? p : np - 1) * h * ATTN_LANES + l;
-            vidx = _mm256_loadu_si256((const __m256i *)(const void *)idx);
+        if (np < P) {
+            int k[ATTN_LANES];
+            for (int i = 0; i < ATTN_LANES; i++)
+                k[i] = i < np * nq ? -1 : 0;
+            keep = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(const void *)k));
+            vidx = packed_setup_avx2(b2, m, h, cv, nq, vscale, np, NULL);
         }
-        const float *zt = z + (size_t)t * h * ATTN_LANES;
-        for (int k = 0; k < h; k++)
-            zc[k] = _mm256_mul_ps(_mm256_i32gather_ps(zt + k * ATTN_LANES, vidx, 4), vscale);
-        __m256 mx;
-#  define ATTN_PACKED_SCORES(H) mx = map_scores_avx2(w2, bias, m, zc, pj, H)
-#  define ATTN_PACKED_VALUES(R) packed_values_avx2(u, m, pj, acc, R)
-        ATTN_SMALL_CASES(ATTN_PACKED_SCORES, h)
-        __m256 sum = packed_exps_avx2(m, pj, mx);
-        ATTN_SMALL_CASES(ATTN_PACKED_VALUES, rv)
-#  undef ATTN_PACKED_SCORES
-#  undef ATTN_PACKED_VALUES
-        for (int r = 0; r < rv; r++)
-            unpack_lanes_avx2(acc[r], y + ((size_t)t * rv + r) * ATTN_LANES,
-                              (size_t)rv * ATTN_LANES, np, nq);
-        unpack_lanes_avx2(mx, mt + (size_t)t * ATTN_LANES, ATTN_LANES, np, nq);
-        unpack_lanes_avx2(sum, st + (size_t)t * ATTN_LANES, ATTN_LANES, np, nq);
+        packed_group_scores_avx2(w2, bias, m, h, z, t, nq, vidx, vscale, sbuf);
+        float *yt = y + (size_t)t * rv * nq;
+#  define ATTN_GROUP_VALUES_NQ(R, N)                                                          \
+      vsum = _mm256_add_ps(vsum, packed_group_values_avx2(u, m, sbuf, vshift, keep, np, yt,   \
+                                                          R, N))
+#  define ATTN_GROUP_VALUES(R)                                                                \
+      switch (nq) {                                                                          \
+      case 1: ATTN_GROUP_VALUES_NQ(R, 1); break;                                             \
+      case 2: ATTN_GROUP_VALUES_NQ(R, 2); break;                                             \
+      case 3: ATTN_GROUP_VALUES_NQ(R, 3); break;                                             \
+      default: ATTN_GROUP_VALUES_NQ(R, 4); break;                                            \
+      }
+        ATTN_SMALL_CASES(ATTN_GROUP_VALUES, rv)
+#  undef ATTN_GROUP_VALUES
+#  undef ATTN_GROUP_VALUES_NQ
+    }
+    float lanes[ATTN_LANES];
+    _mm256_storeu_ps(lanes, vsum);
+    for (int l = 0; l < nq; l++) {
+        sum[l] = 0.0f;
+        for (int i = l; i < P * nq; i += nq)
+            sum[l] += lanes[i];
     }
 }
 
@@ -1081,10 +1207,6 @@ static ATTN_AVX2 void tile_maps_avx2(const float *w2, const float *b2, const flo
                                      int h, int rv, const float *z, const float *cv, float scale,
                                      int T, int nq, float *y, float *mt, float *st, float *sbuf)
 {
-    if (nq <= ATTN_LANES / 2) {
-        tile_maps_packed_avx2(w2, b2, u, m, h, rv, z, cv, scale, T, nq, y, mt, st, sbuf);
-        return;
-    }
     const __m256 vscale = _mm256_set1_ps(scale * ATTN_LOG2E);
     const __m256 vcv = _mm256_mul_ps(_mm256_loadu_ps(cv), vscale);
     int chunk = tile_chunk(m);
@@ -1107,9 +1229,9 @@ static ATTN_AVX2 void tile_maps_avx2(const float *w2, const float *b2, const flo
 
 struct attn_isa {
     void (*scores)(enum kvcap_dtype dt, const void *k, size_t ks, int nr, const float *q, int nq,
-                   int d, float *out);
+                   int d, float *out, int ls);
     void (*accum)(enum kvcap_dtype dt, const void *v, size_t vs, int nr, const float *w, int nq,
-                  int d, float *o);
+                  int d, float *o, int ls);
     void (*load)(enum kvcap_dtype dtype, const void *src, size_t n, float *dst);
     void (*softmax)(float *sc, int nr, float scale, float *m8, float *s8, float *a8);
     void (*bias_max)(float *s, float b, const float *sq, float *cmax, size_t n, float scale);
@@ -1119,16 +1241,23 @@ struct attn_isa {
                       float *mt, float *st, float *sbuf);
     void (*tile_factors)(float *mt, const float *st, int T, float *mx, float *sum);
     void (*tile_scale)(float *y, const float *f, const float *w, int T, int rv);
+    /* whole-span packed maps for nq <= ATTN_LANES / 2 (NULL: tile_maps for every nq) */
+    void (*span_max)(const float *w2, const float *b2, int m, int h, const float *z,
+                     const float *cv, float scale, int T, int nq, float *sbuf, float *mx);
+    void (*span_values)(const float *w2, const float *b2, const float *u, int m, int h, int rv,
+                        const float *z, const float *cv, float scale, int T, int nq,
+                        const float *shift, float *y, float *sum, float *sbuf);
 };
 
 static const struct attn_isa isa_generic = {
     scores_generic,   accum_generic,    load_generic,       softmax_generic,
     bias_max_generic, exp_cols_generic, tile_maps_generic, tile_factors_generic,
-    tile_scale_generic};
+    tile_scale_generic, NULL,           NULL};
 #if ATTN_X86
 static const struct attn_isa isa_avx2 = {
     scores_avx2,   accum_avx2,        load_avx2,      softmax_avx2, bias_max_avx2,
-    exp_cols_avx2, tile_maps_avx2,    tile_factors_avx2, tile_scale_avx2};
+    exp_cols_avx2, tile_maps_avx2,    tile_factors_avx2, tile_scale_avx2, span_max_avx2,
+    span_values_avx2};
 #endif
 
 static atomic_int attn_simd_enabled = 1;
@@ -1298,14 +1427,15 @@ uint64_t kvcap_attend_rows(const struct kvcap_rows *rows, const float *q, int nq
                 s8[l] = l < ng ? acc.sum[g + l] : 0.0f;
             }
             isa->scores(rows->dtype, kb, rows->row_stride, nr, packed_group(qp, g, d), ng,
-                        d, sc);
+                        d, sc, ATTN_LANES);
             isa->softmax(sc, nr, scale, m8, s8, a8);
             for (int l = 0; l < ng; l++) {
                 rescale(acc.o + (size_t)(g + l) * d, d, a8[l]);
                 acc.mx[g + l] = m8[l];
                 acc.sum[g + l] = s8[l];
             }
-            isa->accum(rows->dtype, vb, rows->row_stride, nr, sc, ng, d, acc.o + (size_t)g * d);
+            isa->accum(rows->dtype, vb, rows->row_stride, nr, sc, ng, d, acc.o + (size_t)g * d,
+                       ATTN_LANES);
         }
     }
     if (qp != qstack)
@@ -1483,6 +1613,24 @@ static float merge_factor(struct kvcap_partial acc, int q, int d, float mx, floa
     return b;
 }
 
+/* Moves query q's partial to the shift max(its own, mx) before terms computed with that shift
+ * are added to it (rescaling o and sum by exp(old - new)); returns the shift. */
+static float partial_shift_to(struct kvcap_partial acc, int q, int d, float mx)
+{
+    float im = acc.mx[q], is = acc.sum[q];
+    if (partial_empty(im, is)) {
+        rescale(acc.o + (size_t)q * d, d, 0.0f);
+        acc.mx[q] = mx;
+        acc.sum[q] = 0.0f;
+    } else if (mx > im) {
+        float a = expf(im - mx);
+        rescale(acc.o + (size_t)q * d, d, a);
+        acc.mx[q] = mx;
+        acc.sum[q] = a * is;
+    }
+    return acc.mx[q];
+}
+
 /* Dense maps. Scratch layout (floats), cols = Σ_i tiles_i × nq, column (i, t, q) =
  * off_i + t*nq + q:
  *   ZY   [max(h, rv)][cols]  Z = H q' per column, later Y = U P
@@ -1526,7 +1674,7 @@ static void capsule_attend_dense(const struct kvcap_capsule_maps *maps,
             for (int g = 0; g < nq; g += ATTN_LANES) {
                 int ng = nq - g < ATTN_LANES ? nq - g : ATTN_LANES;
                 isa->scores(sp->dtype, hb, (size_t)d, nr, packed_group(qp, g, d), ng,
-                            d, sc);
+                            d, sc, ATTN_LANES);
                 size_t t = r0 / (size_t)h, a = r0 % (size_t)h; /* row r0 + jj = (t, a) */
                 for (int jj = 0; jj < nr; jj++) {
                     float *zc = ZY + a * cols + off + t * (size_t)nq + (size_t)g;
@@ -1608,14 +1756,16 @@ static void capsule_attend_dense(const struct kvcap_capsule_maps *maps,
                         t++;
                     }
                 }
-                isa->accum(sp->dtype, vb, (size_t)d, nr, sc, ng, d, sp->acc.o + (size_t)g * d);
+                isa->accum(sp->dtype, vb, (size_t)d, nr, sc, ng, d, sp->acc.o + (size_t)g * d,
+                           ATTN_LANES);
             }
         }
         for (int g = 0; g < nq; g += ATTN_LANES) {
             int ng = nq - g < ATTN_LANES ? nq - g : ATTN_LANES;
             for (int l = 0; l < ATTN_LANES; l++)
                 sc[l] = l < ng ? psum[g + l] : 0.0f;
-            isa->accum(sp->dtype, sp->mu, (size_t)d, 1, sc, ng, d, sp->acc.o + (size_t)g * d);
+            isa->accum(sp->dtype, sp->mu, (size_t)d, 1, sc, ng, d, sp->acc.o + (size_t)g * d,
+                       ATTN_LANES);
         }
         off += (size_t)T * nq;
     }
@@ -1626,6 +1776,9 @@ static void capsule_attend_dense(const struct kvcap_capsule_maps *maps,
  *   per tile: scores, own shift mt, Σp and y = U p (tile_maps; the maps stay in L1)
  *   one shift per query: f_t = 2^(mt - max_t mt), folded with the merge factor b into y
  *   o += Ṽᵀ y  (y [T][rv][8] is the row kernel's weight layout) + (Σp) μ.
+ * Groups of nq <= 4 with the AVX2 kernels go compact and packed instead (span_max_avx2): Z
+ * [T][h][nq]; the span's max per query, merged with the partial's shift first; then Σp and y
+ * [T][rv][nq] with that shift, which needs neither tile factors nor a merge factor.
  * Scratch: Z [T][h][8], Y [T][rv][8], mt and st [T][8], sbuf [tile_chunk(m) + 1][m][8], T = the
  * most tiles, then the span's queries packed (packed_floats). */
 static void capsule_attend_tiled(const struct kvcap_capsule_maps *maps,
@@ -1649,31 +1802,46 @@ static void capsule_attend_tiled(const struct kvcap_capsule_maps *maps,
             int ng = nq - g < ATTN_LANES ? nq - g : ATTN_LANES;
             const float *q = sp->q + (size_t)g * d;
             float *o = sp->acc.o + (size_t)g * d;
+            int packed = isa->span_max && ng <= ATTN_LANES / 2, ls = packed ? ng : ATTN_LANES;
             size_t nrows = (size_t)T * h;
             for (size_t r0 = 0; r0 < nrows; r0 += (size_t)B) {
                 int nr = nrows - r0 < (size_t)B ? (int)(nrows - r0) : B;
                 isa->scores(sp->dtype, row_at(sp->hs, sp->dtype, (size_t)d, r0), (size_t)d, nr,
-                            packed_group(qp, g, d), ng, d, Z + r0 * ATTN_LANES);
+                            packed_group(qp, g, d), ng, d, Z + r0 * ls, ls);
             }
             float cv[ATTN_LANES] = {0}, mx[ATTN_LANES], sum[ATTN_LANES];
             float w[ATTN_LANES] = {0}, psum[ATTN_LANES] = {0};
             for (int l = 0; l < ng; l++)
                 cv[l] = sum_f32(q + (size_t)l * d, d);
-            isa->tile_maps(maps->w2, maps->b2, maps->u, m, h, rv, Z, cv, scale, T, ng, Y, mt,
-                           st, sbuf);
-            isa->tile_factors(mt, st, T, mx, sum); /* mt becomes the tiles' factors f_t */
-            for (int l = 0; l < ng; l++) {
-                w[l] = merge_factor(sp->acc, g + l, d, mx[l] * ATTN_LN2, sum[l]);
-                psum[l] = w[l] * sum[l];
+            if (packed) {
+                float shift[ATTN_LANES];
+                isa->span_max(maps->w2, maps->b2, m, h, Z, cv, scale, T, ng, sbuf, mx);
+                for (int l = 0; l < ng; l++) { /* log2 units; the span's own max kept exact */
+                    float nat = mx[l] * ATTN_LN2;
+                    float to = partial_shift_to(sp->acc, g + l, d, nat);
+                    shift[l] = to == nat ? mx[l] : to * ATTN_LOG2E;
+                }
+                isa->span_values(maps->w2, maps->b2, maps->u, m, h, rv, Z, cv, scale, T, ng,
+                                 shift, Y, psum, sbuf);
+                for (int l = 0; l < ng; l++)
+                    sp->acc.sum[g + l] += psum[l];
+            } else {
+                isa->tile_maps(maps->w2, maps->b2, maps->u, m, h, rv, Z, cv, scale, T, ng, Y,
+                               mt, st, sbuf);
+                isa->tile_factors(mt, st, T, mx, sum); /* mt becomes the tiles' factors f_t */
+                for (int l = 0; l < ng; l++) {
+                    w[l] = merge_factor(sp->acc, g + l, d, mx[l] * ATTN_LN2, sum[l]);
+                    psum[l] = w[l] * sum[l];
+                }
+                isa->tile_scale(Y, mt, w, T, rv);
             }
-            isa->tile_scale(Y, mt, w, T, rv);
             nrows = (size_t)T * rv;
             for (size_t r0 = 0; r0 < nrows; r0 += (size_t)B) {
                 int nr = nrows - r0 < (size_t)B ? (int)(nrows - r0) : B;
                 isa->accum(sp->dtype, row_at(sp->vt, sp->dtype, (size_t)d, r0), (size_t)d, nr,
-                           Y + r0 * ATTN_LANES, ng, d, o);
+                           Y + r0 * ls, ng, d, o, ls);
             }
-            isa->accum(sp->dtype, sp->mu, (size_t)d, 1, psum, ng, d, o);
+            isa->accum(sp->dtype, sp->mu, (size_t)d, 1, psum, ng, d, o, ATTN_LANES);
         }
     }
 }
