@@ -765,41 +765,12 @@ ATTN_AVX2_INLINE void accum_part_avx2(const unsigned char *v, size_t vb, int nr,
         }
 }
 
-/* One query: o += w_j v_j + w_{j+1} v_{j+1} over whole rows, two rows at a time, with o in L1
- * rather than in registers, so each row is read once, in address order (the register tiles
- * above would read every row in d / 64 column slices). */
-ATTN_AVX2_INLINE void accum_rows1_avx2(const unsigned char *v, size_t vb, int nr, const float *w,
-                                       int ls, int d, float *o, const int DT)
-{
-    int j = 0;
-    for (; j + 2 <= nr; j += 2) {
-        const unsigned char *v0 = v + (size_t)j * vb, *v1 = v0 + vb;
-        __m256 w0 = _mm256_broadcast_ss(w + (size_t)j * ls);
-        __m256 w1 = _mm256_broadcast_ss(w + (size_t)(j + 1) * ls);
-        for (int c = 0; c < d; c += 8) {
-            __m256 x = _mm256_fmadd_ps(w0, load8_avx2(v0, c, DT), _mm256_loadu_ps(o + c));
-            _mm256_storeu_ps(o + c, _mm256_fmadd_ps(w1, load8_avx2(v1, c, DT), x));
-        }
-    }
-    for (; j < nr; j++) {
-        const unsigned char *v0 = v + (size_t)j * vb;
-        __m256 w0 = _mm256_broadcast_ss(w + (size_t)j * ls);
-        for (int c = 0; c < d; c += 8)
-            _mm256_storeu_ps(o + c, _mm256_fmadd_ps(w0, load8_avx2(v0, c, DT),
-                                                    _mm256_loadu_ps(o + c)));
-    }
-}
-
 /* Groups of 5..8 queries go as 4 + the rest, each over the whole block (the second pass reads
  * the block from L1): one pass over 8 would hold 8 weights and 8 accumulators per column
  * vector, so it could keep only one column vector in flight and would load a weight per FMA. */
 ATTN_AVX2_INLINE void accum_nq_avx2(const unsigned char *v, size_t vb, int nr, const float *w,
                                     int ls, int d, float *o, const int NQ, const int DT)
 {
-    if (NQ == 1 && d % 8 == 0) {
-        accum_rows1_avx2(v, vb, nr, w, ls, d, o, DT);
-        return;
-    }
     if (NQ <= 4) {
         accum_part_avx2(v, vb, nr, w, ls, d, o, NQ, DT);
         return;
