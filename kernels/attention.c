@@ -1061,12 +1061,13 @@ ATTN_AVX2_INLINE __m256 packed_group_scores_avx2(const float *w2, const float *b
     return mx;
 }
 
-/* mx[l] = the max of the lanes of query l. */
+/* mx[l] = the max of the lanes of query l. Lanes past (8 / nq) * nq (nq = 3) belong to no
+ * tile: their gathers and bias are placeholders, so they must not count. */
 static void lanes_max(const float *lanes, int nq, float *mx)
 {
     for (int l = 0; l < nq; l++) {
         mx[l] = -INFINITY;
-        for (int i = l; i < ATTN_LANES; i += nq)
+        for (int i = l; i < ATTN_LANES / nq * nq; i += nq)
             mx[l] = lanes[i] > mx[l] ? lanes[i] : mx[l];
     }
 }
