@@ -597,6 +597,12 @@ ATTN_INLINE float load1(const unsigned char *row, int c, const int DT)
     return f;
 }
 
+/* All-ones in lanes [0, n), zero after: a mask for the first n lanes. */
+ATTN_AVX2_INLINE __m256i lane_prefix_avx2(int n)
+{
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
 /* Stores the scores of P rows from r0, lane p*NQ + l of `sum` (lanes past P*NQ are 0), as
  * rows `ls` floats apart: the lane layout (ls = ATTN_LANES, lanes >= NQ zero) or compact
  * (ls = NQ, so the P rows are P*NQ consecutive floats). */
@@ -607,11 +613,7 @@ ATTN_AVX2_INLINE void store_scores_avx2(__m256 sum, float *out, int r0, const in
         if (P * NQ == ATTN_LANES) {
             _mm256_storeu_ps(out + (size_t)r0 * NQ, sum);
         } else {
-            int keep[ATTN_LANES];
-            for (int i = 0; i < ATTN_LANES; i++)
-                keep[i] = i < P * NQ ? -1 : 0;
-            _mm256_maskstore_ps(out + (size_t)r0 * NQ,
-                                _mm256_loadu_si256((const __m256i *)(const void *)keep), sum);
+            _mm256_maskstore_ps(out + (size_t)r0 * NQ, lane_prefix_avx2(P * NQ), sum);
         }
         return;
     }
@@ -1143,10 +1145,7 @@ static ATTN_AVX2 void span_values_avx2(const float *w2, const float *b2, const f
     for (int t = 0; t < T; t += P) {
         int np = T - t < P ? T - t : P;
         if (np < P) {
-            int k[ATTN_LANES];
-            for (int i = 0; i < ATTN_LANES; i++)
-                k[i] = i < np * nq ? -1 : 0;
-            keep = _mm256_castsi256_ps(_mm256_loadu_si256((const __m256i *)(const void *)k));
+            keep = _mm256_castsi256_ps(lane_prefix_avx2(np * nq));
             vidx = packed_setup_avx2(b2, m, h, cv, nq, vscale, np, NULL);
         }
         packed_group_scores_avx2(w2, bias, m, h, z, t, nq, vidx, vscale, sbuf);
