@@ -637,6 +637,52 @@ static void test_capsule_scratch_too_small(void **state)
     capsule_free(&c, &D);
 }
 
+/* The scratch contract: from any float offset (no alignment asked of the caller) the result is
+ * the same to the bit, and no float outside the nf that kvcap_capsule_scratch_floats asked for
+ * is touched. */
+static void capsule_scratch_offsets(int nq)
+{
+    enum { GUARD = 32 };
+    const float canary = -12345.0f;
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 10);
+    struct capsule_case c = {16, 6, 5, 64, nq, 1, 0, {12}, 0, KVCAP_DTYPE_F16, 0};
+    struct capsule_data D;
+    capsule_build(&r, &c, &D);
+    struct kvcap_capsule_maps maps = {c.m, c.h, c.rv, D.w2, D.b2, D.u};
+    size_t nf = kvcap_capsule_scratch_floats(&maps, 1, 12, c.nq, c.d);
+    size_t no = (size_t)c.nq * (c.d + 2);
+    assert_true(nf > 0);
+    float *buf = alloc_f(nf + GUARD + 16), *first = alloc_f(no);
+    for (int off = 0; off < 16; off++) {
+        for (size_t i = 0; i < nf + GUARD + 16; i++)
+            buf[i] = canary;
+        struct part acc = part_new(c.nq, c.d);
+        struct kvcap_capsule_span span = {D.hs_st[0], D.vt_st[0], D.mu_st[0], c.dtype,
+                                          12,         D.q[0],     acc.p};
+        assert_true(kvcap_capsule_attend(&maps, &span, 1, c.nq, c.d, 0.125f, buf + off, nf) > 0);
+        for (size_t i = 0; i < (size_t)off; i++)
+            assert_true(buf[i] == canary);
+        for (size_t i = off + nf; i < nf + GUARD + 16; i++)
+            assert_true(buf[i] == canary);
+        if (off == 0)
+            memcpy(first, acc.buf, sizeof(float) * no);
+        else
+            assert_memory_equal(acc.buf, first, sizeof(float) * no);
+        free(acc.buf);
+    }
+    free(buf);
+    free(first);
+    capsule_free(&c, &D);
+}
+
+static void test_capsule_scratch_any_offset(void **state)
+{
+    (void)state;
+    capsule_scratch_offsets(3); /* packed maps (with the AVX2 kernels) */
+    capsule_scratch_offsets(7); /* lane maps */
+}
+
 /* ---- edge cases ----------------------------------------------------------------------------- */
 
 /* Scores of magnitude 1e4, exactly representable (integer data, scale 1) so that f32 and double
@@ -863,6 +909,7 @@ int main(void)
         cmocka_unit_test(test_capsule_portable),
         cmocka_unit_test(test_capsule_mixed_with_rows),
         cmocka_unit_test(test_capsule_scratch_too_small),
+        cmocka_unit_test(test_capsule_scratch_any_offset),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
