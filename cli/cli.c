@@ -101,7 +101,8 @@ int cli_progress_callback(int64_t done, int64_t total, void *user)
     return 0;
 }
 
-int cli_cmp_double(const void *a, const void *b)
+/* Ascending order of doubles for qsort. */
+static int cmp_double(const void *a, const void *b)
 {
     double x = *(const double *)a, y = *(const double *)b;
     return (x > y) - (x < y);
@@ -109,6 +110,6 @@ int cli_cmp_double(const void *a, const void *b)
 
 double cli_median(double *x, int n)
 {
-    qsort(x, (size_t)n, sizeof(double), cli_cmp_double);
+    qsort(x, (size_t)n, sizeof(double), cmp_double);
     return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
 }

@@ -21,9 +21,6 @@ int cli_usage_error(const char *fmt, ...);
 /* "1.5 MiB"-style size into buf. */
 const char *cli_bytes(uint64_t bytes, char *buf, size_t cap);
 
-/* Ascending order of doubles for qsort. */
-int cli_cmp_double(const void *a, const void *b);
-
 /* Median of x[0..n), n >= 1 (the mean of the middle two when n is even); sorts x. */
 double cli_median(double *x, int n);
 

@@ -261,10 +261,9 @@ static double runner_time(struct runner *r, double *best)
     }
     for (int i = 0; i < 2 * reps; i++)
         CU(cudaEventDestroy(ev[i]));
-    qsort(ms, (size_t)reps, sizeof *ms, cli_cmp_double);
-    double med = reps % 2 ? ms[reps / 2] : 0.5 * (ms[reps / 2 - 1] + ms[reps / 2]);
+    double med = cli_median(ms, reps);
     if (best)
-        *best = ms[0];
+        *best = ms[0]; /* sorted by cli_median */
     free(ev);
     free(ms);
     return med;
@@ -897,15 +896,8 @@ static int section_flashcache(struct bench *b)
                 CU(cudaEventElapsedTime(&t, j.t_budgets, e1));
                 tot[rep] = a, sc[rep] = s, tk[rep] = t;
             }
-            qsort(tot, (size_t)reps, sizeof *tot, cli_cmp_double);
-            qsort(sc, (size_t)reps, sizeof *sc, cli_cmp_double);
-            qsort(tk, (size_t)reps, sizeof *tk, cli_cmp_double);
-            double mt = tot[reps / 2], ms = sc[reps / 2], mk = tk[reps / 2];
-            if (reps % 2 == 0) {
-                mt = 0.5 * (mt + tot[reps / 2 - 1]);
-                ms = 0.5 * (ms + sc[reps / 2 - 1]);
-                mk = 0.5 * (mk + tk[reps / 2 - 1]);
-            }
+            double mt = cli_median(tot, reps), ms = cli_median(sc, reps);
+            double mk = cli_median(tk, reps);
             char paper[16] = "-", goal[16] = "";
             if (L == 28 && H == 4 && o->d == 128 && (n == 2048 || n == 4096 || n == 8192))
                 snprintf(paper, sizeof paper, "%.2f", paper_ms[n == 2048 ? 0 : n == 4096 ? 1 : 2]);
@@ -1169,9 +1161,8 @@ static void fkv_context(struct bench *b, struct fkv *x, void *kc, void *vc)
     }
     float total = 0;
     CU(cudaEventElapsedTime(&total, ev[1], ev[S + 1]));
-    qsort(ms, (size_t)S, sizeof *ms, cli_cmp_double);
     const double mean_us = 1e3 * total / S;
-    const double med_us = 1e3 * (S % 2 ? ms[S / 2] : 0.5 * (ms[S / 2 - 1] + ms[S / 2]));
+    const double med_us = 1e3 * cli_median(ms, S);
 
     int64_t steps = 0, corr = 0, resync = 0, pages = 0, rec = 0, hid = 0;
     uint64_t bytes = 0;
