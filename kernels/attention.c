@@ -1585,20 +1585,11 @@ static float merge_factor(struct kvcap_partial acc, int q, int d, float mx, floa
 }
 
 /* Moves query q's partial to the shift max(its own, mx) before terms computed with that shift
- * are added to it (rescaling o and sum by exp(old - new)); returns the shift. */
+ * are added to it (rescaling o and sum by exp(old - new)); returns the shift. That is merging
+ * an empty partial with shift mx: its factor is not needed, no terms come with it. */
 static float partial_shift_to(struct kvcap_partial acc, int q, int d, float mx)
 {
-    float im = acc.mx[q], is = acc.sum[q];
-    if (partial_empty(im, is)) {
-        rescale(acc.o + (size_t)q * d, d, 0.0f);
-        acc.mx[q] = mx;
-        acc.sum[q] = 0.0f;
-    } else if (mx > im) {
-        float a = expf(im - mx);
-        rescale(acc.o + (size_t)q * d, d, a);
-        acc.mx[q] = mx;
-        acc.sum[q] = a * is;
-    }
+    merge_factor(acc, q, d, mx, 0.0f);
     return acc.mx[q];
 }
 
