@@ -702,6 +702,69 @@ ATTN_AVX2_INLINE void scores_rows1_avx2(const unsigned char *k, size_t kb, const
     store_scores_avx2(hsum8_avx2(acc), out, r0, 8, 1, ls);
 }
 
+/* Four accumulators -> their four horizontal sums, in order, in one 128-bit vector (the same
+ * additions, in the same order, as hsum8_avx2 makes for each of its eight). */
+ATTN_AVX2_INLINE __m128 hsum4_avx2(__m256 a0, __m256 a1, __m256 a2, __m256 a3)
+{
+    __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
+/* The dot products of 3 rows with N <= 4 queries (from query l0 of a packed group of QN) into
+ * acc[r*N + l]. Each 8 columns of a query are loaded once into a register and serve the 3 rows:
+ * 3N accumulators + 3 rows + 1 query fit the 16 registers, so this makes 3 + N loads per 3N
+ * FMAs, where scores_tile_avx2 at NQ > 4 (too many accumulators to keep the queries in
+ * registers) loads a query operand for every FMA and the load ports, not the FMAs, set its pace. */
+ATTN_AVX2_INLINE void scores_pass3_avx2(const unsigned char *k, size_t kb, const float *q, int d,
+                                        __m256 *acc, const int N, const int QN, const int DT)
+{
+#  pragma GCC unroll 12
+    for (int i = 0; i < 3 * N; i++)
+        acc[i] = _mm256_setzero_ps();
+    for (int c = 0; c < d; c += 8) {
+        __m256 kv[3];
+#  pragma GCC unroll 3
+        for (int r = 0; r < 3; r++)
+            kv[r] = load8_avx2(k + (size_t)r * kb, c, DT);
+#  pragma GCC unroll 4
+        for (int l = 0; l < N; l++) {
+            __m256 qv = _mm256_loadu_ps(q + (size_t)c * QN + 8 * l);
+#  pragma GCC unroll 3
+            for (int r = 0; r < 3; r++)
+                acc[r * N + l] = _mm256_fmadd_ps(qv, kv[r], acc[r * N + l]);
+        }
+    }
+}
+
+/* Stores the sums of scores_pass3_avx2's accumulators at out + r*ls (4 lanes, zero past N). */
+ATTN_AVX2_INLINE void scores_store3_avx2(const __m256 *a, float *out, int ls, const int N)
+{
+    const __m256 z = _mm256_setzero_ps();
+#  pragma GCC unroll 3
+    for (int r = 0; r < 3; r++)
+        _mm_storeu_ps(out + (size_t)r * ls,
+                      hsum4_avx2(a[r * N], N > 1 ? a[r * N + 1] : z, N > 2 ? a[r * N + 2] : z,
+                                 N > 3 ? a[r * N + 3] : z));
+}
+
+/* Scores of 3 rows against NQ in [4, 8] queries: queries 0..3, then 4..NQ-1, as two passes over
+ * the rows (the second reads them from L1). Lane layout (ls = ATTN_LANES) or, for NQ = 4, compact. */
+ATTN_AVX2_INLINE void scores_rows3_avx2(const unsigned char *k, size_t kb, const float *q, int d,
+                                        float *out, int ls, const int NQ, const int DT)
+{
+    __m256 acc[12];
+    scores_pass3_avx2(k, kb, q, d, acc, 4, NQ, DT);
+    scores_store3_avx2(acc, out, ls, 4);
+    if (NQ > 4) {
+        scores_pass3_avx2(k, kb, q + 32, d, acc, NQ - 4, NQ, DT);
+        scores_store3_avx2(acc, out + 4, ls, NQ - 4);
+    } else if (ls == ATTN_LANES) {
+#  pragma GCC unroll 3
+        for (int r = 0; r < 3; r++)
+            _mm_storeu_ps(out + (size_t)r * ls + 4, _mm_setzero_ps());
+    }
+}
+
 ATTN_AVX2_INLINE void scores_nq_avx2(const unsigned char *k, size_t kb, int nr, const float *q,
                                      int d, float *out, int ls, const int NQ, const int DT)
 {
@@ -710,6 +773,9 @@ ATTN_AVX2_INLINE void scores_nq_avx2(const unsigned char *k, size_t kb, int nr, 
     if (NQ == 1 && d % 8 == 0) /* packed_group: one query is its d floats, in order */
         for (; j + 8 <= nr; j += 8)
             scores_rows1_avx2(k + (size_t)j * kb, kb, q, d, out, j, ls, DT);
+    if (NQ >= 4 && d % 8 == 0 && (ls == ATTN_LANES || (NQ == 4 && ls == 4)))
+        for (; j + 3 <= nr; j += 3)
+            scores_rows3_avx2(k + (size_t)j * kb, kb, q, d, out + (size_t)j * ls, ls, NQ, DT);
     for (; j + R <= nr; j += R)
         scores_tile_avx2(k + (size_t)j * kb, kb, q, d, out + (size_t)j * ls, ls, R, NQ, DT);
     for (; j < nr; j++)

@@ -199,6 +199,7 @@ static void rows_sweep(int with_ref)
     check_rows(&r, KVCAP_DTYPE_F32, 77, 128, 2, with_ref);
     check_rows(&r, KVCAP_DTYPE_BF16, 77, 64, 8, with_ref);
     check_rows(&r, KVCAP_DTYPE_F16, 100, 96, 6, with_ref); /* value pass split as 4 + 2 */
+    check_rows(&r, KVCAP_DTYPE_F32, 100, 64, 5, with_ref); /* score passes 4 + 1 */
     check_rows(&r, KVCAP_DTYPE_F32, 65, 36, 3, with_ref); /* d % 8 != 0: the scalar tails */
     check_rows(&r, KVCAP_DTYPE_F16, 50, 36, 1, with_ref);
     check_rows(&r, KVCAP_DTYPE_BF16, 33, 20, 5, with_ref);
