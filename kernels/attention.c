@@ -784,11 +784,19 @@ ATTN_AVX2_INLINE void scores_nq_avx2(const unsigned char *k, size_t kb, int nr, 
 
 /* o[l][c0 : c0+8*CH] += Σ_j w[j][l] v_j[...] for NQ <= 4 queries; NQ * CH accumulators (8 or
  * 9 FMA chains in flight) stay in registers over the whole block, next to the CH converted
- * columns of a row and the NQ broadcast weights. */
+ * columns of a row and the NQ broadcast weights.
+ * With `ahead`, each row also prefetches the lines this sweep is the first to touch, of the row
+ * `ahead` bytes further on (the next block's). The sweeps go down the block's rows a few columns
+ * at a time, so a row's lines are first touched sweeps apart: on cold rows each such sweep would
+ * wait for a burst of misses that the hardware prefetchers, which follow address order, do not
+ * foresee; prefetched one block ahead, they arrive while this block computes. */
 ATTN_AVX2_INLINE void accum_tile_avx2(const unsigned char *v, size_t vb, int nr, const float *w,
                                       int ls, float *o, int d, int c0, const int CH,
-                                      const int NQ, const int DT)
+                                      const int NQ, const int DT, size_t ahead)
 {
+    const int ES = DT == 0 ? 4 : 2, NL = (8 * CH * ES + 63) / 64; /* lines a sweep can start */
+    const int first = (c0 * ES + 63) / 64 * 64, end = (c0 + 8 * CH) * ES;
+    const int npf = !ahead ? 0 : end > first ? (end - first + 63) / 64 : 0;
     __m256 acc[16], vv[8], wb[4];
 #  pragma GCC unroll 4
     for (int l = 0; l < NQ; l++)
@@ -797,6 +805,10 @@ ATTN_AVX2_INLINE void accum_tile_avx2(const unsigned char *v, size_t vb, int nr,
             acc[l * CH + hh] = _mm256_loadu_ps(o + (size_t)l * d + c0 + 8 * hh);
     for (int j = 0; j < nr; j++) {
         const unsigned char *vr = v + (size_t)j * vb;
+#  pragma GCC unroll 4
+        for (int i = 0; i < NL; i++)
+            if (i < npf)
+                _mm_prefetch((const char *)(vr + ahead + first + 64 * i), _MM_HINT_T0);
 #  pragma GCC unroll 4
         for (int l = 0; l < NQ; l++)
             wb[l] = _mm256_broadcast_ss(w + (size_t)j * ls + l);
@@ -816,14 +828,15 @@ ATTN_AVX2_INLINE void accum_tile_avx2(const unsigned char *v, size_t vb, int nr,
 }
 
 ATTN_AVX2_INLINE void accum_part_avx2(const unsigned char *v, size_t vb, int nr, const float *w,
-                                      int ls, int d, float *o, const int NQ, const int DT)
+                                      int ls, int d, float *o, const int NQ, const int DT,
+                                      size_t ahead)
 {
     const int CH = NQ == 1 ? 8 : NQ == 2 ? 4 : NQ == 3 ? 3 : 2;
     int c = 0;
     for (; c + 8 * CH <= d; c += 8 * CH)
-        accum_tile_avx2(v, vb, nr, w, ls, o, d, c, CH, NQ, DT);
+        accum_tile_avx2(v, vb, nr, w, ls, o, d, c, CH, NQ, DT, ahead);
     for (; c + 8 <= d; c += 8)
-        accum_tile_avx2(v, vb, nr, w, ls, o, d, c, 1, NQ, DT);
+        accum_tile_avx2(v, vb, nr, w, ls, o, d, c, 1, NQ, DT, ahead);
     for (; c < d; c++)
         for (int l = 0; l < NQ; l++) {
             float a = o[(size_t)l * d + c];
@@ -839,12 +852,13 @@ ATTN_AVX2_INLINE void accum_part_avx2(const unsigned char *v, size_t vb, int nr,
 ATTN_AVX2_INLINE void accum_nq_avx2(const unsigned char *v, size_t vb, int nr, const float *w,
                                     int ls, int d, float *o, const int NQ, const int DT)
 {
-    if (NQ <= 4) {
-        accum_part_avx2(v, vb, nr, w, ls, d, o, NQ, DT);
+    if (NQ <= 4) { /* prefetching ahead: cold, 2-6 % slower at 1 and 2 queries, no faster at 4 */
+        accum_part_avx2(v, vb, nr, w, ls, d, o, NQ, DT, 0);
         return;
     }
-    accum_part_avx2(v, vb, nr, w, ls, d, o, 4, DT);
-    accum_part_avx2(v, vb, nr, w + 4, ls, d, o + (size_t)4 * d, NQ - 4, DT);
+    /* the next block, where rows are contiguous: cold, 1-9 % faster at 7 queries, 11 % at 8 */
+    accum_part_avx2(v, vb, nr, w, ls, d, o, 4, DT, (size_t)nr * vb);
+    accum_part_avx2(v, vb, nr, w + 4, ls, d, o + (size_t)4 * d, NQ - 4, DT, 0);
 }
 
 /* One specialisation per (dtype, group size), so every loop above has constant bounds. */
