@@ -710,11 +710,13 @@ ATTN_AVX2_INLINE __m128 hsum4_avx2(__m256 a0, __m256 a1, __m256 a2, __m256 a3)
     return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
-/* The dot products of 3 rows with N <= 4 queries (from query l0 of a packed group of QN) into
- * acc[r*N + l]. Each 8 columns of a query are loaded once into a register and serve the 3 rows:
- * 3N accumulators + 3 rows + 1 query fit the 16 registers, so this makes 3 + N loads per 3N
- * FMAs, where scores_tile_avx2 at NQ > 4 (too many accumulators to keep the queries in
- * registers) loads a query operand for every FMA and the load ports, not the FMAs, set its pace. */
+/* The dot products of 3 rows with N <= 4 queries into acc[r*N + l]; q is the pass's first
+ * query within a packed group of QN (pack_queries: 8 columns of each of the QN queries, then
+ * the next 8), so a second pass starts at the group's q + 8 * (its first query). Each 8
+ * columns of a query are loaded once into a register and serve the 3 rows: 3N accumulators +
+ * 3 rows + 1 query fit the 16 registers, so this makes 3 + N loads per 3N FMAs, where
+ * scores_tile_avx2 at NQ > 4 (too many accumulators to keep the queries in registers) loads a
+ * query operand for every FMA and the load ports, not the FMAs, set its pace. */
 ATTN_AVX2_INLINE void scores_pass3_avx2(const unsigned char *k, size_t kb, const float *q, int d,
                                         __m256 *acc, const int N, const int QN, const int DT)
 {
@@ -748,7 +750,8 @@ ATTN_AVX2_INLINE void scores_store3_avx2(const __m256 *a, float *out, int ls, co
 }
 
 /* Scores of 3 rows against NQ in [4, 8] queries: queries 0..3, then 4..NQ-1, as two passes over
- * the rows (the second reads them from L1). Lane layout (ls = ATTN_LANES) or, for NQ = 4, compact. */
+ * the rows (the second reads them from L1). Lane layout (ls = ATTN_LANES) or, for NQ = 4,
+ * compact. */
 ATTN_AVX2_INLINE void scores_rows3_avx2(const unsigned char *k, size_t kb, const float *q, int d,
                                         float *out, int ls, const int NQ, const int DT)
 {
