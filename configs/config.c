@@ -166,9 +166,10 @@ void kvcap_runtime_config_default(struct kvcap_runtime_config *cfg)
     cfg->policy[KVCAP_SPAN_GENERATED] = KVCAP_POLICY_FULL;
     cfg->fallback = KVCAP_POLICY_FLASHCACHE;
     cfg->flashcache = (struct kvcap_flashcache_config){
-        .gamma = 0.1, .retention = 0.4, .min_tokens = 16, .sinks = 4, .window = 32};
+        .gamma = 0.2, .retention = 0.4, .min_tokens = 0, .sinks = 0, .window = 0};
     cfg->vlcache = (struct kvcap_vlcache_config){
-        .p = 0.01, .budget = 0.4, .min_fraction = 0.01, .sinks = 4, .window = 32};
+        .p = 0.01, .budget = 0.4, .min_fraction = 0.01, .recent_fraction = 0.1, .sinks = 0,
+        .window = 0};
     cfg->freekv = (struct kvcap_freekv_config){
         .page_size = 32, .budget = 2048, .tau = 0.9, .sink_pages = 1, .window_pages = 2};
     cfg->streaming = (struct kvcap_streaming_config){.sinks = 4, .window = 1024};
@@ -900,7 +901,8 @@ static enum kvcap_status parse_runtime(struct ctx *c, yaml_node_t *root, void *o
     static const char *const kinds[] = {"vision", "text", "generated", NULL};
     static const char *const flash_keys[] = {"gamma", "retention", "min_tokens", "sinks",
                                              "window", NULL};
-    static const char *const vl_keys[] = {"p", "budget", "min_fraction", "sinks", "window", NULL};
+    static const char *const vl_keys[] = {"p",     "budget", "min_fraction", "recent_fraction",
+                                          "sinks", "window", NULL};
     static const char *const freekv_keys[] = {"page_size", "budget", "tau", "sink_pages",
                                               "window_pages", NULL};
     static const char *const streaming_keys[] = {"sinks", "window", NULL};
@@ -957,6 +959,8 @@ static enum kvcap_status parse_runtime(struct ctx *c, yaml_node_t *root, void *o
         KVCAP_TRY(get_double(c, n, f, "p", (struct drange){0.0, 1.0, 1, 1}, &p->p));
         KVCAP_TRY(get_double(c, n, f, "budget", RATIO, &p->budget));
         KVCAP_TRY(get_double(c, n, f, "min_fraction", RATIO, &p->min_fraction));
+        KVCAP_TRY(get_double(c, n, f, "recent_fraction", (struct drange){0.0, 1.0, 0, 0},
+                             &p->recent_fraction));
         KVCAP_TRY(get_int(c, n, f, "sinks", 0, 1 << 30, &p->sinks));
         KVCAP_TRY(get_int(c, n, f, "window", 0, 1 << 30, &p->window));
     }

@@ -120,13 +120,16 @@ void kvcap_calib_config_free(struct kvcap_calib_config *cfg);
 
 /* ---- Runtime config (libkvcap, per-policy parameters) ---------------------------------- */
 /* FlashCache (DESIGN §5). */
+/* The defaults are the paper's section 3.2 (gamma 0.2, the best of its Table 5 ablation; no
+ * protected tokens, no per-layer floor); sinks, window and min_tokens are kvcap's extension
+ * (the `flashcache+protect` preset of configs/runtime-protected.yaml). */
 struct kvcap_flashcache_config {
-    double gamma;     /* low-pass fraction of DCT coefficients, (0, 1], default 0.1 */
+    double gamma;     /* low-pass fraction of DCT coefficients, (0, 1], default 0.2 */
     double retention; /* global retention rho (kept / span tokens, protected ones
                        * included), (0, 1], default 0.4 */
-    int min_tokens;   /* per-layer budget floor in tokens, default 16 */
-    int sinks;        /* first tokens always kept, default 4 */
-    int window;       /* most recent tokens always kept, default 32 */
+    int min_tokens;   /* per-layer budget floor in tokens, default 0 */
+    int sinks;        /* first tokens always kept, default 0 */
+    int window;       /* most recent tokens always kept, default 0 */
 };
 
 /* VL-Cache (DESIGN §6). */
@@ -135,8 +138,13 @@ struct kvcap_vlcache_config {
     double budget;       /* global budget alpha (mean kept fraction of a span over
                           * layers, protected tokens included), (0, 1], default 0.4 */
     double min_fraction; /* lower clip of beta_l, (0, 1], default 0.01 */
-    int sinks;           /* default 4 */
-    int window;          /* default 32 */
+    double recent_fraction; /* the paper's recent window (its section 5): this fraction of a
+                             * layer's budget goes to the last tokens of the prompt, which
+                             * may lie after the span; [0, 1], default 0.1 */
+    int sinks;           /* first tokens of the span always kept (kvcap's extension),
+                          * default 0 */
+    int window;          /* last tokens of the span always kept (kvcap's extension),
+                          * default 0 */
 };
 
 /* FreeKV (DESIGN §7). budget >= (sink_pages + window_pages + 1) * page_size. */

@@ -2,10 +2,13 @@
  * prefill, per layer, the post-vision queries (kvcap_cache_add_post_queries) attend causally
  * over the prompt held in rows (O(τ·m)), giving the layer's sparsity and per-KV-head token
  * scores (column sums over the query group); layer budgets follow Algorithm 1 and each KV head
- * keeps its top tokens plus the protected ones (sinks, window, the post-vision tokens). The
+ * keeps its top tokens plus the protected ones. As in the paper (its section 5), the protected
+ * ones are a recent window of `recent_fraction` of the layer's budget at the end of the prompt
+ * (only the part that falls inside the span costs span tokens) and the post-vision tokens;
+ * sinks and a window at the end of the span are kvcap's extension (`vlcache+protect`). The
  * post-vision tokens are the last τ tokens of the prompt; the prompt is every span of the
  * sequence held as rows when prefill ends, in order (KVCapsule and FreeKV spans hold none).
- * The budget counts every kept token, so bytes held ≈ β × full per layer. */
+ * The budget counts every kept token of the span, so bytes held ≈ β × full per layer. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -60,9 +63,10 @@ static void layer_head(void *ctx, int h, int thread)
 }
 
 /* Scores of span `span` at `layer` into seg->score ([heads][n]); returns the layer sparsity
- * in *gamma and the number of the span's tokens that are post-vision in *post. */
+ * in *gamma, the number of the span's tokens that are post-vision in *post and the number of
+ * prompt tokens after the span in *after. */
 static enum kvcap_status score_layer(struct kvcap_cache *c, int seq, int layer, int span,
-                                     double *gamma, int *post)
+                                     double *gamma, int *post, int *after)
 {
     const struct kvcap_model_geometry *g = &c->g;
     struct kvcap_seq_layer *sl = kvcap_cache_seq_layer(c, seq, layer);
@@ -131,6 +135,7 @@ static enum kvcap_status score_layer(struct kvcap_cache *c, int seq, int layer, 
         *post = seg->n_tokens - (first_post > 0 ? first_post : 0);
         if (*post < 0)
             *post = 0;
+        *after = j.m - j.offset - seg->n_tokens;
     }
     for (int t = 0; j.scratch && t < c->threads; t++)
         free(j.scratch[t]);
@@ -144,23 +149,28 @@ static enum kvcap_status vlcache_finish(struct kvcap_cache *c, int seq, int span
     int n = kvcap_cache_seq_layer(c, seq, 0)->segs[span].n_tokens;
     double t0 = kvcap_seconds();
     double *gamma = malloc(sizeof(double) * (size_t)L * 2);
-    int *post = malloc(sizeof(int) * (size_t)L);
+    int *post = malloc(sizeof(int) * (size_t)L * 2), *after = post ? post + L : NULL;
     enum kvcap_status st = KVCAP_OK;
     if (!gamma || !post)
         st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "vlcache: out of memory");
     for (int l = 0; st == KVCAP_OK && l < L; l++)
-        st = score_layer(c, seq, l, span, &gamma[l], &post[l]);
+        st = score_layer(c, seq, l, span, &gamma[l], &post[l], &after[l]);
     if (st == KVCAP_OK) {
         double *beta = gamma + L;
         st = kvcap_vlcache_budgets(gamma, L, c->cfg.vlcache.budget, c->cfg.vlcache.min_fraction,
                                    beta);
         for (int l = 0; st == KVCAP_OK && l < L; l++) {
             struct kvcap_segment *seg = &kvcap_cache_seq_layer(c, seq, l)->segs[span];
-            /* protected: sinks, then the window and the post-vision tokens at the end */
-            int sinks = c->cfg.vlcache.sinks < n ? c->cfg.vlcache.sinks : n;
-            int tail = c->cfg.vlcache.window > post[l] ? c->cfg.vlcache.window : post[l];
+            /* protected: sinks, then at the end of the span its window, the post-vision tokens
+             * and the part of the prompt's recent window that reaches into the span */
+            const struct kvcap_vlcache_config *vc = &c->cfg.vlcache;
+            const int kept = (int)llround(beta[l] * n);
+            const int recent = (int)ceil(vc->recent_fraction * kept - 1e-9) - after[l];
+            int sinks = vc->sinks < n ? vc->sinks : n;
+            int tail = vc->window > post[l] ? vc->window : post[l];
+            tail = recent > tail ? recent : tail;
             tail = tail < n - sinks ? tail : n - sinks;
-            int budget = (int)llround(beta[l] * n) - sinks - tail;
+            int budget = kept - sinks - tail;
             st = kvcap_segment_keep_top(c, seg, seg->score + sinks, (size_t)n, sinks, n - tail,
                                         budget);
             if (st == KVCAP_OK)

@@ -224,6 +224,7 @@ static void assert_runtime_equal(const struct kvcap_runtime_config *a,
     assert_true(a->vlcache.p == b->vlcache.p);
     assert_true(a->vlcache.budget == b->vlcache.budget);
     assert_true(a->vlcache.min_fraction == b->vlcache.min_fraction);
+    assert_true(a->vlcache.recent_fraction == b->vlcache.recent_fraction);
     assert_int_equal(a->vlcache.sinks, b->vlcache.sinks);
     assert_int_equal(a->vlcache.window, b->vlcache.window);
     assert_int_equal(a->freekv.page_size, b->freekv.page_size);
@@ -249,13 +250,26 @@ static void test_shipped_runtime(void **state)
     assert_int_equal(d.policy[KVCAP_SPAN_TEXT], KVCAP_POLICY_FULL);
     assert_int_equal(d.policy[KVCAP_SPAN_GENERATED], KVCAP_POLICY_FULL);
     assert_int_equal(d.fallback, KVCAP_POLICY_FLASHCACHE);
-    assert_true(d.flashcache.gamma == 0.1);
+    /* FlashCache and VL-Cache default to their papers: no protected tokens, no floor. */
+    assert_true(d.flashcache.gamma == 0.2);
+    assert_int_equal(d.flashcache.sinks + d.flashcache.window + d.flashcache.min_tokens, 0);
     assert_true(d.vlcache.p == 0.01);
+    assert_true(d.vlcache.recent_fraction == 0.1);
+    assert_int_equal(d.vlcache.sinks + d.vlcache.window, 0);
     assert_int_equal(d.freekv.page_size, 32);
     assert_int_equal(d.freekv.budget, 2048);
     assert_true(d.freekv.tau == 0.9);
     kvcap_runtime_config_free(&r);
     kvcap_runtime_config_free(&d);
+    /* The protected presets' file. */
+    assert_int_equal(kvcap_runtime_config_load_file(SHIPPED "runtime-protected.yaml", &r),
+                     KVCAP_OK);
+    assert_int_equal(r.flashcache.sinks, 4);
+    assert_int_equal(r.flashcache.window, 16);
+    assert_int_equal(r.flashcache.min_tokens, 8);
+    assert_int_equal(r.vlcache.sinks, 4);
+    assert_int_equal(r.vlcache.window, 16);
+    kvcap_runtime_config_free(&r);
 }
 
 /* ---- Defaults and forms ------------------------------------------------------------------ */

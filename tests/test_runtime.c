@@ -456,7 +456,8 @@ static void check_fused(int q_heads, int kv_heads, int d)
     scenario_add(&sc, 2, KVCAP_SPAN_VISION, 8, 8, 3000, &r);
     scenario_gen(&sc, 0, 3, &r);
     scenario_gen(&sc, 2, 2, &r);
-    struct kvcap_cache *c = make_cache(&g, 3, KVCAP_DTYPE_F32, a, NULL);
+    struct kvcap_cache *c = make_cache(&g, 3, KVCAP_DTYPE_F32, a,
+                                       "policies: {vision: kvcapsule}\nfallback: full\n");
     scenario_load(&sc, c);
     scenario_check(&sc, a, c, FUSED_REL_TOL, &r);
     struct kvcap_cache_stats st;
@@ -970,17 +971,22 @@ static void test_flashcache_in_cache(void **state)
     kvcap_cache_free(c);
 }
 
-static void test_vlcache_in_cache(void **state)
+/* VL-Cache in a cache: a vision span, then nt text tokens (the last tau of them post-vision).
+ * Kept per layer: `sinks` first tokens, the top of the rest by column sums, and at the end of
+ * the span the larger of `window` and the part of the prompt's recent window (recent_fraction
+ * of the layer's budget, counted from the end of the prompt) that reaches into the span. */
+static void check_vlcache_in_cache(int nt, int sinks, int window, double recent_fraction)
 {
-    (void)state;
     struct kvcap_model_geometry g = geometry(3, 6, 2, 64);
     int L = g.n_layers, H = g.n_kv_heads, Hq = g.n_q_heads, G = Hq / H, d = g.head_dim;
-    const int nv = 120, nt = 20, tau = 6, sinks = 2, window = 3;
+    const int nv = 120, tau = 6;
     const double alpha = 0.3, p = 0.02;
-    struct kvcap_cache *c = make_cache(&g, 1, KVCAP_DTYPE_F32, NULL,
-                                       "policies: {vision: vlcache, text: full}\n"
-                                       "vlcache: {p: 0.02, budget: 0.3, min_fraction: 0.05, "
-                                       "sinks: 2, window: 3}\n");
+    char yaml[256];
+    snprintf(yaml, sizeof yaml,
+             "policies: {vision: vlcache, text: full}\n"
+             "vlcache: {p: 0.02, budget: 0.3, min_fraction: 0.05, sinks: %d, window: %d, "
+             "recent_fraction: %g}\n", sinks, window, recent_fraction);
+    struct kvcap_cache *c = make_cache(&g, 1, KVCAP_DTYPE_F32, NULL, yaml);
     struct kvcap_rng r;
     kvcap_rng_seed(&r, 22);
     float *vis[3], *txt[3], *post[3];
@@ -1030,17 +1036,21 @@ static void test_vlcache_in_cache(void **state)
     for (int l = 0; l < L; l++) {
         const struct kvcap_segment *seg = &kvcap_cache_seq_layer(c, 0, l)->segs[0];
         int total = (int)llround(beta[l] * nv), keep[128];
+        /* the recent window counts from the end of the prompt: the text span comes first */
+        int recent = (int)ceil(recent_fraction * total - 1e-9) - nt;
+        int tail = recent > window ? recent : window;
+        if (recent_fraction > 0 && nt < 10)
+            assert_true(recent > window); /* the case this variant is for */
         for (int h = 0; h < H; h++) {
             int k = 0;
             for (int j = 0; j < sinks; j++)
                 keep[k++] = j;
             int got = kvcap_topk_indices_ref(score + ((size_t)l * H + h) * m + sinks,
-                                             nv - sinks - window, total - sinks - window,
-                                             keep + k);
+                                             nv - sinks - tail, total - sinks - tail, keep + k);
             for (int i = 0; i < got; i++)
                 keep[k + i] += sinks;
             k += got;
-            for (int j = nv - window; j < nv; j++)
+            for (int j = nv - tail; j < nv; j++)
                 keep[k++] = j;
             expect_rows(seg, &g, h, vis[l] + (size_t)h * nv * d,
                         vis[l] + (size_t)(H + h) * nv * d, keep, k);
@@ -1052,6 +1062,14 @@ static void test_vlcache_in_cache(void **state)
     for (int l = 0; l < L; l++)
         free(vis[l]), free(txt[l]), free(post[l]);
     kvcap_cache_free(c);
+}
+
+static void test_vlcache_in_cache(void **state)
+{
+    (void)state;
+    check_vlcache_in_cache(20, 2, 3, 0.1); /* protected: sinks and a window (the extension) */
+    check_vlcache_in_cache(6, 0, 0, 0.5);  /* the paper's rule: the recent window reaches back
+                                            * through the text into the span, no sinks */
 }
 
 /* ---- Composition: one softmax over four policies equals each policy alone, merged by hand -- */
