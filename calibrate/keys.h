@@ -48,12 +48,22 @@ enum kvcap_status kvcap_key_maps_mse(const struct kvcap_key_maps *k, const float
                                      size_t n_cols, double *mse, double *energy);
 
 /* Closed form from the uncentred Gram C = Σ X Xᵀ (m x m, row-major doubles):
- * M by greedy pivoted Cholesky of C (largest residual diagonal first; rk points), the ridge
+ * M by greedy pivoted Cholesky of C (the point explaining the most residual energy first;
+ * near-ties, within 1e-6·tr C, to the smallest index; then refined by swaps on the
+ * least-squares error; keys.c says why: the mask must not depend on rounding), the ridge
  * least-squares map A = C[:,M] (C[M,M] + λ·mean(diag C[M,M]) I)⁻¹, then the optimal rank-h
  * factorisation A ≈ W2ᵀ W1ᵀ (reduced-rank regression; exact when h >= rk). Linear maps, zero
  * biases: out->gelu = 0. `ridge` is λ, relative to the mean retained diagonal. */
 enum kvcap_status kvcap_keys_closed_form(const double *gram, int m, int rk, int h, double ridge,
                                          struct kvcap_key_maps *out);
+
+/* The two halves of kvcap_keys_closed_form. kvcap_keys_select: the mask alone (rk points,
+ * ascending). kvcap_keys_closed_form_mask: the maps for a given mask (strictly increasing,
+ * in [0, m)). */
+enum kvcap_status kvcap_keys_select(const double *gram, int m, int rk, int32_t *mask);
+enum kvcap_status kvcap_keys_closed_form_mask(const double *gram, int m, const int32_t *mask,
+                                              int rk, int h, double ridge,
+                                              struct kvcap_key_maps *out);
 
 /* What kvcap_keys_train did. */
 struct kvcap_train_report {
