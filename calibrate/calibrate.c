@@ -26,15 +26,27 @@ int kvcap_span_is_validation(const struct kvcap_span_view *span, double fraction
 {
     if (!(fraction > 0))
         return 0;
+    /* Keyed by what rounding cannot change: the grid, p0 and, for the first rows of layer 0,
+     * head 0, which channel has the largest magnitude. The bytes themselves differ between
+     * machines (the engine's BLAS kernels round differently), and hashing them moved spans
+     * across the split, which changed the fit more than any rounding in the Grams did. */
     uint64_t h = 0xcbf29ce484222325ull ^ seed; /* FNV-1a */
-    const int32_t grid[3] = {span->rows, span->cols, span->p0};
-    const unsigned char *p = (const unsigned char *)grid;
-    for (size_t i = 0; i < sizeof grid; i++)
-        h = (h ^ p[i]) * 0x100000001b3ull;
     const struct kvst_tensor *k = span->k[0];
-    size_t n = k->nbytes < 4096 ? k->nbytes : 4096;
-    p = k->data;
-    for (size_t i = 0; i < n; i++)
+    const int d = k->ndim == 3 ? (int)k->shape[2] : 0;
+    const int rows = span->n < 32 ? span->n : 32;
+    int32_t key[3 + 32] = {span->rows, span->cols, span->p0};
+    float row[512]; /* head_dim is at most 256 (DESIGN §9) */
+    for (int r = 0; d > 0 && d <= 512 && r < rows; r++) {
+        const size_t es = kvcap_dtype_size(k->dtype);
+        int best = 0;
+        if (kvcap_convert_to_f32(k->dtype, (const char *)k->data + (size_t)r * d * es, (size_t)d,
+                                 row) == KVCAP_OK)
+            for (int c = 1; c < d; c++)
+                best = fabsf(row[c]) > fabsf(row[best]) ? c : best;
+        key[3 + r] = best;
+    }
+    const unsigned char *p = (const unsigned char *)key;
+    for (size_t i = 0; i < sizeof(int32_t) * (3 + (size_t)rows); i++)
         h = (h ^ p[i]) * 0x100000001b3ull;
     uint64_t x = h;
     return (double)(kvcap_splitmix64(&x) >> 11) * 0x1.0p-53 < fraction;

@@ -61,8 +61,10 @@ enum kvcap_status kvcap_calibrate_validate(struct kvcap_calib_state *state,
                                            const struct kvcap_calibrate_options *o);
 
 /* The split: 1 if the span belongs to the validation set. Keyed by the span's content (grid,
- * p0 and the first bytes of its layer-0 keys) and the seed, so the same span lands on the
- * same side however the dataset is split into shards or runs. */
+ * p0 and the largest-magnitude channel of each of the first 32 rows of its layer-0 keys, head
+ * 0: what rounding differences between machines do not change) and the seed, so the same span
+ * lands on the same side however the dataset is split into shards or runs, and on whichever
+ * machine it was recorded. */
 int kvcap_span_is_validation(const struct kvcap_span_view *span, double fraction, uint64_t seed);
 
 #endif
