@@ -23,7 +23,8 @@ enum {
     MAX_LAYERS = 4096,
     MAX_MASK_TOKENS = 1 << 20,
     MAX_MASK_HEADS = 4096,
-    MAX_MASK_CELLS = 1 << 26 /* layers * tokens of one bucket */
+    MAX_MASK_CELLS = 1 << 26, /* layers * tokens of one bucket */
+    MAX_DEPTHS = 64          /* task depth bins */
 };
 
 /* ---- The metrics, validated ---------------------------------------------------------------- */
@@ -32,17 +33,29 @@ enum {
 struct run {
     const char *id, *policy, *label;
     const char *sample; /* generated text of prompt 0, or NULL */
-    double retention, compression, token_agreement, next_token_agreement, first_divergence_mean;
+    int extension;      /* kvcap's own variant, not a paper's method */
+    double retention;   /* the target */
+    double nominal, realised, kl;
+    double compression, token_agreement, next_token_agreement, first_divergence_mean;
     double nll, nll_full, nll_delta, cos_mean, rel_mean;
-    double bytes_held, bytes_held_full, bytes_read, bytes_read_full, step_ms, step_ms_full;
+    double bytes_held, bytes_held_full, bytes_held_span, bytes_read, bytes_read_full;
+    double step_ms, step_ms_full;
+    double task_accuracy, task_agreement; /* NaN without "task" */
+    double *task_depth;                   /* accuracy per depth bin (NaN: none), or NULL */
+    int n_task_depth;
+    int has_freekv;
+    double fk_head_steps, fk_corrected, fk_reselected, fk_hidden, fk_pages;
     double *rel; /* per layer, n_layers entries, or NULL */
     int curve;   /* index into report.curves */
 };
 
-/* Runs sharing a label form one curve; a curve holding a "full" run is the reference. */
+/* Runs sharing a label form one curve; a curve holding a "full" run is the reference. Papers'
+ * methods come before kvcap's extensions; an extension drawn as a variant of a paper's curve
+ * (the only extension of that policy, e.g. flashcache+protect) shares its colour and shape with
+ * hollow markers. */
 struct curve {
-    const char *label;
-    int reference;
+    const char *label, *policy;
+    int reference, extension;
     const char *color;
     int marker;
 };
@@ -71,10 +84,17 @@ struct report {
     const cJSON *calibration_files, *heldout_files;
     const cJSON *notes; /* array of strings, or NULL */
     double calibration_tokens, heldout_tokens;
-    double span_tokens, tail_tokens, generate_tokens, continuation_tokens, prompts, threads;
+    double head_tokens, span_tokens, tail_tokens, generate_tokens, continuation_tokens;
+    double fidelity_steps, prompts, threads;
     double read_bandwidth_gbs;
+    int has_task; /* the top-level "task" object is present */
+    const char *task_name, *task_line, *task_question, *task_haystack;
+    double task_queries, task_answer_tokens;
+    double *task_depths; /* mean depth per bin, or NULL */
+    int n_depths;
     struct run *runs;
-    const struct run **sorted; /* reference curves first, then by label, then by retention */
+    const struct run **sorted; /* reference curves first, then papers' methods, then kvcap's
+                                * extensions, each by label, then by retention */
     int n_runs;
     struct curve *curves;
     int n_curves;
@@ -150,16 +170,23 @@ static int num_ok(double v, enum num_kind k)
     return 0;
 }
 
-/* Number member `key` of `obj` into *out (NaN when absent or null and not required). */
+/* How much of a member get_number() insists on. */
+enum need { OPTIONAL = 0, REQUIRED = 1, PRESENT = 2 /* the key must be there, null allowed */ };
+
+/* Number member `key` of `obj` into *out (NaN when absent or null and not REQUIRED). */
 static enum kvcap_status get_number(const struct report *r, const cJSON *obj, const char *where,
-                                    const char *key, int required, enum num_kind kind,
+                                    const char *key, enum need need, enum num_kind kind,
                                     double *out)
 {
     char f[256];
     const cJSON *v = member(obj, key);
+    int required = need == REQUIRED;
     *out = NAN;
     if (!v) {
         KVCAP_RETURN_IF(required, KVCAP_ERR_FORMAT, "%s: %s: missing (expected %s)", r->path,
+                        field_name(f, sizeof f, where, key), NUM_TEXT[kind]);
+        KVCAP_RETURN_IF(need == PRESENT && !cJSON_GetObjectItemCaseSensitive(obj, key),
+                        KVCAP_ERR_FORMAT, "%s: %s: missing (expected %s or null)", r->path,
                         field_name(f, sizeof f, where, key), NUM_TEXT[kind]);
         return KVCAP_OK;
     }
@@ -197,15 +224,16 @@ static enum kvcap_status get_string(const struct report *r, const cJSON *obj, co
 }
 
 /* Object member into *out (NULL when absent or null). */
-static enum kvcap_status get_object(const struct report *r, const cJSON *obj, const char *key,
-                                    const cJSON **out)
+static enum kvcap_status get_object(const struct report *r, const cJSON *obj, const char *where,
+                                    const char *key, const cJSON **out)
 {
+    char f[256];
     const cJSON *v = member(obj, key);
     *out = NULL;
     if (!v)
         return KVCAP_OK;
     KVCAP_RETURN_IF(!cJSON_IsObject(v), KVCAP_ERR_FORMAT, "%s: %s: expected an object, got %s",
-                    r->path, key, type_name(v));
+                    r->path, field_name(f, sizeof f, where, key), type_name(v));
     *out = v;
     return KVCAP_OK;
 }
@@ -234,10 +262,12 @@ static enum kvcap_status get_strings(const struct report *r, const cJSON *obj, c
 }
 
 /* Array of numbers into a new array *out (caller frees; NULL when absent or null). `expect` > 0
- * is the required length, named by `expect_what` in messages. */
-static enum kvcap_status get_numbers(const struct report *r, const cJSON *obj, const char *where,
-                                     const char *key, enum num_kind kind, int expect,
-                                     const char *expect_what, double **out, int *n_out)
+ * is the required length, named by `expect_what` in messages; with `nulls`, null elements are
+ * allowed and read as NaN. */
+static enum kvcap_status get_numbers_n(const struct report *r, const cJSON *obj,
+                                       const char *where, const char *key, enum num_kind kind,
+                                       int expect, const char *expect_what, int nulls,
+                                       double **out, int *n_out)
 {
     char f[256];
     const cJSON *v = member(obj, key), *e;
@@ -256,11 +286,15 @@ static enum kvcap_status get_numbers(const struct report *r, const cJSON *obj, c
     int i = 0;
     cJSON_ArrayForEach(e, v)
     {
+        if (nulls && cJSON_IsNull(e)) {
+            a[i++] = NAN;
+            continue;
+        }
         if (!cJSON_IsNumber(e) || !num_ok(e->valuedouble, kind)) {
             free(a);
             if (!cJSON_IsNumber(e))
-                return kvcap_fail(KVCAP_ERR_FORMAT, "%s: %s[%d]: expected %s, got %s", r->path, f,
-                                  i, NUM_TEXT[kind], type_name(e));
+                return kvcap_fail(KVCAP_ERR_FORMAT, "%s: %s[%d]: expected %s%s, got %s", r->path,
+                                  f, i, NUM_TEXT[kind], nulls ? " or null" : "", type_name(e));
             return kvcap_fail(KVCAP_ERR_FORMAT, "%s: %s[%d]: expected %s, got %g", r->path, f, i,
                               NUM_TEXT[kind], e->valuedouble);
         }
@@ -268,6 +302,26 @@ static enum kvcap_status get_numbers(const struct report *r, const cJSON *obj, c
     }
     *out = a;
     *n_out = n;
+    return KVCAP_OK;
+}
+
+static enum kvcap_status get_numbers(const struct report *r, const cJSON *obj, const char *where,
+                                     const char *key, enum num_kind kind, int expect,
+                                     const char *expect_what, double **out, int *n_out)
+{
+    return get_numbers_n(r, obj, where, key, kind, expect, expect_what, 0, out, n_out);
+}
+
+/* A required true or false. */
+static enum kvcap_status get_bool(const struct report *r, const cJSON *obj, const char *where,
+                                  const char *key, int *out)
+{
+    char f[256];
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(obj, key);
+    KVCAP_RETURN_IF(!cJSON_IsBool(v), KVCAP_ERR_FORMAT, "%s: %s: %s (expected true or false%s%s)",
+                    r->path, field_name(f, sizeof f, where, key), v ? "wrong type" : "missing",
+                    v ? ", got " : "", v ? type_name(v) : "");
+    *out = cJSON_IsTrue(v);
     return KVCAP_OK;
 }
 
@@ -311,7 +365,11 @@ static enum kvcap_status parse_run(struct report *r, const cJSON *o, int i)
                     "vlcache, freekv, composition",
                     r->path, where, u->policy);
     KVCAP_TRY(get_string(r, o, where, "label", 1, &u->label));
-    KVCAP_TRY(get_number(r, o, where, "retention", 1, NUM_RETENTION, &u->retention));
+    KVCAP_TRY(get_number(r, o, where, "retention", REQUIRED, NUM_RETENTION, &u->retention));
+    KVCAP_TRY(get_bool(r, o, where, "extension", &u->extension));
+    KVCAP_TRY(get_number(r, o, where, "nominal", REQUIRED, NUM_NONNEG, &u->nominal));
+    KVCAP_TRY(get_number(r, o, where, "realised_retention", PRESENT, NUM_NONNEG, &u->realised));
+    KVCAP_TRY(get_number(r, o, where, "kl", REQUIRED, NUM_NONNEG, &u->kl));
 
     static const struct {
         const char *key;
@@ -326,6 +384,7 @@ static enum kvcap_status parse_run(struct report *r, const cJSON *o, int i)
         {"nll_delta", offsetof(struct run, nll_delta), NUM_ANY},
         {"bytes_held", offsetof(struct run, bytes_held), NUM_NONNEG},
         {"bytes_held_full", offsetof(struct run, bytes_held_full), NUM_NONNEG},
+        {"bytes_held_span", offsetof(struct run, bytes_held_span), NUM_NONNEG},
         {"bytes_read_per_step", offsetof(struct run, bytes_read), NUM_NONNEG},
         {"bytes_read_per_step_full", offsetof(struct run, bytes_read_full), NUM_NONNEG},
         {"step_ms", offsetof(struct run, step_ms), NUM_NONNEG},
@@ -346,6 +405,32 @@ static enum kvcap_status parse_run(struct report *r, const cJSON *o, int i)
     free(a);
     KVCAP_TRY(get_layer_numbers(r, o, where, "attn_rel_err", NUM_NONNEG, &u->rel));
     u->rel_mean = mean_of(u->rel, r->n_layers);
+
+    char sub[48];
+    const cJSON *t;
+    u->task_accuracy = u->task_agreement = NAN;
+    KVCAP_TRY(get_object(r, o, where, "task", &t));
+    if (t) {
+        snprintf(sub, sizeof sub, "%s.task", where);
+        KVCAP_TRY(get_number(r, t, sub, "accuracy", REQUIRED, NUM_FRACTION, &u->task_accuracy));
+        KVCAP_TRY(get_number(r, t, sub, "agreement_full", 0, NUM_FRACTION, &u->task_agreement));
+        KVCAP_TRY(get_numbers_n(r, t, sub, "accuracy_by_depth", NUM_FRACTION, r->n_depths,
+                                "task.depths", 1, &u->task_depth, &u->n_task_depth));
+        KVCAP_RETURN_IF(u->n_task_depth > MAX_DEPTHS, KVCAP_ERR_FORMAT,
+                        "%s: %s.accuracy_by_depth: %d entries exceed the limit of %d", r->path,
+                        sub, u->n_task_depth, MAX_DEPTHS);
+    }
+    u->fk_head_steps = u->fk_corrected = u->fk_reselected = u->fk_hidden = u->fk_pages = NAN;
+    KVCAP_TRY(get_object(r, o, where, "freekv", &t));
+    if (t) {
+        snprintf(sub, sizeof sub, "%s.freekv", where);
+        u->has_freekv = 1;
+        KVCAP_TRY(get_number(r, t, sub, "head_steps", 0, NUM_NONNEG, &u->fk_head_steps));
+        KVCAP_TRY(get_number(r, t, sub, "corrected", 0, NUM_FRACTION, &u->fk_corrected));
+        KVCAP_TRY(get_number(r, t, sub, "reselected", 0, NUM_FRACTION, &u->fk_reselected));
+        KVCAP_TRY(get_number(r, t, sub, "hidden", 0, NUM_FRACTION, &u->fk_hidden));
+        KVCAP_TRY(get_number(r, t, sub, "pages_recalled_per_step", 0, NUM_NONNEG, &u->fk_pages));
+    }
 
     for (int j = 0; j < i; j++)
         KVCAP_RETURN_IF(strcmp(r->runs[j].id, u->id) == 0, KVCAP_ERR_FORMAT,
@@ -499,7 +584,30 @@ static int cmp_curve(const void *pa, const void *pb)
     const struct curve *a = pa, *b = pb;
     if (a->reference != b->reference)
         return a->reference ? -1 : 1;
+    if (a->extension != b->extension)
+        return a->extension ? 1 : -1;
     return strcmp(a->label, b->label);
+}
+
+/* The papers' curve an extension curve is drawn as a variant of: the one papers' curve of its
+ * policy, when the extension is that policy's only one (flashcache+protect of flashcache);
+ * -1 otherwise (three tiled KVCapsule variants get colours of their own). */
+static int variant_of(const struct report *r, int c)
+{
+    const struct curve *cv = &r->curves[c];
+    int base = -1, papers = 0, extensions = 0;
+    for (int k = 0; k < r->n_curves; k++) {
+        const struct curve *o = &r->curves[k];
+        if (o->reference || strcmp(o->policy, cv->policy) != 0)
+            continue;
+        if (o->extension) {
+            extensions++;
+        } else {
+            papers++;
+            base = k;
+        }
+    }
+    return cv->extension && papers == 1 && extensions == 1 ? base : -1;
 }
 
 /* Groups runs into curves by label, gives each a colour and marker, and sorts the runs. */
@@ -514,17 +622,24 @@ static enum kvcap_status build_curves(struct report *r)
         int c = 0;
         while (c < r->n_curves && strcmp(r->curves[c].label, u->label) != 0)
             c++;
-        if (c == r->n_curves)
-            r->curves[r->n_curves++].label = u->label;
+        if (c == r->n_curves) {
+            r->curves[r->n_curves].label = u->label;
+            r->curves[r->n_curves++].policy = u->policy;
+        }
         r->curves[c].reference |= strcmp(u->policy, "full") == 0;
+        r->curves[c].extension |= u->extension;
     }
     qsort(r->curves, (size_t)r->n_curves, sizeof *r->curves, cmp_curve);
     int colored = 0;
     for (int c = 0; c < r->n_curves; c++) {
         struct curve *cv = &r->curves[c];
+        int base = variant_of(r, c);
         if (cv->reference) {
             cv->color = REFERENCE_COLOR;
             cv->marker = 0;
+        } else if (base >= 0) {
+            cv->color = r->curves[base].color;
+            cv->marker = r->curves[base].marker;
         } else {
             cv->color = PALETTE[colored % N_PALETTE];
             cv->marker = colored % N_MARKERS;
@@ -544,8 +659,11 @@ static enum kvcap_status build_curves(struct report *r)
 
 static void report_free(struct report *r)
 {
-    for (int i = 0; r->runs && i < r->n_runs; i++)
+    for (int i = 0; r->runs && i < r->n_runs; i++) {
         free(r->runs[i].rel);
+        free(r->runs[i].task_depth);
+    }
+    free(r->task_depths);
     for (int i = 0; r->masks && i < r->n_masks; i++)
         free(r->masks[i].count);
     free(r->runs);
@@ -603,7 +721,7 @@ static enum kvcap_status report_load(struct report *r, const char *path)
     KVCAP_TRY(get_string(r, root, "", "prompt_sample", 0, &r->prompt_sample));
 
     double layers;
-    KVCAP_TRY(get_object(r, root, "model", &o));
+    KVCAP_TRY(get_object(r, root, "", "model", &o));
     KVCAP_TRY(get_string(r, o, "model", "name", 0, &r->model_name));
     KVCAP_TRY(get_string(r, o, "model", "file", 0, &r->model_file));
     KVCAP_TRY(get_number(r, o, "model", "layers", 0, NUM_POS_COUNT, &layers));
@@ -614,7 +732,7 @@ static enum kvcap_status report_load(struct report *r, const char *path)
                     "%s: model.layers: %g exceeds the limit of %d", path, layers, MAX_LAYERS);
     r->n_layers = isnan(layers) ? 0 : (int)layers;
 
-    KVCAP_TRY(get_object(r, root, "corpus", &o));
+    KVCAP_TRY(get_object(r, root, "", "corpus", &o));
     KVCAP_TRY(get_string(r, o, "corpus", "source", 0, &r->corpus_source));
     KVCAP_TRY(get_strings(r, o, "corpus", "calibration", &r->calibration_files));
     KVCAP_TRY(get_strings(r, o, "corpus", "heldout", &r->heldout_files));
@@ -622,17 +740,38 @@ static enum kvcap_status report_load(struct report *r, const char *path)
                          &r->calibration_tokens));
     KVCAP_TRY(get_number(r, o, "corpus", "heldout_tokens", 0, NUM_COUNT, &r->heldout_tokens));
 
-    KVCAP_TRY(get_object(r, root, "setup", &o));
+    KVCAP_TRY(get_object(r, root, "", "setup", &o));
+    KVCAP_TRY(get_number(r, o, "setup", "head_tokens", 0, NUM_COUNT, &r->head_tokens));
     KVCAP_TRY(get_number(r, o, "setup", "span_tokens", 0, NUM_COUNT, &r->span_tokens));
     KVCAP_TRY(get_number(r, o, "setup", "tail_tokens", 0, NUM_COUNT, &r->tail_tokens));
     KVCAP_TRY(get_number(r, o, "setup", "generate_tokens", 0, NUM_COUNT, &r->generate_tokens));
     KVCAP_TRY(get_number(r, o, "setup", "continuation_tokens", 0, NUM_COUNT,
                          &r->continuation_tokens));
+    KVCAP_TRY(get_number(r, o, "setup", "fidelity_steps", 0, NUM_COUNT, &r->fidelity_steps));
     KVCAP_TRY(get_number(r, o, "setup", "prompts", 0, NUM_COUNT, &r->prompts));
     KVCAP_TRY(get_number(r, o, "setup", "threads", 0, NUM_COUNT, &r->threads));
     KVCAP_TRY(get_string(r, o, "setup", "storage", 0, &r->storage));
     KVCAP_TRY(get_number(r, o, "setup", "read_bandwidth_gbs", 0, NUM_NONNEG,
                          &r->read_bandwidth_gbs));
+
+    /* Before the runs: their task.accuracy_by_depth must match task.depths. */
+    KVCAP_TRY(get_object(r, root, "", "task", &o));
+    r->task_queries = r->task_answer_tokens = NAN;
+    if (o) {
+        r->has_task = 1;
+        KVCAP_TRY(get_string(r, o, "task", "name", 0, &r->task_name));
+        KVCAP_TRY(get_string(r, o, "task", "line", 0, &r->task_line));
+        KVCAP_TRY(get_string(r, o, "task", "question", 0, &r->task_question));
+        KVCAP_TRY(get_string(r, o, "task", "haystack", 0, &r->task_haystack));
+        KVCAP_TRY(get_number(r, o, "task", "queries", 0, NUM_COUNT, &r->task_queries));
+        KVCAP_TRY(get_number(r, o, "task", "answer_tokens", 0, NUM_COUNT,
+                             &r->task_answer_tokens));
+        KVCAP_TRY(get_numbers(r, o, "task", "depths", NUM_FRACTION, 0, NULL, &r->task_depths,
+                              &r->n_depths));
+        KVCAP_RETURN_IF(r->n_depths > MAX_DEPTHS, KVCAP_ERR_FORMAT,
+                        "%s: task.depths: %d entries exceed the limit of %d", path, r->n_depths,
+                        MAX_DEPTHS);
+    }
 
     const cJSON *runs, *masks, *goals;
     KVCAP_TRY(get_array(r, root, "runs", &runs, &r->n_runs));
@@ -789,7 +928,8 @@ static void render_csv(struct buf *b, const struct report *r)
     bputs(b, "id,policy,label,retention,compression,token_agreement,next_token_agreement,"
              "first_divergence_mean,nll,nll_full,nll_delta,attn_cosine_mean,attn_rel_err_mean,"
              "bytes_held,bytes_held_full,bytes_read_per_step,step_ms,step_ms_full,"
-             "step_time_ratio\n");
+             "step_time_ratio,realised_retention,nominal,extension,kl,task_accuracy,"
+             "task_agreement_full,freekv_corrected,freekv_reselected,freekv_hidden\n");
     for (int i = 0; i < r->n_runs; i++) {
         const struct run *u = r->sorted[i];
         csv_text(b, u->id);
@@ -812,9 +952,16 @@ static void render_csv(struct buf *b, const struct report *r)
                             u->bytes_read,
                             u->step_ms,
                             u->step_ms_full,
-                            ratio(u->step_ms, u->step_ms_full)};
+                            ratio(u->step_ms, u->step_ms_full),
+                            u->realised,
+                            u->nominal};
         for (size_t k = 0; k < sizeof v / sizeof v[0]; k++)
             csv_number(b, v[k]);
+        bputs(b, u->extension ? ",true" : ",false");
+        const double w[] = {u->kl,           u->task_accuracy, u->task_agreement,
+                            u->fk_corrected, u->fk_reselected, u->fk_hidden};
+        for (size_t k = 0; k < sizeof w / sizeof w[0]; k++)
+            csv_number(b, w[k]);
         bputs(b, "\n");
     }
 }
@@ -867,68 +1014,117 @@ static int is_reference(const struct report *r, const struct run *u)
     return r->curves[u->curve].reference;
 }
 
-/* Whether the summary ranks runs by next-token agreement (some compressed run has it) rather
- * than by greedy token agreement. */
-static int rank_by_next_token(const struct report *r)
+/* Where a run sits on the memory axis: its realised retention, or its target when the metrics
+ * have none. Plots use it for x, the summary shows it. */
+static double realised_or_target(const struct run *u)
+{
+    return isfinite(u->realised) ? u->realised : u->retention;
+}
+
+/* Whether the realised retention is more than 2 % (relative) away from the target: such a row
+ * is not at an equal budget with its neighbours and is flagged. */
+static int off_target(const struct run *u)
+{
+    return isfinite(u->realised) && fabs(u->realised / u->retention - 1) > 0.02;
+}
+
+/* The full-cache run (the first of the reference curve), or NULL. */
+static const struct run *full_run(const struct report *r)
 {
     for (int i = 0; i < r->n_runs; i++)
-        if (!is_reference(r, &r->runs[i]) && isfinite(r->runs[i].next_token_agreement))
+        if (is_reference(r, r->sorted[i]))
+            return r->sorted[i];
+    return NULL;
+}
+
+static int any_task(const struct report *r)
+{
+    for (int i = 0; i < r->n_runs; i++)
+        if (isfinite(r->runs[i].task_accuracy))
             return 1;
     return 0;
 }
 
-static double rank_value(const struct run *u, int next_token)
+/* -1 when `a` ranks first: larger first (or smaller first with `ascending`), NaN last. */
+static int cmp_measure(double a, double b, int ascending)
 {
-    return next_token ? u->next_token_agreement : u->token_agreement;
+    if (isnan(a) || isnan(b))
+        return isnan(a) == isnan(b) ? 0 : isnan(a) ? 1 : -1;
+    if (a == b)
+        return 0;
+    return (a > b) != ascending ? -1 : 1;
 }
 
-/* The non-reference run with the highest agreement (next-token or greedy, per `next_token`)
- * whose compression is within 25 % of `target`; ties go to the higher compression. */
-static const struct run *best_near(const struct report *r, double target, int next_token)
+/* The summary's order: task accuracy high to low, then KL low to high, then id. */
+static int cmp_rank(const void *pa, const void *pb)
 {
-    const struct run *best = NULL;
+    const struct run *a = *(const struct run *const *)pa, *b = *(const struct run *const *)pb;
+    int c = cmp_measure(a->task_accuracy, b->task_accuracy, 0);
+    if (!c)
+        c = cmp_measure(a->kl, b->kl, 1);
+    return c ? c : strcmp(a->id, b->id);
+}
+
+/* The distinct targets of the compressed runs, ascending, into `out` (room for n_runs). */
+static int targets_of(const struct report *r, double *out)
+{
+    int n = 0;
     for (int i = 0; i < r->n_runs; i++) {
-        const struct run *u = &r->runs[i];
-        double v = rank_value(u, next_token);
-        if (is_reference(r, u) || isnan(u->compression) || isnan(v) ||
-            u->compression < target / 1.25 || u->compression > target * 1.25)
-            continue;
-        double bv = best ? rank_value(best, next_token) : 0;
-        if (!best || v > bv || (v == bv && u->compression > best->compression))
-            best = u;
+        const struct run *u = r->sorted[i];
+        int seen = 0;
+        for (int k = 0; k < n; k++)
+            seen |= out[k] == u->retention;
+        if (!is_reference(r, u) && !seen)
+            out[n++] = u->retention;
     }
-    return best;
+    for (int i = 1; i < n; i++)
+        for (int k = i; k > 0 && out[k - 1] > out[k]; k--) {
+            double t = out[k];
+            out[k] = out[k - 1];
+            out[k - 1] = t;
+        }
+    return n;
+}
+
+/* The compressed runs at target `t`, ranked, into `out`; their count. */
+static int ranked_at(const struct report *r, double t, const struct run **out)
+{
+    int n = 0;
+    for (int i = 0; i < r->n_runs; i++)
+        if (!is_reference(r, r->sorted[i]) && r->sorted[i]->retention == t)
+            out[n++] = r->sorted[i];
+    qsort(out, (size_t)n, sizeof *out, cmp_rank);
+    return n;
 }
 
 static void swatch(struct buf *b, const struct curve *c)
 {
-    bprintf(b, "<span class=\"sw\" style=\"background:%s\"></span>", c->color);
+    bprintf(b, "<span class=\"sw%s\" style=\"%s:%s\"></span>", c->extension ? " ext" : "",
+            c->extension ? "border-color" : "background", c->color);
 }
 
-/* ---- HTML: header, summary, goals ---------------------------------------------------------- */
-
-/* "<strong>label</strong> at retention 0.40 (2.46x, 99.6 % next-token agreement, 99.1 % greedy
- * agreement, dNLL ...)". */
-static void best_clause(struct buf *b, const struct report *r, double target, int next_token)
+/* "kvcapsule tiled" plus a tag when it is kvcap's own variant. */
+static void policy_name(struct buf *b, const struct report *r, const struct run *u)
 {
-    const struct run *u = best_near(r, target, next_token);
-    char d[48];
-    if (!u) {
-        bprintf(b, "no run with a measured %s agreement comes near that compression",
-                next_token ? "next-token" : "greedy token");
-        return;
-    }
-    bputs(b, "<strong>");
+    swatch(b, &r->curves[u->curve]);
     besc(b, u->label);
-    bprintf(b, "</strong> at retention %.2f (%.2f&times;", u->retention, u->compression);
-    if (isfinite(u->next_token_agreement))
-        bprintf(b, ", %.1f&nbsp;%% next-token agreement", 100 * u->next_token_agreement);
-    if (isfinite(u->token_agreement))
-        bprintf(b, ", %.1f&nbsp;%% greedy agreement", 100 * u->token_agreement);
-    if (isfinite(u->nll_delta))
-        bprintf(b, ", &Delta;NLL %s nats/token", fmt_signed(d, sizeof d, u->nll_delta, 4));
-    bputs(b, ")");
+    if (u->extension)
+        bputs(b, " <span class=\"ext-tag\">kvcap extension</span>");
 }
+
+/* KL in nats with enough digits for small values: "0.273", "0.0155", "4.2e-05". */
+static const char *fmt_kl(char *out, size_t cap, double v)
+{
+    if (v == 0)
+        snprintf(out, cap, "0");
+    else if (v >= 0.1)
+        snprintf(out, cap, "%.3f", v);
+    else
+        snprintf(out, cap, "%.2g", v);
+    return out;
+}
+
+/* ---- HTML: header, ranking, what was measured ---------------------------------------------- */
 
 static void render_header(struct buf *b, const struct report *r)
 {
@@ -946,7 +1142,7 @@ static void render_header(struct buf *b, const struct report *r)
     besc(b, base ? base + 1 : r->path);
     bputs(b, "</code></p>\n");
 
-    /* The summary: what was measured, then the answer to "which policy should I use". */
+    /* What was measured, then the answer to "which policy should I use at this budget". */
     bputs(b, "<p class=\"summary\">");
     if (r->model_name) {
         bputs(b, "<strong>");
@@ -959,34 +1155,173 @@ static void render_header(struct buf *b, const struct report *r)
     if (isfinite(r->prompts))
         bprintf(b, " on %s held-out prompt%s", fmt_count(n1, sizeof n1, r->prompts),
                 r->prompts == 1 ? "" : "s");
-    if (r->corpus_source) {
-        bputs(b, " from ");
-        besc(b, r->corpus_source);
-    }
-    if (isfinite(r->heldout_tokens))
-        bprintf(b, " (%s held-out tokens)", fmt_count(n1, sizeof n1, r->heldout_tokens));
     bputs(b, ": each policy compressed the cache of ");
     if (isfinite(r->span_tokens))
         bprintf(b, "a %s-token span", fmt_count(n1, sizeof n1, r->span_tokens));
     else
         bputs(b, "the prompt's compressible span");
-    if (isfinite(r->generate_tokens))
-        bprintf(b, ", then %s tokens were generated greedily and compared with the full cache's",
-                fmt_count(n2, sizeof n2, r->generate_tokens));
+    bputs(b, " to a target share (the memory budget)");
+    if (r->has_task && isfinite(r->task_queries))
+        bprintf(b, ", then answered %s retrieval question%s about lines inside the span",
+                fmt_count(n1, sizeof n1, r->task_queries), r->task_queries == 1 ? "" : "s");
     if (isfinite(r->continuation_tokens))
-        bprintf(b, ", and %s held-out continuation tokens were scored teacher-forced",
+        bprintf(b, "; %s held-out tokens were scored teacher-forced against full's (KL, NLL)",
                 fmt_count(n2, sizeof n2, r->continuation_tokens));
-    int next_token = rank_by_next_token(r);
-    bprintf(b, ". Best by %s at about 2.5&times; compression: ",
-            next_token ? "next-token agreement (teacher-forced, the per-step measure)"
-                       : "greedy token agreement");
-    best_clause(b, r, 2.5, next_token);
-    bputs(b, "; at about 5&times;: ");
-    best_clause(b, r, 5.0, next_token);
-    bputs(b, ".</p>\n");
+    bputs(b, ".");
 
-    /* Facts a reader checks before trusting the numbers. */
-    bputs(b, "<dl class=\"facts\">\n");
+    const struct run *full = full_run(r);
+    double *targets = malloc(sizeof *targets * (size_t)r->n_runs);
+    const struct run **ranked = malloc(sizeof *ranked * (size_t)r->n_runs);
+    if (!targets || !ranked) {
+        b->failed = 1;
+        free(targets);
+        free(ranked);
+        return;
+    }
+    int n_targets = targets_of(r, targets), task = any_task(r);
+    for (int k = 0; k < n_targets; k++) {
+        int n = ranked_at(r, targets[k], ranked); /* n >= 1: a target is some run's */
+        const struct run *u = ranked[0];
+        bprintf(b, "%s %.0f&nbsp;%% of the span: <strong>", k ? ";" : " Best when keeping",
+                100 * targets[k]);
+        besc(b, u->label);
+        bputs(b, "</strong> (");
+        if (u->extension)
+            bputs(b, "a kvcap extension, ");
+        if (task && isfinite(u->task_accuracy))
+            bprintf(b, "%.1f&nbsp;%% task accuracy", 100 * u->task_accuracy);
+        else
+            bprintf(b, "KL %s", isfinite(u->kl) ? fmt_kl(n1, sizeof n1, u->kl) : "not measured");
+        /* When kvcap's own variant wins, the best of the papers' methods too. */
+        for (int i = 1; u->extension && i < n; i++) {
+            const struct run *p = ranked[i];
+            if (p->extension)
+                continue;
+            bputs(b, "; best paper method ");
+            besc(b, p->label);
+            if (task && isfinite(p->task_accuracy))
+                bprintf(b, ", %.1f&nbsp;%%", 100 * p->task_accuracy);
+            else if (isfinite(p->kl))
+                bprintf(b, ", KL %s", fmt_kl(n1, sizeof n1, p->kl));
+            break;
+        }
+        bputs(b, ")");
+    }
+    if (n_targets)
+        bputs(b, ".");
+    if (n_targets && full && task && isfinite(full->task_accuracy))
+        bprintf(b, " Full, the ceiling, answers %.1f&nbsp;%%.", 100 * full->task_accuracy);
+    bputs(b, "</p>\n");
+    bputs(b, "</header>\n");
+    free(targets);
+    free(ranked);
+}
+
+/* A task accuracy as a bar out of 100 % with full's accuracy as a tick, then the number. */
+static void accuracy_bar(struct buf *b, double a, double ceiling)
+{
+    bprintf(b, "<span class=\"ab\"><i style=\"width:%.1f%%\"></i>", 100 * a);
+    if (isfinite(ceiling))
+        bprintf(b, "<b style=\"left:%.1f%%\"></b>", 100 * ceiling);
+    bprintf(b, "</span>%.1f&nbsp;%%", 100 * a);
+}
+
+/* One row of a ranking card; `rank` 0 for full's. */
+static void rank_row(struct buf *b, const struct report *r, const struct run *u, int rank,
+                     double ceiling)
+{
+    char n1[32];
+    bprintf(b, "<tr class=\"%s\" title=\"", rank == 0 ? "ceiling" : rank == 1 ? "win" : "rk");
+    besc(b, u->id);
+    bputs(b, "\">");
+    if (rank)
+        bprintf(b, "<td>%d</td><td class=\"l\">", rank);
+    else
+        bputs(b, "<td></td><td class=\"l\">");
+    policy_name(b, r, u);
+    if (!rank)
+        bputs(b, " <span class=\"unit\">(ceiling)</span>");
+    if (isfinite(u->realised))
+        bprintf(b, "</td><td%s>%.1f&nbsp;%%</td>", off_target(u) ? " class=\"off\"" : "",
+                100 * u->realised);
+    else
+        bputs(b, "</td><td class=\"na\">&mdash;</td>");
+    if (isfinite(u->task_accuracy)) {
+        bputs(b, "<td class=\"acc\">");
+        accuracy_bar(b, u->task_accuracy, ceiling);
+        bputs(b, "</td>");
+    } else {
+        bputs(b, "<td class=\"na\">&mdash;</td>");
+    }
+    if (isfinite(u->kl))
+        bprintf(b, "<td>%s</td>", fmt_kl(n1, sizeof n1, u->kl));
+    else
+        bputs(b, "<td class=\"na\">&mdash;</td>");
+    if (isfinite(u->token_agreement))
+        bprintf(b, "<td class=\"sec\">%.1f&nbsp;%%</td>", 100 * u->token_agreement);
+    else
+        bputs(b, "<td class=\"na\">&mdash;</td>");
+    bputs(b, "</tr>\n");
+}
+
+/* Per target retention, a card ranking the policies by task accuracy, then KL. */
+static void render_ranking(struct buf *b, const struct report *r)
+{
+    double *targets = malloc(sizeof *targets * (size_t)r->n_runs);
+    const struct run **ranked = malloc(sizeof *ranked * (size_t)r->n_runs);
+    if (!targets || !ranked) {
+        b->failed = 1;
+        free(targets);
+        free(ranked);
+        return;
+    }
+    const struct run *full = full_run(r);
+    int n_targets = targets_of(r, targets), task = any_task(r);
+    double ceiling = full ? full->task_accuracy : NAN;
+    bputs(b, "<section class=\"ranking\">\n<h2>Which policy wins at each memory budget</h2>\n");
+    if (!n_targets)
+        bputs(b, "<p class=\"caption\">No compressed runs to rank.</p>\n");
+    bputs(b, "<div class=\"rank-grid\">\n");
+    for (int k = 0; k < n_targets; k++) {
+        int n = ranked_at(r, targets[k], ranked);
+        bprintf(b, "<div class=\"rank-card\"><div class=\"rank-head\">Keep %.0f&nbsp;%% of the span"
+                   " <span class=\"unit\">&middot; %.3g&times; smaller</span></div>\n"
+                   "<table class=\"rank\"><thead><tr><th>#</th><th class=\"l\">Policy</th>"
+                   "<th>Realised<br>retention</th><th class=\"l\">Task accuracy</th>"
+                   "<th>KL<br><span class=\"unit\">nats</span></th>"
+                   "<th class=\"sec\">Greedy<br>agreement</th></tr></thead>\n<tbody>\n",
+                100 * targets[k], 1 / targets[k]);
+        if (full)
+            rank_row(b, r, full, 0, ceiling);
+        for (int i = 0; i < n; i++)
+            rank_row(b, r, ranked[i], i + 1, ceiling);
+        bputs(b, "</tbody></table></div>\n");
+    }
+    bputs(b, "</div>\n<p class=\"caption\">");
+    if (task)
+        bputs(b, "Ranked by task accuracy (answers equal to the true value; the bar's black tick "
+                 "is full's accuracy, the ceiling), then by KL divergence from full's next-token "
+                 "distribution (lower is better). ");
+    else
+        bputs(b, "No run measured the retrieval task: ranked by KL divergence from full's "
+                 "next-token distribution (lower is better). ");
+    bputs(b, "Rows at one budget hold the same share of the span: the realised retention (span "
+             "bytes held over full's; for eviction the share of span tokens kept; for FreeKV the "
+             "share attended per step) is within about 2&nbsp;% of the target, and shown "
+             "<span class=\"key off\">amber</span> where it is not. Greedy agreement (share of "
+             "generated tokens equal to full's) is secondary: it cascades after the first "
+             "difference. Rows tagged <span class=\"ext-tag\">kvcap extension</span> are kvcap's "
+             "own variants, not the papers' methods.</p>\n</section>\n");
+    free(targets);
+    free(ranked);
+}
+
+/* Model, corpus, setup, the task, goals and the command: what a reader checks before trusting
+ * the numbers. */
+static void render_facts(struct buf *b, const struct report *r)
+{
+    char n1[32];
+    bputs(b, "<section>\n<h2>What was measured</h2>\n<dl class=\"facts\">\n");
     if (r->model_name || r->model_file || r->n_layers) {
         bputs(b, "<dt>Model</dt><dd>");
         if (r->model_name)
@@ -1031,13 +1366,41 @@ static void render_header(struct buf *b, const struct report *r)
         }
         bputs(b, "</dd>\n");
     }
+    if (r->has_task) {
+        bputs(b, "<dt>Task</dt><dd>");
+        besc(b, r->task_name ? r->task_name : "retrieval");
+        if (r->task_haystack) {
+            bputs(b, " &middot; ");
+            besc(b, r->task_haystack);
+        }
+        if (r->task_line) {
+            bputs(b, " &middot; a line: <q>");
+            besc(b, r->task_line);
+            bputs(b, "</q>");
+        }
+        if (r->task_question) {
+            bputs(b, " &middot; asked: <q>");
+            besc(b, r->task_question);
+            bputs(b, "</q>");
+        }
+        if (isfinite(r->task_queries))
+            bprintf(b, " &middot; %s queries", fmt_count(n1, sizeof n1, r->task_queries));
+        if (isfinite(r->task_answer_tokens))
+            bprintf(b, ", each answered in %s greedy tokens and exact-matched",
+                    fmt_count(n1, sizeof n1, r->task_answer_tokens));
+        if (r->n_depths)
+            bprintf(b, " &middot; the asked line at %d depths of the span", r->n_depths);
+        bputs(b, "</dd>\n");
+    }
     const struct {
         const char *fmt;
         double v;
-    } setup[] = {{"span %s tokens", r->span_tokens},
+    } setup[] = {{"head %s tokens", r->head_tokens},
+                 {"span %s tokens", r->span_tokens},
                  {"tail %s tokens", r->tail_tokens},
-                 {"%s generated", r->generate_tokens},
-                 {"%s continuation tokens scored", r->continuation_tokens},
+                 {"%s generated greedily", r->generate_tokens},
+                 {"%s continuation tokens scored teacher-forced", r->continuation_tokens},
+                 {"%s decode steps replayed for attention fidelity", r->fidelity_steps},
                  {"%s prompts", r->prompts},
                  {"%s threads", r->threads}};
     int any = r->storage || isfinite(r->read_bandwidth_gbs);
@@ -1082,7 +1445,7 @@ static void render_header(struct buf *b, const struct report *r)
         besc(b, r->command);
         bputs(b, "</pre>\n");
     }
-    bputs(b, "</header>\n");
+    bputs(b, "</section>\n");
 }
 
 /* ---- HTML: the headline table -------------------------------------------------------------- */
@@ -1118,65 +1481,105 @@ static void render_notes(struct buf *b, const struct report *r)
     bputs(b, "</ul>\n");
 }
 
+/* A task accuracy coloured by how much of full's it keeps: green from 95 %, amber from 75 %. */
+static void task_cell(struct buf *b, double a, double ceiling)
+{
+    if (!isfinite(a)) {
+        na_cell(b);
+        return;
+    }
+    double kept = ceiling > 0 ? a / ceiling : isfinite(ceiling) ? 1 : NAN;
+    const char *cls = !isfinite(kept)  ? "plain"
+                      : kept >= 0.95 ? "ag-good"
+                      : kept >= 0.75 ? "ag-warn"
+                                     : "ag-bad";
+    bprintf(b, "<td class=\"%s\">%.1f&nbsp;%%</td>", cls, 100 * a);
+}
+
+static void share_cell(struct buf *b, double v)
+{
+    if (isfinite(v))
+        bprintf(b, "<td>%.1f&nbsp;%%</td>", 100 * v);
+    else
+        na_cell(b);
+}
+
+enum { TABLE_COLUMNS = 12 };
+
 static void render_table(struct buf *b, const struct report *r)
 {
     char n1[32], d[48];
-    bputs(b, "<section>\n<h2>Headline results</h2>\n<div class=\"table-wrap\"><table>\n<thead><tr>"
-             "<th class=\"l\">Policy</th><th>Retention</th><th>Compression</th>"
-             "<th>Greedy<br>agreement<br><span class=\"unit\">");
-    if (isfinite(r->generate_tokens))
-        bprintf(b, "%s generated", fmt_count(n1, sizeof n1, r->generate_tokens));
-    else
-        bputs(b, "generated tokens");
-    bputs(b, "</span></th><th>Next-token<br>agreement<br><span class=\"unit\">");
+    const struct run *full = full_run(r);
+    double ceiling = full ? full->task_accuracy : NAN;
+    bputs(b, "<section>\n<h2>Headline results</h2>\n<div class=\"table-wrap\">"
+             "<table class=\"runs\">\n<thead><tr><th class=\"l\">Policy</th><th>Target<br>retention</th>"
+             "<th>Realised<br>retention<br><span class=\"unit\">of full's span</span></th>"
+             "<th>Task<br>accuracy<br><span class=\"unit\">true answer</span></th>"
+             "<th>Task<br>agreement<br><span class=\"unit\">with full</span></th>"
+             "<th>KL<br>vs full<br><span class=\"unit\">nats/token</span></th>"
+             "<th>&Delta;NLL<br>vs full<br><span class=\"unit\">nats/token</span></th>"
+             "<th>Next-token<br>agreement<br><span class=\"unit\">");
     if (isfinite(r->continuation_tokens))
         bprintf(b, "%s teacher-forced", fmt_count(n1, sizeof n1, r->continuation_tokens));
     else
         bputs(b, "teacher-forced");
-    bputs(b, "</span></th>");
-    bputs(b, "<th>First<br>divergence<br><span class=\"unit\">mean token");
+    bputs(b, "</span></th><th class=\"sec\">Greedy<br>agreement<br><span class=\"unit\">");
     if (isfinite(r->generate_tokens))
-        bprintf(b, " of %s", fmt_count(n1, sizeof n1, r->generate_tokens));
+        bprintf(b, "%s generated", fmt_count(n1, sizeof n1, r->generate_tokens));
+    else
+        bputs(b, "generated tokens");
     bputs(b, "</span></th>"
-             "<th>&Delta;NLL<br>vs full<br><span class=\"unit\">nats/token</span></th>"
-             "<th>Attn.<br>cosine<br><span class=\"unit\">mean of layers</span></th>"
-             "<th>Bytes held<br><span class=\"unit\">MiB</span></th>"
              "<th>Bytes held<br><span class=\"unit\">% of full</span></th>"
-             "<th>Step time<br><span class=\"unit\">vs full</span></th></tr></thead>\n<tbody>\n");
+             "<th>Step time<br><span class=\"unit\">vs full</span></th>"
+             "<th>FreeKV<br>corrected /<br>re-selected /<br>hidden <span class=\"unit\">%</span>"
+             "</th>"
+             "</tr></thead>\n<tbody>\n");
+    int group = -1; /* 0: full, 1: papers' methods, 2: kvcap's extensions */
     for (int i = 0; i < r->n_runs; i++) {
         const struct run *u = r->sorted[i];
-        int first = i == 0 || r->sorted[i - 1]->curve != u->curve;
-        bprintf(b, "<tr class=\"run%s\" title=\"", first && i ? " first" : "");
+        const struct curve *cv = &r->curves[u->curve];
+        int g = cv->reference ? 0 : cv->extension ? 2 : 1;
+        if (g != group && g > 0)
+            bprintf(b, "<tr class=\"group\"><td class=\"l\" colspan=\"%d\">%s</td></tr>\n",
+                    TABLE_COLUMNS,
+                    g == 1 ? "The papers&rsquo; methods"
+                           : "kvcap&rsquo;s extensions &mdash; its own variants, not the "
+                             "papers&rsquo; methods");
+        int first = i > 0 && g == group && r->sorted[i - 1]->curve != u->curve;
+        group = g;
+        bprintf(b, "<tr class=\"run%s%s\" title=\"", first ? " first" : "",
+                u->extension ? " ext" : "");
         besc(b, u->id);
         bputs(b, "\"><td class=\"l\">");
-        swatch(b, &r->curves[u->curve]);
-        besc(b, u->label);
-        bprintf(b, "</td><td>%.2f</td>", u->retention);
-        if (isfinite(u->compression))
-            bprintf(b, "<td>%.2f&times;</td>", u->compression);
+        policy_name(b, r, u);
+        bprintf(b, "</td><td>%.2f", u->retention);
+        if (isfinite(u->nominal) && fabs(u->nominal - u->retention) > 5e-4)
+            bprintf(b, "<br><span class=\"unit\">nominal %.5g</span>", u->nominal);
+        bputs(b, "</td>");
+        if (isfinite(u->realised))
+            bprintf(b, "<td%s>%.1f&nbsp;%%</td>", off_target(u) ? " class=\"off\"" : "",
+                    100 * u->realised);
         else
             na_cell(b);
-        agreement_cell(b, u->token_agreement);
-        agreement_cell(b, u->next_token_agreement);
-        if (isfinite(u->first_divergence_mean))
-            bprintf(b, "<td>%.1f</td>", u->first_divergence_mean);
+        task_cell(b, u->task_accuracy, ceiling);
+        share_cell(b, u->task_agreement);
+        if (isfinite(u->kl))
+            bprintf(b, "<td>%s</td>", fmt_kl(n1, sizeof n1, u->kl));
         else
             na_cell(b);
         if (isfinite(u->nll_delta))
             bprintf(b, "<td>%s</td>", fmt_signed(d, sizeof d, u->nll_delta, 4));
         else
             na_cell(b);
-        if (isfinite(u->cos_mean))
-            bprintf(b, "<td>%.4f</td>", u->cos_mean);
-        else
-            na_cell(b);
-        if (isfinite(u->bytes_held))
-            bprintf(b, "<td>%.2f</td>", u->bytes_held / 1048576.0);
+        agreement_cell(b, u->next_token_agreement);
+        if (isfinite(u->token_agreement))
+            bprintf(b, "<td class=\"sec\">%.1f&nbsp;%%</td>", 100 * u->token_agreement);
         else
             na_cell(b);
         double held = ratio(u->bytes_held, u->bytes_held_full);
         if (isfinite(held))
-            bprintf(b, "<td>%.1f&nbsp;%%</td>", 100 * held);
+            bprintf(b, "<td title=\"%.2f MiB\">%.1f&nbsp;%%</td>", u->bytes_held / 1048576.0,
+                    100 * held);
         else
             na_cell(b);
         double step = ratio(u->step_ms, u->step_ms_full);
@@ -1184,21 +1587,46 @@ static void render_table(struct buf *b, const struct report *r)
             bprintf(b, "<td>%.2f&times;</td>", step);
         else
             na_cell(b);
+        if (u->has_freekv) {
+            bputs(b, "<td class=\"fk\">");
+            const double fk[3] = {u->fk_corrected, u->fk_reselected, u->fk_hidden};
+            for (int k = 0; k < 3; k++) {
+                if (isfinite(fk[k]))
+                    bprintf(b, "%s%.1f", k ? " / " : "", 100 * fk[k]);
+                else
+                    bprintf(b, "%s&mdash;", k ? " / " : "");
+            }
+            bputs(b, "&nbsp;%</td>");
+        } else {
+            na_cell(b);
+        }
         bputs(b, "</tr>\n");
     }
     bputs(b, "</tbody></table></div>\n");
     render_notes(b, r);
-    bputs(b, "<p class=\"caption\">One row per run, grouped by policy. Greedy agreement is the "
-             "share of greedily generated tokens equal to the full cache's; it cascades: once one "
-             "token differs, the two continuations go separate ways and every later token tends "
-             "to differ too. Next-token agreement does not cascade: on the held-out continuation, "
-             "teacher-forced (both caches see the same true text), it is the share of positions "
-             "where the run's most likely next token is full's. Both are coloured "
+    bputs(b, "<p class=\"caption\">One row per run, grouped by policy: full, then the papers' "
+             "methods, then kvcap's extensions. The target is the share of the span a run was "
+             "asked to keep; where the policy's own parameter differs (VL-Cache's alpha, searched "
+             "because its Algorithm&nbsp;1 under-fills the budget) it is shown as nominal. The "
+             "realised retention is what it holds (span bytes over full's; for eviction the "
+             "share of span tokens kept; for FreeKV the share attended per step), "
+             "<span class=\"key off\">amber</span> when more than 2&nbsp;% off the target. "
+             "Task accuracy is coloured by the share of full's accuracy it keeps: "
+             "<span class=\"key ag-good\">&ge;&nbsp;95&nbsp;%</span> "
+             "<span class=\"key ag-warn\">&ge;&nbsp;75&nbsp;%</span> "
+             "<span class=\"key ag-bad\">below</span>. KL and &Delta;NLL are per held-out token, "
+             "teacher-forced (both caches see the same text, no cascade); &Delta;NLL above zero "
+             "predicts the text worse. Next-token agreement is the share of those positions "
+             "whose most likely next token is full's, coloured "
              "<span class=\"key ag-good\">&ge;&nbsp;99&nbsp;%</span> "
              "<span class=\"key ag-warn\">&ge;&nbsp;95&nbsp;%</span> "
-             "<span class=\"key ag-bad\">below</span>; &Delta;NLL above zero means the "
-             "compressed cache predicts the held-out text worse. &mdash; means not measured.</p>\n"
-             "</section>\n");
+             "<span class=\"key ag-bad\">below</span>. Greedy agreement (grey, secondary) "
+             "cascades: once one generated token differs the continuations part. Bytes held "
+             "are all layers after prefill over full's (FreeKV keeps the whole span in host "
+             "memory). FreeKV's column holds the shares of (step, KV head) pairs whose "
+             "speculative selection was corrected, re-selected synchronously, or fully hidden. "
+             "Attention fidelity is in the plots and the per-layer heatmap below. &mdash; means "
+             "not measured or not applicable.</p>\n</section>\n");
 }
 
 /* ---- SVG plotting helpers ------------------------------------------------------------------ */
@@ -1343,47 +1771,60 @@ static void x_grid(struct buf *b, const struct axis *a, double y, double h, cons
     }
 }
 
-/* One marker: circle, square, triangle, diamond or inverted triangle. */
-static void marker(struct buf *b, int shape, double x, double y, const char *color)
+/* One marker: circle, square, triangle, diamond or inverted triangle; `hollow` (kvcap's
+ * extensions) draws the outline only. Leaves the element open for a <title>; close it with
+ * marker_end(). */
+static void marker(struct buf *b, int shape, double x, double y, const char *color, int hollow)
 {
-    const double s = 4.6;
+    const double s = hollow ? 4.0 : 4.6;
+    const char *fill = hollow ? "#fff" : color;
     switch (shape) {
     case 0:
-        bprintf(b, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"%.1f\" fill=\"%s\"", x, y, s, color);
+        bprintf(b, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"%.1f\" fill=\"%s\"", x, y, s, fill);
         break;
     case 1:
         bprintf(b, "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"%s\"",
-                x - s * 0.85, y - s * 0.85, s * 1.7, s * 1.7, color);
+                x - s * 0.85, y - s * 0.85, s * 1.7, s * 1.7, fill);
         break;
     case 2:
         bprintf(b, "<path d=\"M%.1f %.1fl%.1f %.1fh%.1fz\" fill=\"%s\"", x, y - s * 1.1, s * 1.1,
-                s * 1.9, -s * 2.2, color);
+                s * 1.9, -s * 2.2, fill);
         break;
     case 3:
         bprintf(b, "<path d=\"M%.1f %.1fl%.1f %.1fl%.1f %.1fl%.1f %.1fz\" fill=\"%s\"", x,
-                y - s * 1.2, s * 1.2, s * 1.2, -s * 1.2, s * 1.2, -s * 1.2, -s * 1.2, color);
+                y - s * 1.2, s * 1.2, s * 1.2, -s * 1.2, s * 1.2, -s * 1.2, -s * 1.2, fill);
         break;
     default:
         bprintf(b, "<path d=\"M%.1f %.1fl%.1f %.1fh%.1fz\" fill=\"%s\"", x, y + s * 1.1, s * 1.1,
-                -s * 1.9, -s * 2.2, color);
+                -s * 1.9, -s * 2.2, fill);
         break;
     }
-    bputs(b, " stroke=\"#fff\" stroke-width=\"1\">");
+    if (hollow)
+        bprintf(b, " stroke=\"%s\" stroke-width=\"2\">", color);
+    else
+        bputs(b, " stroke=\"#fff\" stroke-width=\"1\">");
 }
 
-/* ---- HTML: fidelity vs retention ----------------------------------------------------------- */
+static void marker_end(struct buf *b, int shape)
+{
+    bputs(b, shape == 0 ? "</circle>" : shape == 1 ? "</rect>" : "</path>");
+}
 
-enum metric { M_AGREEMENT, M_NEXT_TOKEN, M_NLL_DELTA, M_COS_GAP };
+/* ---- HTML: fidelity vs realised retention -------------------------------------------------- */
+
+enum metric { M_TASK, M_KL, M_NLL_DELTA, M_NEXT_TOKEN, M_AGREEMENT, M_COS_GAP };
 
 static double metric_value(const struct run *u, enum metric m)
 {
     switch (m) {
-    case M_AGREEMENT: return 100 * u->token_agreement;
-    case M_NEXT_TOKEN: return 100 * u->next_token_agreement;
+    case M_TASK: return 100 * u->task_accuracy;
+    case M_KL: return u->kl > 0 ? u->kl : NAN; /* not on a log axis */
     case M_NLL_DELTA: return u->nll_delta;
+    case M_NEXT_TOKEN: return 100 * u->next_token_agreement;
+    case M_AGREEMENT: return 100 * u->token_agreement;
     case M_COS_GAP: {
         double g = 1 - u->cos_mean;
-        return g > 0 ? g : NAN; /* not on a log axis */
+        return g > 0 ? g : NAN;
     }
     }
     return NAN;
@@ -1394,8 +1835,8 @@ struct panel_spec {
     const char *title, *ylabel, *better;
 };
 
-/* One plot at (px, py) of outer size pw x ph: title, axes, the reference line, a polyline and
- * markers per curve. */
+/* One plot at (px, py) of outer size pw x ph: title, axes, full's reference line where it has a
+ * value on the axis, a polyline and markers per curve, x at realised retention. */
 static void fidelity_panel(struct buf *b, const struct report *r, const struct panel_spec *ps,
                            const struct axis *xa_in, double px, double py, double pw, double ph)
 {
@@ -1409,15 +1850,10 @@ static void fidelity_panel(struct buf *b, const struct report *r, const struct p
     bputs(b, "</text>\n");
 
     double lo = INFINITY, hi = -INFINITY;
-    int have_reference = 0;
     for (int i = 0; i < r->n_runs; i++) {
         const struct run *u = &r->runs[i];
-        if (is_reference(r, u)) {
-            have_reference = 1;
-            continue;
-        }
         double v = metric_value(u, ps->m);
-        if (isfinite(v)) {
+        if (!is_reference(r, u) && isfinite(v)) {
             lo = fmin(lo, v);
             hi = fmax(hi, v);
         }
@@ -1429,13 +1865,17 @@ static void fidelity_panel(struct buf *b, const struct report *r, const struct p
                 x, y, w, h, x + w / 2, y + h / 2);
         return;
     }
+    const struct run *full = full_run(r);
     struct axis ya, xa = *xa_in;
     double ref = NAN;
-    if (ps->m == M_AGREEMENT || ps->m == M_NEXT_TOKEN) {
-        ref = 100;
-        axis_tight(&ya, lo, 100, 5, 0.04);
+    if (ps->m == M_TASK) {
+        ref = full ? 100 * full->task_accuracy : NAN;
+        axis_linear(&ya, 0, 100, 5);
+    } else if (ps->m == M_AGREEMENT || ps->m == M_NEXT_TOKEN) {
+        ref = full ? 100 : NAN;
+        axis_tight(&ya, fmin(lo, 95), 100, 5, 0.04); /* at least 5 points, none above 100 */
     } else if (ps->m == M_NLL_DELTA) {
-        ref = 0;
+        ref = full ? 0 : NAN;
         axis_tight(&ya, fmin(lo, 0), fmax(hi, 0), 5, 0.04);
     } else {
         axis_log(&ya, lo, hi);
@@ -1450,7 +1890,7 @@ static void fidelity_panel(struct buf *b, const struct report *r, const struct p
     bprintf(b, "<rect class=\"frame\" x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\"/>\n", x,
             y, w, h);
     bprintf(b, "<text class=\"alabel\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">"
-               "retention (fraction of the span kept)</text>\n",
+               "realised retention (share of the span held)</text>\n",
             x + w / 2, y + h + 38);
     bprintf(b, "<text class=\"alabel\" transform=\"translate(%.1f %.1f) rotate(-90)\" "
                "text-anchor=\"middle\">",
@@ -1458,25 +1898,30 @@ static void fidelity_panel(struct buf *b, const struct report *r, const struct p
     besc(b, ps->ylabel);
     bputs(b, "</text>\n");
 
-    if (have_reference && isfinite(ref)) {
+    if (isfinite(ref)) {
         double yr = axis_px(&ya, ref);
         bprintf(b, "<line x1=\"%.1f\" x2=\"%.1f\" y1=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" "
-                   "stroke-width=\"1.6\" stroke-dasharray=\"6 4\"/>\n",
-                x, x + w, yr, yr, REFERENCE_COLOR);
+                   "stroke-width=\"1.6\" stroke-dasharray=\"6 4\"/>"
+                   "<text class=\"reflabel\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">full",
+                x, x + w, yr, yr, REFERENCE_COLOR, x + w - 4, yr + (yr - y < 16 ? 14 : -5));
+        if (ps->m == M_TASK)
+            bprintf(b, " %.1f%%", ref);
+        bputs(b, "</text>\n");
     }
     for (int c = 0; c < r->n_curves; c++) {
         const struct curve *cv = &r->curves[c];
         if (cv->reference)
             continue;
         int n = 0;
-        bprintf(b, "<g><polyline fill=\"none\" stroke=\"%s\" stroke-width=\"2.2\" points=\"",
-                cv->color);
+        bprintf(b, "<g><polyline fill=\"none\" stroke=\"%s\" stroke-width=\"%s\"%s points=\"",
+                cv->color, cv->extension ? "1.8" : "2.2",
+                cv->extension ? " stroke-dasharray=\"5 3\"" : "");
         for (int i = 0; i < r->n_runs; i++) {
             const struct run *u = r->sorted[i];
             double v = metric_value(u, ps->m);
             if (u->curve != c || !isfinite(v))
                 continue;
-            bprintf(b, "%s%.1f,%.1f", n++ ? " " : "", axis_px(&xa, u->retention),
+            bprintf(b, "%s%.1f,%.1f", n++ ? " " : "", axis_px(&xa, realised_or_target(u)),
                     axis_px(&ya, v));
         }
         bputs(b, "\"/>");
@@ -1485,36 +1930,59 @@ static void fidelity_panel(struct buf *b, const struct report *r, const struct p
             double v = metric_value(u, ps->m);
             if (u->curve != c || !isfinite(v))
                 continue;
-            marker(b, cv->marker, axis_px(&xa, u->retention), axis_px(&ya, v), cv->color);
+            marker(b, cv->marker, axis_px(&xa, realised_or_target(u)), axis_px(&ya, v),
+                   cv->color, cv->extension);
             bputs(b, "<title>");
             run_name(b, u);
-            bprintf(b, ": %.4g</title>", v);
-            bputs(b, cv->marker == 0 ? "</circle>" : cv->marker == 1 ? "</rect>" : "</path>");
+            bprintf(b, " (realised %.3f): %.4g</title>", realised_or_target(u), v);
+            marker_end(b, cv->marker);
         }
         bputs(b, "</g>\n");
     }
 }
 
-/* Legend items left to right, wrapping at `width`; returns the height used. */
+/* Width of one legend item. */
+static double legend_item(const struct curve *cv)
+{
+    return 34 + approx_text_width(cv->label, 13) + (cv->reference ? 80 : 0) + 26;
+}
+
+/* Legend items left to right, wrapping at `width`: the papers' methods on one line (or more),
+ * kvcap's extensions on the next; returns the height used. */
 static double curve_legend(struct buf *b, const struct report *r, double x0, double y0,
                            double width, int emit)
 {
-    double x = x0, y = y0 + 12;
+    const double head = 150;
+    double x = x0 + head, y = y0 + 12;
+    int group = -1;
     for (int c = 0; c < r->n_curves; c++) {
         const struct curve *cv = &r->curves[c];
-        double item = 34 + approx_text_width(cv->label, 13) + (cv->reference ? 80 : 0) + 26;
-        if (x > x0 && x + item > x0 + width) {
-            x = x0;
+        int g = cv->extension ? 1 : 0;
+        if (g != group) {
+            if (group >= 0)
+                y += 24;
+            x = x0 + head;
+            group = g;
+            if (emit)
+                bprintf(b, "<text class=\"legend lhead\" x=\"%.1f\" y=\"%.1f\">%s</text>\n", x0,
+                        y + 4.5, g ? "kvcap&#8217;s extensions" : "papers&#8217; methods");
+        }
+        double item = legend_item(cv);
+        if (x > x0 + head && x + item > x0 + width) {
+            x = x0 + head;
             y += 24;
         }
         if (emit) {
             bprintf(b, "<line x1=\"%.1f\" x2=\"%.1f\" y1=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" "
-                       "stroke-width=\"2.2\"%s/>",
+                       "stroke-width=\"%s\"%s/>",
                     x, x + 28, y, y, cv->color,
-                    cv->reference ? " stroke-dasharray=\"6 4\" stroke-width=\"1.6\"" : "");
+                    cv->reference ? "1.6" : cv->extension ? "1.8" : "2.2",
+                    cv->reference   ? " stroke-dasharray=\"6 4\""
+                    : cv->extension ? " stroke-dasharray=\"5 3\""
+                                    : "");
             if (!cv->reference) {
-                marker(b, cv->marker, x + 14, y, cv->color);
-                bputs(b, cv->marker == 0 ? "</circle>" : cv->marker == 1 ? "</rect>" : "</path>");
+                marker(b, cv->marker, x + 14, y, cv->color, cv->extension);
+                marker_end(b, cv->marker);
             }
             bprintf(b, "<text class=\"legend\" x=\"%.1f\" y=\"%.1f\">", x + 34, y + 4.5);
             besc(b, cv->label);
@@ -1528,23 +1996,28 @@ static double curve_legend(struct buf *b, const struct report *r, double x0, dou
 static void render_fidelity(struct buf *b, const struct report *r)
 {
     static const struct panel_spec panels[] = {
-        {M_AGREEMENT, "Greedy agreement with full", "greedy token agreement (%)",
-         "higher is better"},
+        {M_TASK, "Task accuracy (key-value retrieval)", "task accuracy (%)", "higher is better"},
+        {M_KL, "KL divergence from full (teacher-forced)", "KL (nats/token, log scale)",
+         "lower is better"},
+        {M_NLL_DELTA, "NLL change vs full", "\xce\x94NLL (nats/token)", "lower is better"},
         {M_NEXT_TOKEN, "Next-token agreement (teacher-forced)", "next-token agreement (%)",
          "higher is better"},
-        {M_NLL_DELTA, "NLL change vs full", "\xce\x94NLL (nats/token)", "lower is better"},
-        {M_COS_GAP, "Attention output drift", "1 \xe2\x88\x92 cosine (mean over layers)",
-         "lower is better"},
+        {M_AGREEMENT, "Greedy agreement with full (secondary)", "greedy token agreement (%)",
+         "higher is better"},
+        {M_COS_GAP, "Attention output drift (replayed decode steps)",
+         "1 \xe2\x88\x92 cosine (mean over layers)", "lower is better"},
     };
-    /* A 2 x 2 grid: the two agreements on top, NLL and attention drift below. */
-    const double W = 1256, PH = 350, ROW = PH + 16;
+    enum { N_PANELS = sizeof panels / sizeof panels[0] };
+    /* A 2-column grid: task accuracy and KL first, the per-token measures next, greedy
+     * agreement and attention drift last. */
+    const double W = 1256, PH = 330, ROW = PH + 16;
     double rlo = INFINITY, rhi = -INFINITY;
     for (int i = 0; i < r->n_runs; i++)
         if (!is_reference(r, &r->runs[i])) {
-            rlo = fmin(rlo, r->runs[i].retention);
-            rhi = fmax(rhi, r->runs[i].retention);
+            rlo = fmin(rlo, realised_or_target(&r->runs[i]));
+            rhi = fmax(rhi, realised_or_target(&r->runs[i]));
         }
-    bputs(b, "<section>\n<h2>Fidelity vs retention</h2>\n");
+    bputs(b, "<section>\n<h2>Fidelity vs realised retention</h2>\n");
     if (!(rhi >= rlo)) {
         bputs(b, "<p class=\"caption\">No compressed runs to plot.</p>\n</section>\n");
         return;
@@ -1557,23 +2030,117 @@ static void render_fidelity(struct buf *b, const struct report *r)
     xa.hi += pad;
 
     double lh = curve_legend(b, r, 0, 0, W - 20, 0);
+    int rows = (N_PANELS + 1) / 2;
+    double H = lh + 8 + (rows - 1) * ROW + PH;
     bprintf(b, "<figure>\n<svg class=\"fig\" width=\"%.0f\" "
                "height=\"%.0f\" viewBox=\"0 0 %.0f %.0f\" role=\"img\" "
-               "aria-label=\"fidelity vs retention\">\n",
-            W, lh + 8 + ROW + PH, W, lh + 8 + ROW + PH);
+               "aria-label=\"fidelity vs realised retention\">\n",
+            W, H, W, H);
     curve_legend(b, r, 10, 0, W - 20, 1);
-    for (int k = 0; k < 4; k++)
+    for (int k = 0; k < N_PANELS; k++)
         fidelity_panel(b, r, &panels[k], &xa, (k % 2) * W / 2, lh + 8 + (k / 2) * ROW, W / 2,
                        PH);
-    bputs(b, "</svg>\n<figcaption>One line per policy across its retention settings (hover a "
-             "marker for its value). Top left: share of greedily generated tokens equal to the "
-             "full cache's (one early difference changes the rest of the continuation, so this "
-             "falls fast); top right: share of held-out positions, teacher-forced, where the "
-             "most likely next token is full's (each step judged on its own); bottom left: "
-             "change in held-out NLL; bottom right: how far attention outputs drift from full's, "
-             "on a log scale so that small errors stay apart. The dashed line is the full cache "
-             "(100&nbsp;% agreement, &Delta;NLL 0); runs without a measurement are left out of "
-             "that panel.</figcaption>\n</figure>\n</section>\n");
+    bputs(b, "</svg>\n<figcaption>One line per policy across its budgets, each point at the "
+             "share of the span the run really held (hover a marker for its value); kvcap's "
+             "extensions are dashed with hollow markers, and one that varies a single paper's "
+             "method shares its colour. The dashed black line is full: its task accuracy (the "
+             "ceiling), &Delta;NLL 0, 100&nbsp;% agreement; KL is on a log scale (full's is 0). "
+             "Task accuracy: answers equal to the true value. KL and &Delta;NLL: per held-out "
+             "token, teacher-forced. Next-token agreement: share of those positions whose most "
+             "likely token is full's. Greedy agreement cascades after the first differing token. "
+             "Attention drift: 1 &minus; cosine of attention outputs against full's on replayed "
+             "decode steps (full's own queries and K/V). Runs without a measurement are left out "
+             "of that panel.</figcaption>\n</figure>\n</section>\n");
+}
+
+/* ---- HTML: task accuracy by depth ---------------------------------------------------------- */
+
+/* The depth table shows, per policy, the run whose target is nearest this. */
+static const double DEPTH_RETENTION = 0.4;
+
+/* Pale red (0) through pale yellow to green (1), dark text stays readable on each. */
+static void accuracy_color(double t, char out[8])
+{
+    static const unsigned char stops[3][3] = {{244, 199, 195}, {252, 232, 178}, {140, 205, 160}};
+    t = t < 0 ? 0 : t > 1 ? 1 : t;
+    int i = t < 0.5 ? 0 : 1;
+    double f = (t - 0.5 * i) * 2;
+    int c[3];
+    for (int k = 0; k < 3; k++)
+        c[k] = (int)lround(stops[i][k] + f * (stops[i + 1][k] - stops[i][k]));
+    snprintf(out, 8, "#%02x%02x%02x", c[0], c[1], c[2]);
+}
+
+static void depth_cell(struct buf *b, double v)
+{
+    char col[8];
+    if (!isfinite(v)) {
+        na_cell(b);
+        return;
+    }
+    accuracy_color(v, col);
+    bprintf(b, "<td style=\"background:%s\">%.0f&nbsp;%%</td>", col, 100 * v);
+}
+
+static void render_depths(struct buf *b, const struct report *r)
+{
+    int n_bins = r->n_depths;
+    for (int i = 0; i < r->n_runs; i++)
+        if (r->runs[i].n_task_depth > n_bins)
+            n_bins = r->runs[i].n_task_depth;
+    if (!n_bins)
+        return;
+    /* The target nearest DEPTH_RETENTION (the lower one on a tie). */
+    double t = NAN;
+    for (int i = 0; i < r->n_runs; i++) {
+        const struct run *u = r->sorted[i];
+        if (is_reference(r, u) || !u->task_depth)
+            continue;
+        double dt = fabs(u->retention - DEPTH_RETENTION), dc = fabs(t - DEPTH_RETENTION);
+        if (isnan(t) || dt < dc - 1e-12 || (fabs(dt - dc) <= 1e-12 && u->retention < t))
+            t = u->retention;
+    }
+    const struct run *full = full_run(r);
+    bprintf(b, "<section>\n<h2>Task accuracy by depth</h2>\n<p class=\"caption\">Retrieval "
+               "accuracy by where the asked line sits in the span (0&nbsp;%% = its start), for "
+               "each policy's run at target retention %.2f",
+            t);
+    bputs(b, " and for full; each cell is the share of the queries in that depth bin answered "
+             "correctly");
+    if (isfinite(r->task_queries) && r->n_depths)
+        bprintf(b, " (about %.3g queries per bin: read small differences with care)",
+                r->task_queries / r->n_depths);
+    bputs(b, ". A policy that keeps only recent tokens fails at shallow depths; one "
+             "that keeps the wrong tokens fails everywhere.</p>\n<div class=\"table-wrap\">"
+             "<table class=\"depth\">\n<thead><tr><th class=\"l\">Policy</th>"
+             "<th>Realised<br>retention</th>");
+    for (int k = 0; k < n_bins; k++) {
+        if (k < r->n_depths)
+            bprintf(b, "<th>%.0f&nbsp;%%<br><span class=\"unit\">depth</span></th>",
+                    100 * r->task_depths[k]);
+        else
+            bprintf(b, "<th>bin %d</th>", k + 1);
+    }
+    bputs(b, "<th>All<br><span class=\"unit\">depths</span></th></tr></thead>\n<tbody>\n");
+    for (int i = 0; i < r->n_runs; i++) {
+        const struct run *u = r->sorted[i];
+        if (!u->task_depth || (u != full && (is_reference(r, u) || u->retention != t)))
+            continue;
+        bprintf(b, "<tr class=\"%s\" title=\"", u == full ? "ceiling" : "rk");
+        besc(b, u->id);
+        bputs(b, "\"><td class=\"l\">");
+        policy_name(b, r, u);
+        if (isfinite(u->realised))
+            bprintf(b, "</td><td%s>%.1f&nbsp;%%</td>", off_target(u) ? " class=\"off\"" : "",
+                    100 * u->realised);
+        else
+            bputs(b, "</td><td class=\"na\">&mdash;</td>");
+        for (int k = 0; k < n_bins; k++)
+            depth_cell(b, k < u->n_task_depth ? u->task_depth[k] : NAN);
+        depth_cell(b, u->task_accuracy);
+        bputs(b, "</tr>\n");
+    }
+    bputs(b, "</tbody></table></div>\n</section>\n");
 }
 
 /* ---- HTML: per-layer heatmap --------------------------------------------------------------- */
@@ -1705,7 +2272,8 @@ static void render_heatmap(struct buf *b, const struct report *r)
             nc + lw, ly + 32, hi);
     bputs(b, "</svg>\n<figcaption>Rows are compressed runs (the full cache is the reference and "
              "has no error), columns are layers; a cell is the mean relative L2 error of that "
-             "layer's attention output against full's on held-out queries. Look for rows that "
+             "layer's attention output against full's on replayed decode steps (full's own "
+             "queries and K/V, so errors do not cascade). Look for rows that "
              "stay pale across every layer, and for layers that are dark in every row: those "
              "are where compression hurts.</figcaption>\n</figure>\n</section>\n");
 }
@@ -2098,6 +2666,32 @@ static const char CSS[] =
     ".dv{background:#fbdcdc;border-left:2px solid #c62828}\n"
     ".sw{display:inline-block;width:12px;height:12px;border-radius:2px;margin-right:8px;"
     "vertical-align:-1px}\n"
+    ".sw.ext{background:#fff;border:2.5px solid;width:12px;height:12px}\n"
+    ".ext-tag{display:inline-block;font-size:10.5px;font-weight:600;line-height:1.3;color:#6a3d9a;"
+    "background:#f1eaf8;border:1px solid #d4c2ea;border-radius:8px;padding:0 5px;margin-left:5px;"
+    "vertical-align:1px;white-space:nowrap}\n"
+    "tr.group td{background:#fff;border-bottom:1px solid #9aa3b0;font-weight:700;font-size:13px;"
+    "color:#3a4250;padding-top:14px}\n"
+    "table.runs{font-size:13px}table.runs th,table.runs td{padding:4px 5px}\n"
+    "table.runs td.l{white-space:normal;min-width:170px}\n"
+    "td.off,.key.off{background:#fde8bf;color:#8a4b00}\n"
+    "th.sec,td.sec{color:#7a8392}\n"
+    ".rank-grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(560px,1fr));gap:14px}\n"
+    ".rank-card{border:1px solid var(--line);border-radius:8px;overflow:hidden}\n"
+    ".rank-head{background:#1d2330;color:#fff;font-weight:700;padding:6px 12px;font-size:15px}\n"
+    ".rank-head .unit{color:#c9d0db}\n"
+    "table.rank{width:100%;font-size:13px}table.rank th,table.rank td{padding:3px 6px}\n"
+    "table.rank td.l{white-space:normal}\n"
+    "table.rank tr.win td{background:#e3f4e8;font-weight:700}\n"
+    "tr.ceiling td{background:#f3f4f6;color:#4a5361;font-style:italic}\n"
+    ".ab{display:inline-block;position:relative;width:52px;height:9px;background:#e6e9ef;"
+    "margin-right:7px;vertical-align:0}\n"
+    ".ab i{position:absolute;left:0;top:0;bottom:0;background:#3b6fb6}\n"
+    "tr.ceiling .ab i{background:#8d96a5}\n"
+    ".ab b{position:absolute;top:-3px;bottom:-3px;width:2px;margin-left:-1px;background:#111}\n"
+    "table.depth td{min-width:58px;text-align:center}table.depth td.l{text-align:left}\n"
+    "svg .reflabel{font-size:12px;fill:#222;font-weight:600}\n"
+    "svg .legend.lhead{font-weight:700;fill:#5b6473}\n"
     "figure{margin:12px 0 6px}\n"
     "figcaption,.caption{color:var(--muted);font-size:14px;max-width:1180px;margin:6px 0 0}\n"
     "svg.fig{display:block;max-width:100%;height:auto}\n"
@@ -2121,8 +2715,11 @@ static void render_html(struct buf *b, const struct report *r)
     besc(b, r->title);
     bprintf(b, "</title>\n<style>\n%s</style>\n</head>\n<body>\n<main>\n", CSS);
     render_header(b, r);
+    render_ranking(b, r);
+    render_facts(b, r);
     render_table(b, r);
     render_fidelity(b, r);
+    render_depths(b, r);
     render_heatmap(b, r);
     render_masks(b, r);
     render_samples(b, r);

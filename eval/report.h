@@ -1,8 +1,9 @@
 /* report.h — turns kvcap-eval's metrics.json into a CSV (one row per run) and a self-contained
  * HTML report (inline CSS and SVG, no scripts or external resources) a person can read at a
- * glance: the headline table, fidelity vs retention per policy, a per-layer fidelity heatmap,
- * KVCapsule's retained-token masks, sample continuations with where each leaves full's, and
- * bytes/time bars.
+ * glance: a ranking of the policies at each memory budget (task accuracy, then KL, at equal
+ * realised retention), the headline table, fidelity vs realised retention per policy, task
+ * accuracy by depth, a per-layer fidelity heatmap, KVCapsule's retained-token masks, sample
+ * continuations with where each leaves full's, and bytes/time bars.
  *
  * metrics.json (format 1), written by kvcap-eval; every number is a JSON number, null when a
  * measurement does not apply (e.g. no engine run):
@@ -18,15 +19,40 @@
  *             "head_dim": int},
  *   "corpus": {"source": str, "calibration": [str...], "heldout": [str...],
  *              "calibration_tokens": int, "heldout_tokens": int},
- *   "setup": {"span_tokens": int, "tail_tokens": int, "generate_tokens": int,
- *             "continuation_tokens": int, "prompts": int, "threads": int, "storage": str,
- *             "read_bandwidth_gbs": num},
+ *   "setup": {"head_tokens": int, "span_tokens": int, "tail_tokens": int,
+ *             "generate_tokens": int,      greedy tokens generated per prompt
+ *             "continuation_tokens": int,  teacher-forced held-out tokens scored per prompt
+ *             "fidelity_steps": int,       decode steps replayed for the attention fidelity
+ *             "prompts": int, "threads": int, "storage": str, "read_bandwidth_gbs": num},
+ *   "task": {                 optional: the retrieval task asked inside the span
+ *       "name": "key-value retrieval",
+ *       "line": str,          an example line of the span ("The code of the red door is 4821.")
+ *       "question": str,      how the tail asks for one line
+ *       "haystack": str,      optional: what fills the span
+ *       "queries": int,       questions asked (over all prompts)
+ *       "answer_tokens": int, greedy tokens the answer is read from
+ *       "depths": [num...]    per depth bin (8): mean depth 0..1 of the asked line in the span
+ *   },
  *   "runs": [ {
  *       "id": "kvcapsule-tiled@0.40",  unique
  *       "policy": "full" | "streaming" | "kvcapsule" | "flashcache" | "vlcache" | "freekv"
  *                 | "composition",
- *       "label": "KVCapsule (tiled)",   one label per curve: runs sharing a label form a curve
- *       "retention": num,        nominal fraction of the compressible span kept (1 for full)
+ *       "label": "kvcapsule tiled",  one label per curve: runs sharing a label form a curve
+ *                                (e.g. "flashcache", "flashcache+protect", "vlcache+protect",
+ *                                "kvcapsule dense", "kvcapsule tiled", "kvcapsule
+ *                                tiled-pyramid", "kvcapsule tiled-trained", "composition")
+ *       "extension": bool,       true: kvcap's own variant, not a paper's method
+ *                                (flashcache+protect, vlcache+protect, kvcapsule tiled /
+ *                                tiled-pyramid / tiled-trained, composition); false: the papers'
+ *                                methods (streaming, flashcache, vlcache, freekv, kvcapsule
+ *                                dense) and full
+ *       "retention": num,        the target: fraction of the compressible span kept (1 for
+ *                                full); runs sharing it are at equal realised retention
+ *       "nominal": num,          the policy's own parameter that reached the target (e.g.
+ *                                VL-Cache's alpha, searched because its Algorithm 1 under-fills)
+ *       "realised_retention": num | null,  span bytes held / full's span bytes; for eviction the
+ *                                share of span tokens kept; for FreeKV the share of span tokens
+ *                                attended per step
  *       "compression": num,      bytes_held_full / bytes_held of the compressible span
  *       "token_agreement": num,  0..1, greedy tokens equal to full's, over all prompts (it
  *                                cascades: after one differing token the continuations part)
@@ -37,12 +63,27 @@
  *                                      generate_tokens when none differs
  *       "nll": num, "nll_full": num, "nll_delta": num,  mean per-token negative log-likelihood
  *                                      (nats) of the held-out continuations, teacher-forced
+ *       "kl": num,               mean KL divergence (nats) of each teacher-forced step's
+ *                                next-token distribution from full's (0 for full)
+ *       "task": {                optional: the retrieval task's answers
+ *           "accuracy": num,           0..1, answers equal to the true value
+ *           "agreement_full": num,     0..1, answers equal to full's
+ *           "accuracy_by_depth": [num | null...]  per depth bin (as task.depths)
+ *       },
  *       "attn_cosine": [num...],  per layer: mean cosine of attention outputs vs full on
- *                                 held-out recorded queries
+ *                                 replayed decode steps (full's own queries and K/V)
  *       "attn_rel_err": [num...], per layer: mean relative L2 error of the same
  *       "bytes_held": num, "bytes_held_full": num,      all layers, per sequence, after prefill
+ *       "bytes_held_span": num,  the part of bytes_held that holds the compressible span
  *       "bytes_read_per_step": num, "bytes_read_per_step_full": num,
  *       "step_ms": num, "step_ms_full": num,            decode attention per step (all layers)
+ *       "freekv": {              optional, FreeKV runs only; shares of (step, KV head) pairs
+ *           "head_steps": num,         the pairs counted
+ *           "corrected": num | null,   whose speculative selection was corrected
+ *           "reselected": num | null,  re-selected synchronously
+ *           "hidden": num | null,      served by a fully hidden speculative selection
+ *           "pages_recalled_per_step": num | null
+ *       },
  *       "sample": str            optional (or null): the first ~64 generated tokens of prompt 0
  *                                as UTF-8 text (may hold newlines)
  *   } ... ],
@@ -52,6 +93,8 @@
  *   } ... ],
  *   "goals": [ {"text": str, "met": bool} ... ]   optional
  * }
+ * "extension", "nominal", "realised_retention" (possibly null) and "kl" are required in every
+ * run; "task" and "freekv" may be absent.
  */
 #ifndef KVCAP_REPORT_H
 #define KVCAP_REPORT_H

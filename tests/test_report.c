@@ -1,6 +1,8 @@
 /* test_report.c — kvcap-report's writer: the sample metrics render to HTML with every section
- * and to CSV with one row per run; strings from the JSON are escaped; each malformed input fails
- * with KVCAP_ERR_FORMAT naming the field and writes nothing; write failures are KVCAP_ERR_IO and
+ * (the ranking per memory budget by task accuracy then KL, the headline table with realised
+ * retention, KL, task and FreeKV columns and kvcap's extensions apart, plots, depths) and to CSV
+ * with one row per run; strings from the JSON are escaped; each malformed input fails with
+ * KVCAP_ERR_FORMAT naming the field and writes nothing; write failures are KVCAP_ERR_IO and
  * leave neither a temporary file nor a half-written report. */
 #include <dirent.h>
 #include <errno.h>
@@ -24,7 +26,14 @@
 static const char CSV_HEADER[] =
     "id,policy,label,retention,compression,token_agreement,next_token_agreement,"
     "first_divergence_mean,nll,nll_full,nll_delta,attn_cosine_mean,attn_rel_err_mean,bytes_held,"
-    "bytes_held_full,bytes_read_per_step,step_ms,step_ms_full,step_time_ratio";
+    "bytes_held_full,bytes_read_per_step,step_ms,step_ms_full,step_time_ratio,realised_retention,"
+    "nominal,extension,kl,task_accuracy,task_agreement_full,freekv_corrected,freekv_reselected,"
+    "freekv_hidden";
+
+/* CSV column indices (0-based) of the fields the tests read. */
+enum { CSV_STEP_MS = 16, CSV_REALISED = 19, CSV_NOMINAL, CSV_EXTENSION, CSV_KL, CSV_TASK_ACCURACY,
+       CSV_TASK_AGREEMENT, CSV_FREEKV_CORRECTED, CSV_FREEKV_RESELECTED, CSV_FREEKV_HIDDEN,
+       CSV_COLUMNS };
 
 /* ---- Helpers ------------------------------------------------------------------------------- */
 
@@ -123,6 +132,40 @@ static char *sample_box_of(const char *html, const char *id)
     return box;
 }
 
+/* Field `col` of the CSV row whose id is `id`, into `out` (no quoted fields expected). */
+static const char *csv_field(const char *csv, const char *id, int col, char *out, size_t cap)
+{
+    char start[128];
+    snprintf(start, sizeof start, "\n%s,", id);
+    const char *p = strstr(csv, start);
+    if (!p)
+        fail_msg("no CSV row for %s", id);
+    p++;
+    for (int c = 0; c < col; c++) {
+        p = strpbrk(p, ",\n");
+        if (!p || *p == '\n')
+            fail_msg("CSV row %s has no column %d", id, col);
+        p++;
+    }
+    size_t n = strcspn(p, ",\n");
+    assert_true(n < cap);
+    memcpy(out, p, n);
+    out[n] = '\0';
+    return out;
+}
+
+/* Where `needle` first occurs inside the HTML section whose heading is `h2` (NULL when not). */
+static const char *in_section(const char *html, const char *h2, const char *needle)
+{
+    char head[128];
+    snprintf(head, sizeof head, "<h2>%s</h2>", h2);
+    const char *start = strstr(html, head);
+    if (!start)
+        return NULL;
+    const char *end = strstr(start, "</section>"), *at = strstr(start, needle);
+    return at && end && at < end ? at : NULL;
+}
+
 static void remove_from_runs(cJSON *doc, const char *key)
 {
     cJSON *run;
@@ -187,10 +230,15 @@ static void test_sample_renders(void **state)
         figures++;
     }
     assert_int_equal(figures, 3 + n_masks);
-    static const char *const sections[] = {"Headline results", "Fidelity vs retention",
+    static const char *const sections[] = {"Which policy wins at each memory budget",
+                                           "What was measured",
+                                           "Headline results",
+                                           "Fidelity vs realised retention",
+                                           "Task accuracy by depth",
                                            "Per-layer attention error",
                                            "KVCapsule retained-token masks",
-                                           "Sample continuations", "Memory and decode time"};
+                                           "Sample continuations",
+                                           "Memory and decode time"};
     const char *prev_section = html;
     for (size_t i = 0; i < sizeof sections / sizeof sections[0]; i++) {
         char h2[96];
@@ -200,34 +248,105 @@ static void test_sample_renders(void **state)
             fail_msg("section '%s' missing or out of order", sections[i]);
         prev_section = at;
     }
-    /* Both agreements, side by side: greedy (cascading) then next-token (teacher-forced), each
-     * coloured by its own value. */
-    assert_non_null(strstr(html, "<th>Greedy<br>agreement<br><span class=\"unit\">32 generated"
-                                 "</span></th><th>Next-token<br>agreement<br><span "
-                                 "class=\"unit\">64 teacher-forced</span></th>"));
-    assert_null(strstr(html, "<th>Token agreement"));
-    const char *row = strstr(html, "title=\"flashcache@0.40\">");
+    /* The headline table: next-token agreement (teacher-forced, coloured) then greedy agreement,
+     * the secondary column; realised retention, task accuracy (coloured by the share of full's
+     * kept), task agreement with full and KL first. */
+    assert_non_null(strstr(html, "<th>Next-token<br>agreement<br><span class=\"unit\">64 "
+                                 "teacher-forced</span></th><th class=\"sec\">Greedy<br>"
+                                 "agreement<br><span class=\"unit\">32 generated</span></th>"));
+    const char *table = strstr(html, "<h2>Headline results</h2>");
+    assert_non_null(table);
+    const char *row = strstr(table, "title=\"flashcache@0.40\">");
     assert_non_null(row);
     const char *row_end = strstr(row, "</tr>"),
-               *cells = strstr(row, "<td class=\"ag-bad\">94.1&nbsp;%</td>"
-                                    "<td class=\"ag-warn\">97.5&nbsp;%</td>");
+               *cells = strstr(row, "<td>0.40</td><td>40.0&nbsp;%</td><td class=\"ag-warn\">"
+                                    "71.9&nbsp;%</td><td>74.4&nbsp;%</td><td>0.082</td><td>"
+                                    "+0.0580</td><td class=\"ag-warn\">97.5&nbsp;%</td>"
+                                    "<td class=\"sec\">94.1&nbsp;%</td>");
     assert_true(cells && cells < row_end);
-    row = strstr(html, "title=\"kvcapsule-tiled@0.40\">");
+    row = strstr(table, "title=\"kvcapsule-tiled@0.40\">");
     assert_non_null(row);
     row_end = strstr(row, "</tr>");
-    cells = strstr(row, "<td class=\"ag-good\">99.1&nbsp;%</td>"
-                        "<td class=\"ag-good\">99.6&nbsp;%</td>");
+    cells = strstr(row, "<td class=\"ag-good\">99.6&nbsp;%</td>"
+                        "<td class=\"sec\">99.1&nbsp;%</td>");
     assert_true(cells && cells < row_end);
-    assert_non_null(strstr(html, "Next-token agreement does not cascade"));
+    /* kvcap's extensions: tagged, and after the papers' methods under their own heading. */
+    assert_true(strstr(row, "<span class=\"ext-tag\">kvcap extension</span>") < row_end);
+    assert_int_equal(count(table, "<tr class=\"group\">"), 2);
+    const char *papers = strstr(table, "The papers&rsquo; methods"),
+               *extensions = strstr(table, "kvcap&rsquo;s extensions");
+    assert_true(papers && extensions && papers < extensions);
+    assert_true(strstr(table, "title=\"vlcache@0.60\">") < extensions);
+    assert_true(strstr(table, "title=\"composition@0.20\">") > extensions);
+    assert_int_equal(count(table, "<tr class=\"run ext\""), 5);
+    assert_int_equal(count(table, "<tr class=\"run first ext\""), 1);
+    /* VL-Cache's nominal alpha where it differs from the target; a realised retention off its
+     * target flagged; FreeKV's corrected / re-selected / hidden shares. */
+    row = strstr(table, "title=\"vlcache@0.20\">");
+    assert_non_null(row);
+    assert_true(strstr(row, "<td>0.20<br><span class=\"unit\">nominal 0.215</span></td>"
+                            "<td>20.1&nbsp;%</td>") < strstr(row, "</tr>"));
+    row = strstr(table, "title=\"vlcache@0.60\">");
+    assert_true(strstr(row, "<td class=\"off\">55.0&nbsp;%</td>") < strstr(row, "</tr>"));
+    row = strstr(table, "title=\"flashcache@0.20\">");
+    assert_true(strstr(row, "<td>0.20</td><td>20.0&nbsp;%</td>") < strstr(row, "</tr>"));
+    row = strstr(table, "title=\"freekv@0.40\">");
+    assert_true(strstr(row, "<td class=\"fk\">1.1 / 0.2 / 95.0&nbsp;%</td></tr>") ==
+                strstr(row, "</tr>") - strlen("<td class=\"fk\">1.1 / 0.2 / 95.0&nbsp;%</td>"));
+    assert_int_equal(count(table, "<td class=\"fk\">"), 3);
+    assert_non_null(strstr(html, "Next-token agreement is the share"));
     /* The notes: a bulleted list right under the table, escaped. */
     const char *notes = strstr(html, "</table></div>\n<ul class=\"notes\">\n<li>Timings are from");
     assert_non_null(notes);
     assert_int_equal(count(html, "<ul class=\"notes\">"), 1);
     assert_non_null(strstr(notes, "<li>Greedy agreement cascades &amp; understates fidelity"));
     assert_true(strstr(notes, "</ul>") < strstr(notes, "<p class=\"caption\">"));
-    /* The fourth fidelity panel. */
+    /* The ranking: per target, full (the ceiling) then the runs by task accuracy, ties by KL
+     * (at 0.60 three runs answer 85.4 %: KL 0.00136, 0.00318, 0.00374). */
+    const char *rank = strstr(html, "<h2>Which policy wins at each memory budget</h2>");
+    assert_non_null(rank);
+    assert_true(rank < table);
+    assert_int_equal(count(html, "<div class=\"rank-card\">"), 3);
+    const char *card = strstr(rank, "Keep 60&nbsp;% of the span");
+    assert_non_null(card);
+    static const char *const order[] = {"full@1.00", "kvcapsule-tiled@0.60", "composition@0.60",
+                                        "kvcapsule-dense@0.60", "freekv@0.60", "vlcache@0.60",
+                                        "flashcache@0.60", "streaming@0.60"};
+    const char *prev_row = card;
+    for (size_t i = 0; i < sizeof order / sizeof order[0]; i++) {
+        char title[64];
+        snprintf(title, sizeof title, "title=\"%s\">", order[i]);
+        const char *at = strstr(prev_row, title);
+        if (!at || at > strstr(card, "</table>"))
+            fail_msg("ranking at 0.60: %s missing or out of order", order[i]);
+        prev_row = at;
+    }
+    assert_non_null(strstr(card, "<tr class=\"win\" title=\"kvcapsule-tiled@0.60\">"));
+    assert_non_null(strstr(card, "<tr class=\"ceiling\" title=\"full@1.00\">"));
+    assert_non_null(strstr(html, "Best when keeping 20&nbsp;% of the span: <strong>KVCapsule "
+                                 "(tiled)</strong> (a kvcap extension, 71.9&nbsp;% task "
+                                 "accuracy; best paper method KVCapsule (dense), "
+                                 "68.8&nbsp;%)"));
+    assert_non_null(strstr(html, "Full, the ceiling, answers 93.8&nbsp;%."));
+    /* Plots on realised retention; full's task accuracy is the reference line. */
+    assert_non_null(strstr(html, ">Task accuracy (key-value retrieval)</text>"));
+    assert_non_null(strstr(html, ">KL divergence from full (teacher-forced)</text>"));
     assert_non_null(strstr(html, ">Next-token agreement (teacher-forced)</text>"));
-    assert_non_null(strstr(html, "Best by next-token agreement"));
+    assert_non_null(strstr(html, ">full 93.8%</text>"));
+    assert_int_equal(count(html, ">realised retention (share of the span held)</text>"), 6);
+    assert_null(strstr(html, ">retention (fraction"));
+    /* Accuracy by depth at 0.40: full and one row per policy, 8 bins and the overall share;
+     * the task is described. */
+    assert_non_null(in_section(html, "Task accuracy by depth", "target retention 0.40"));
+    assert_int_equal(count(html, "<table class=\"depth\">"), 1);
+    const char *depth = strstr(html, "<table class=\"depth\">");
+    assert_int_equal(count(depth, "<th>6&nbsp;%<br><span class=\"unit\">depth</span></th>"), 1);
+    assert_non_null(in_section(html, "Task accuracy by depth", "title=\"streaming@0.40\">"));
+    assert_null(in_section(html, "Task accuracy by depth", "title=\"streaming@0.20\">"));
+    assert_non_null(in_section(html, "What was measured",
+                               "<dt>Task</dt><dd>key-value retrieval"));
+    assert_non_null(in_section(html, "What was measured",
+                               "8 decode steps replayed for attention fidelity"));
 
     /* Samples: the prompt's tail, then full's and one run per policy (retention 0.40), the part
      * after the first difference from full's highlighted. */
@@ -260,9 +379,7 @@ static void test_sample_renders(void **state)
     assert_non_null(strstr(box, "great puzzle!<span class=\"dv\">\xe2\x80\x9d said Alice"));
     assert_non_null(strstr(box, "diverges after 54 characters"));
     free(box);
-    /* The summary names the best policy near 2.5x; goals carry badges; the command is shown. */
-    assert_non_null(strstr(html, "2.5&times; compression: <strong>KVCapsule (tiled)</strong> at "
-                                 "retention 0.40"));
+    /* Goals carry badges; the command is shown. */
     assert_int_equal(count(html, "class=\"badge met\""), 3);
     assert_int_equal(count(html, "class=\"badge unmet\""), 1);
     assert_non_null(strstr(html, "<pre>build/kvcap-eval "));
@@ -280,13 +397,36 @@ static void test_sample_renders(void **state)
     assert_non_null(strstr(csv, "\n" "full@1.00,full,Full cache,1,1,1,1,32,"));
     assert_non_null(strstr(csv, "\nkvcapsule-tiled@0.40,kvcapsule,KVCapsule (tiled),0.4,2.455,"
                                 "0.991,0.996,"));
+    /* The new columns: realised retention, nominal, extension, KL, task, FreeKV's shares. */
+    char f[64];
+    assert_string_equal(csv_field(csv, "kvcapsule-tiled@0.40", CSV_REALISED, f, sizeof f), "0.398");
+    assert_string_equal(csv_field(csv, "kvcapsule-tiled@0.40", CSV_EXTENSION, f, sizeof f), "true");
+    assert_string_equal(csv_field(csv, "kvcapsule-tiled@0.40", CSV_KL, f, sizeof f), "0.01072");
+    assert_string_equal(csv_field(csv, "kvcapsule-tiled@0.40", CSV_TASK_ACCURACY, f, sizeof f),
+                        "0.833333");
+    assert_string_equal(csv_field(csv, "kvcapsule-tiled@0.40", CSV_TASK_AGREEMENT, f, sizeof f),
+                        "0.862222");
+    assert_string_equal(csv_field(csv, "kvcapsule-tiled@0.40", CSV_FREEKV_HIDDEN, f, sizeof f), "");
+    assert_string_equal(csv_field(csv, "vlcache@0.20", CSV_NOMINAL, f, sizeof f), "0.215");
+    assert_string_equal(csv_field(csv, "vlcache@0.20", CSV_EXTENSION, f, sizeof f), "false");
+    assert_string_equal(csv_field(csv, "freekv@0.40", CSV_FREEKV_CORRECTED, f, sizeof f), "0.0105");
+    assert_string_equal(csv_field(csv, "freekv@0.40", CSV_FREEKV_RESELECTED, f, sizeof f),
+                        "0.0016");
+    assert_string_equal(csv_field(csv, "freekv@0.40", CSV_FREEKV_HIDDEN, f, sizeof f), "0.95");
+    assert_string_equal(csv_field(csv, "full@1.00", CSV_KL, f, sizeof f), "0");
     /* A label with a comma is quoted; nulls (VL-Cache has no timing) are empty fields. */
     assert_non_null(strstr(csv, ",\"Composition (KVCapsule, FreeKV)\",0.2,"));
-    const char *vl = strstr(csv, "\nvlcache@0.20,");
-    assert_non_null(vl);
-    const char *eol = strchr(vl + 1, '\n');
-    assert_non_null(eol);
-    assert_memory_equal(eol - 4, ",,,,", 4);
+    assert_string_equal(csv_field(csv, "vlcache@0.20", CSV_STEP_MS, f, sizeof f), "");
+    /* Every row has every column. */
+    for (const char *line = strchr(csv, '\n'); line && line[1]; line = strchr(line + 1, '\n')) {
+        int fields = 1;
+        int quoted = 0;
+        for (const char *c = line + 1; *c && *c != '\n'; c++) {
+            quoted ^= *c == '"';
+            fields += *c == ',' && !quoted;
+        }
+        assert_int_equal(fields, CSV_COLUMNS);
+    }
     free(csv);
 
     /* Either output alone. */
@@ -308,28 +448,38 @@ static void test_minimal_metrics(void **state)
     dirs_make(&d);
     write_text(d.metrics, "{\"format\": 1, \"title\": \"tiny\", \"runs\": ["
                           "{\"id\": \"full\", \"policy\": \"full\", \"label\": \"Full\", "
-                          "\"retention\": 1},"
+                          "\"extension\": false, \"retention\": 1, \"nominal\": 1, "
+                          "\"realised_retention\": 1, \"kl\": 0},"
                           "{\"id\": \"s\", \"policy\": \"streaming\", \"label\": \"Streaming\", "
-                          "\"retention\": 0.5, \"token_agreement\": null, "
-                          "\"next_token_agreement\": null, \"sample\": null}], "
-                          "\"notes\": null, \"prompt_sample\": null}");
+                          "\"extension\": false, \"retention\": 0.5, \"nominal\": 0.5, "
+                          "\"realised_retention\": null, \"kl\": 0.1, \"token_agreement\": null, "
+                          "\"next_token_agreement\": null, \"sample\": null, \"task\": null, "
+                          "\"freekv\": null}], "
+                          "\"notes\": null, \"prompt_sample\": null, \"task\": null}");
     assert_int_equal(kvcap_report_write(d.metrics, d.html, d.csv), KVCAP_OK);
     char *html = slurp(d.html), *csv = slurp(d.csv);
     assert_non_null(html);
     assert_non_null(csv);
     assert_int_equal(count(html, "<tr class=\"run"), 2);
     assert_non_null(strstr(html, "not measured"));
-    assert_non_null(strstr(csv, "\ns,streaming,Streaming,0.5,,,,,,,,,,,,,,,\n"));
+    /* Columns 4 to 19 (compression ... realised_retention) are null. */
+    assert_non_null(strstr(csv, "\ns,streaming,Streaming,0.5,,,,,,,,,,,,,,,,,0.5,false,0.1,,,,,"
+                                "\n"));
     assert_null(strstr(html, "Sample continuations"));
+    assert_null(strstr(html, "Task accuracy by depth"));
     assert_null(strstr(html, "class=\"notes\""));
-    assert_non_null(strstr(html, "no run with a measured greedy token agreement"));
+    /* No task: ranked by KL, said so. */
+    assert_non_null(strstr(html, "No run measured the retrieval task: ranked by KL"));
+    assert_non_null(strstr(html, "Best when keeping 50&nbsp;% of the span: <strong>Streaming"
+                                 "</strong> (KL 0.100)."));
     free(html);
     free(csv);
     dirs_remove(&d);
 }
 
-/* Without next-token agreement the summary ranks by greedy agreement and says so; samples are
- * compared with full's only when full has one, and the section goes when no run has one. */
+/* Without the task the ranking goes by KL and says so; without next-token agreement the table
+ * and the panel show it as not measured; samples are compared with full's only when full has
+ * one, and the section goes when no run has one. */
 static void test_agreement_fallback_and_samples(void **state)
 {
     (void)state;
@@ -337,6 +487,8 @@ static void test_agreement_fallback_and_samples(void **state)
     dirs_make(&d);
     cJSON *doc = load_sample();
     remove_from_runs(doc, "next_token_agreement");
+    remove_from_runs(doc, "task");
+    cJSON_DeleteItemFromObject(doc, "task");
     cJSON_DeleteItemFromObject(run_of(doc, 0), "sample");
     cJSON_ReplaceItemInObject(run_of(doc, 8), "sample", cJSON_CreateString("a\x1b" "b\tc"));
     write_json(d.metrics, doc);
@@ -344,17 +496,25 @@ static void test_agreement_fallback_and_samples(void **state)
     char *html = slurp(d.html), *csv = slurp(d.csv);
     assert_non_null(html);
     assert_non_null(csv);
-    assert_non_null(strstr(html, "Best by greedy token agreement at about 2.5&times; "
-                                 "compression: <strong>KVCapsule (tiled)</strong> at retention "
-                                 "0.40 (2.46&times;, 99.1&nbsp;% greedy agreement"));
-    assert_null(strstr(html, "next-token agreement ("));
-    /* The panel stays, empty; the table shows the column as not measured. */
+    assert_non_null(strstr(html, "No run measured the retrieval task: ranked by KL"));
+    assert_non_null(strstr(html, "40&nbsp;% of the span: <strong>KVCapsule (tiled)</strong> "
+                                 "(a kvcap extension, KL 0.011; best paper method KVCapsule "
+                                 "(dense), KL 0.014)"));
+    const char *card = strstr(html, "Keep 40&nbsp;% of the span");
+    assert_non_null(card);
+    const char *first = strstr(card, "title=\"kvcapsule-tiled@0.40\""),
+               *second = strstr(card, "title=\"composition@0.40\""),
+               *last = strstr(card, "title=\"streaming@0.40\"");
+    assert_true(first && second && last && first < second && second < last);
+    assert_null(strstr(html, "Task accuracy by depth"));
+    /* The panels stay, empty; the table shows the columns as not measured. */
     assert_non_null(strstr(html, ">Next-token agreement (teacher-forced)</text>"));
     assert_non_null(strstr(html, ">not measured</text>"));
-    const char *row = strstr(html, "title=\"kvcapsule-tiled@0.40\">");
+    const char *row = strstr(strstr(html, "<h2>Headline results</h2>"),
+                             "title=\"kvcapsule-tiled@0.40\">");
     assert_non_null(row);
-    const char *cells = strstr(row, "<td class=\"ag-good\">99.1&nbsp;%</td>"
-                                    "<td class=\"na\">&mdash;</td>");
+    const char *cells = strstr(row, "<td class=\"na\">&mdash;</td>"
+                                    "<td class=\"sec\">99.1&nbsp;%</td>");
     assert_true(cells && cells < strstr(row, "</tr>"));
     assert_non_null(strstr(csv, "\nkvcapsule-tiled@0.40,kvcapsule,KVCapsule (tiled),0.4,2.455,"
                                 "0.991,,"));
@@ -393,6 +553,64 @@ static void test_agreement_fallback_and_samples(void **state)
     assert_non_null(html);
     assert_null(strstr(html, "Sample continuations"));
     assert_null(strstr(html, "class=\"sample"));
+    free(html);
+    dirs_remove(&d);
+}
+
+/* The ranking on a small file: task accuracy high to low, ties by KL low to high, runs without
+ * the task last; full heads each card as the ceiling; targets each get a card. */
+static void test_ranking_order(void **state)
+{
+    (void)state;
+    struct dirs d;
+    dirs_make(&d);
+#define RUN(id, label, ext, ret, kl, task)                                                      \
+    "{\"id\": \"" id "\", \"policy\": \"streaming\", \"label\": \"" label "\", "                   \
+    "\"extension\": " ext ", \"retention\": " ret ", \"nominal\": " ret ", "                       \
+    "\"realised_retention\": " ret ", \"kl\": " kl ", \"task\": " task "}"
+    write_text(d.metrics,
+               "{\"format\": 1, \"title\": \"ranking\", \"runs\": ["
+               "{\"id\": \"full\", \"policy\": \"full\", \"label\": \"full\", "
+               "\"extension\": false, \"retention\": 1, \"nominal\": 1, \"realised_retention\": 1, \"kl\": 0, "
+               "\"task\": {\"accuracy\": 0.875}},"
+               RUN("a", "A", "false", "0.3", "0.2", "{\"accuracy\": 0.5}") ","
+               RUN("b", "B", "false", "0.3", "0.3", "{\"accuracy\": 0.75}") ","
+               RUN("c", "C", "true", "0.3", "0.1", "{\"accuracy\": 0.5}") ","
+               RUN("d", "D", "false", "0.3", "0.01", "null") ","
+               RUN("e", "E", "false", "0.7", "0.05", "{\"accuracy\": 0.25}") ","
+               RUN("f", "F", "true", "0.7", "0.04", "{\"accuracy\": 0.25}") "]}");
+#undef RUN
+    assert_int_equal(kvcap_report_write(d.metrics, d.html, NULL), KVCAP_OK);
+    char *html = slurp(d.html);
+    assert_non_null(html);
+    assert_int_equal(count(html, "<div class=\"rank-card\">"), 2);
+    const char *card = strstr(html, "Keep 30&nbsp;% of the span"),
+               *card2 = strstr(html, "Keep 70&nbsp;% of the span");
+    assert_true(card && card2 && card < card2);
+    static const char *const order[] = {"<tr class=\"ceiling\" title=\"full\">",
+                                        "<tr class=\"win\" title=\"b\"><td>1</td>",
+                                        "<tr class=\"rk\" title=\"c\"><td>2</td>",
+                                        "<tr class=\"rk\" title=\"a\"><td>3</td>",
+                                        "<tr class=\"rk\" title=\"d\"><td>4</td>",
+                                        "<tr class=\"ceiling\" title=\"full\">",
+                                        "<tr class=\"win\" title=\"f\"><td>1</td>",
+                                        "<tr class=\"rk\" title=\"e\"><td>2</td>"};
+    const char *at = card;
+    for (size_t i = 0; i < sizeof order / sizeof order[0]; i++) {
+        const char *next = strstr(at, order[i]);
+        if (!next || (i < 5 && next > card2))
+            fail_msg("ranking: '%s' missing or out of order", order[i]);
+        at = next + 1;
+    }
+    /* The extension is tagged where it ranks; full's accuracy is the ceiling of each bar. */
+    const char *c = strstr(card, "title=\"c\">");
+    assert_true(strstr(c, "kvcap extension") < strstr(c, "</tr>"));
+    assert_int_equal(count(html, "<b style=\"left:87.5%\"></b>"), 4 + 3);
+    assert_non_null(strstr(html, "Best when keeping 30&nbsp;% of the span: <strong>B</strong> "
+                                 "(75.0&nbsp;% task accuracy); 70&nbsp;% of the span: "
+                                 "<strong>F</strong> (a kvcap extension, 25.0&nbsp;% task "
+                                 "accuracy; best paper method E, 25.0&nbsp;%). Full, the "
+                                 "ceiling, answers 87.5&nbsp;%."));
     free(html);
     dirs_remove(&d);
 }
@@ -528,6 +746,63 @@ static void model_string(cJSON *doc)
     cJSON_ReplaceItemInObject(doc, "model", cJSON_CreateString("SmolLM2"));
 }
 
+static void kl_string(cJSON *doc)
+{
+    cJSON_ReplaceItemInObject(run_of(doc, 2), "kl", cJSON_CreateString("low"));
+}
+static void kl_negative(cJSON *doc)
+{
+    cJSON_ReplaceItemInObject(run_of(doc, 3), "kl", cJSON_CreateNumber(-0.1));
+}
+static void kl_null(cJSON *doc)
+{
+    cJSON_ReplaceItemInObject(run_of(doc, 3), "kl", cJSON_CreateNull());
+}
+static void no_kl(cJSON *doc) { cJSON_DeleteItemFromObject(run_of(doc, 1), "kl"); }
+static void no_extension(cJSON *doc) { cJSON_DeleteItemFromObject(run_of(doc, 2), "extension"); }
+static void extension_string(cJSON *doc)
+{
+    cJSON_ReplaceItemInObject(run_of(doc, 2), "extension", cJSON_CreateString("yes"));
+}
+static void no_nominal(cJSON *doc) { cJSON_DeleteItemFromObject(run_of(doc, 4), "nominal"); }
+static void no_realised(cJSON *doc)
+{
+    cJSON_DeleteItemFromObject(run_of(doc, 5), "realised_retention");
+}
+static void realised_string(cJSON *doc)
+{
+    cJSON_ReplaceItemInObject(run_of(doc, 5), "realised_retention", cJSON_CreateString("0.4"));
+}
+static void task_accuracy_range(cJSON *doc)
+{
+    cJSON_ReplaceItemInObject(cJSON_GetObjectItem(run_of(doc, 6), "task"), "accuracy",
+                              cJSON_CreateNumber(1.5));
+}
+static void task_depths_short(cJSON *doc)
+{
+    cJSON *task = cJSON_GetObjectItem(run_of(doc, 6), "task");
+    cJSON *a = cJSON_GetObjectItem(task, "accuracy_by_depth");
+    cJSON_DeleteItemFromArray(a, 0);
+}
+static void task_number(cJSON *doc)
+{
+    cJSON_ReplaceItemInObject(run_of(doc, 1), "task", cJSON_CreateNumber(3));
+}
+static void freekv_hidden_range(cJSON *doc)
+{
+    cJSON_ReplaceItemInObject(cJSON_GetObjectItem(run_of(doc, 17), "freekv"), "hidden",
+                              cJSON_CreateNumber(2));
+}
+static void depths_string(cJSON *doc)
+{
+    cJSON_ReplaceItemInObject(cJSON_GetObjectItem(doc, "task"), "depths", cJSON_CreateString("8"));
+}
+static void depth_range(cJSON *doc)
+{
+    cJSON_ReplaceItemInArray(cJSON_GetObjectItem(cJSON_GetObjectItem(doc, "task"), "depths"), 3,
+                             cJSON_CreateNumber(1.5));
+}
+
 static void test_malformed_inputs(void **state)
 {
     (void)state;
@@ -568,6 +843,39 @@ static void test_malformed_inputs(void **state)
         {"notes element", "notes[1]: expected a string, got a number", notes_element, NULL},
         {"prompt_sample not a string", "prompt_sample: expected a string or null, got an object",
          prompt_sample_object, NULL},
+        {"kl of the wrong type", "runs[2].kl: expected a number >= 0, got a string", kl_string,
+         NULL},
+        {"kl negative", "runs[3].kl: expected a number >= 0, got -0.1", kl_negative, NULL},
+        {"kl null", "runs[3].kl: missing (expected a number >= 0)", kl_null, NULL},
+        {"no kl", "runs[1].kl: missing", no_kl, NULL},
+        {"no extension", "runs[2].extension: missing (expected true or false)", no_extension,
+         NULL},
+        {"extension not a boolean",
+         "runs[2].extension: wrong type (expected true or false, got a string)", extension_string,
+         NULL},
+        {"no nominal", "runs[4].nominal: missing", no_nominal, NULL},
+        {"no realised_retention",
+         "runs[5].realised_retention: missing (expected a number >= 0 or null)", no_realised,
+         NULL},
+        {"realised_retention of the wrong type",
+         "runs[5].realised_retention: expected a number >= 0 or null, got a string",
+         realised_string,
+         NULL},
+        {"task accuracy out of range",
+         "runs[6].task.accuracy: expected a fraction in [0, 1], got 1.5", task_accuracy_range,
+         NULL},
+        {"accuracy_by_depth of the wrong length",
+         "runs[6].task.accuracy_by_depth: 7 entries, expected 8 (task.depths)", task_depths_short,
+         NULL},
+        {"task not an object", "runs[1].task: expected an object, got a number", task_number,
+         NULL},
+        {"freekv share out of range",
+         "runs[17].freekv.hidden: expected a fraction in [0, 1], got 2", freekv_hidden_range,
+         NULL},
+        {"task depths not an array", "task.depths: expected an array, got a string",
+         depths_string, NULL},
+        {"task depth out of range", "task.depths[3]: expected a fraction in [0, 1], got 1.5",
+         depth_range, NULL},
         {"not JSON at all", "not valid JSON", NULL, "kvcap metrics, honest\n"},
         {"truncated JSON", "not valid JSON (syntax error at line 4, byte 29)", NULL,
          "{\n  \"format\": 1,\n  \"runs\": [\n"},
@@ -677,6 +985,7 @@ int main(void)
         cmocka_unit_test(test_sample_renders),
         cmocka_unit_test(test_minimal_metrics),
         cmocka_unit_test(test_agreement_fallback_and_samples),
+        cmocka_unit_test(test_ranking_order),
         cmocka_unit_test(test_html_escaping),     cmocka_unit_test(test_malformed_inputs),
         cmocka_unit_test(test_missing_input),     cmocka_unit_test(test_bad_arguments),
         cmocka_unit_test(test_unwritable_output),
