@@ -125,6 +125,16 @@ enum kvcap_status kvcap_train_net_harden(const struct kvcap_train_net *relaxed, 
 /* Copies a hard network into maps allocated with its shape (m, p, h); sets maps->gelu. */
 void kvcap_train_net_to_maps(const struct kvcap_train_net *hard, struct kvcap_key_maps *maps);
 
+/* Replaces W2, b2 of `net` (either phase) by the least-squares readout of its hidden
+ * activations on the n_cols columns of x (m x n_cols, ld ldx): the W2, b2 minimising
+ * mean((Y − X)²) for the current W1, b1 (and mask), from the centred normal equations in
+ * double (b2 takes the means), with ridge·(mean variance of the hidden units) added to their
+ * diagonal. *solved = 0 (θ untouched) when the system is singular or not finite. The fine-tune
+ * applies it to the hardened network and to its own result (train.c says why). */
+enum kvcap_status kvcap_train_net_fit_readout(struct kvcap_train_net *net, const float *x,
+                                              size_t ldx, size_t n_cols, double ridge,
+                                              int *solved);
+
 /* Scratch of the fast loss for up to `cols` columns. */
 struct kvcap_train_work {
     size_t cols;
