@@ -51,6 +51,9 @@ static void usage(FILE *out)
             "                       whose sleeping workers each call must wake\n"
             "  -p, --policy P       run only full and P (streaming, kvcapsule, flashcache,\n"
             "                       vlcache or freekv), e.g. to profile\n"
+            "      --freekv-static  freekv holds only the vision span, the generated tokens\n"
+            "                       stay in full (the evaluation's layout); default: freekv\n"
+            "                       takes the generated tokens too (its store grows every step)\n"
             "      --post N         post-vision queries given to vlcache (default 32)\n"
             "      --warm           leave the caches warm between attention calls (default:\n"
             "                       read a buffer 8x the last-level cache before each call,\n"
@@ -64,9 +67,9 @@ static void usage(FILE *out)
             "                       layers at 2K, 4K and 8K tokens (--layers default 28 here)\n"
             "  -h, --help           show this help\n"
             "\n"
-            "Policies compress the vision span (freekv also takes the generated tokens); each\n"
-            "decode step appends one generated token per layer, then attends. Policy parameters\n"
-            "are the runtime defaults (configs/runtime.yaml).\n");
+            "Policies compress the vision span (freekv also takes the generated tokens unless\n"
+            "--freekv-static); each decode step appends one generated token per layer, then\n"
+            "attends. Policy parameters are the runtime defaults (configs/runtime.yaml).\n");
 }
 
 /* Evicts the CPU caches, as a model's other work between two attention calls of the same layer
@@ -389,6 +392,7 @@ struct result {
     double time_full;                         /* median of step time / full's same step */
     uint64_t bytes_per_step, map_bytes_per_step, held;
     double recalled_per_step, corrected; /* FreeKV: pages per step; share of head-steps */
+    double hidden, reselected, waited;    /* FreeKV: shares of head-steps */
 };
 
 /* Random K/V rows of one layer (timing only), [heads][n][d]. */
@@ -435,7 +439,7 @@ static enum kvcap_status policy_run_prepare(struct policy_run *pr, const struct 
                                             int batch, int rows, int cols, enum kvcap_dtype storage,
                                             int threads, int *engine_threads, int steps,
                                             const struct kvcap_artifact *a, const char *policy,
-                                            int post)
+                                            int post, int freekv_static)
 {
     memset(pr, 0, sizeof *pr);
     pr->policy = policy;
@@ -447,7 +451,7 @@ static enum kvcap_status policy_run_prepare(struct policy_run *pr, const struct 
     FILE *f = fopen(cfg_path, "w");
     KVCAP_RETURN_IF(!f, KVCAP_ERR_IO, "%s: cannot write", cfg_path);
     fprintf(f, "policies: {vision: %s, text: full, generated: %s}\nfallback: full\n", policy,
-            strcmp(policy, "freekv") == 0 ? "freekv" : "full");
+            strcmp(policy, "freekv") == 0 && !freekv_static ? "freekv" : "full");
     fclose(f);
     struct kvcap_cache_params p;
     kvcap_cache_default_params(&p);
@@ -567,6 +571,10 @@ static enum kvcap_status policy_run_finish(struct policy_run *pr, int steps, str
         res->recalled_per_step = (double)(cs.freekv_pages_recalled - c0->freekv_pages_recalled) / steps;
         int64_t hs = cs.freekv_head_steps - c0->freekv_head_steps;
         res->corrected = hs > 0 ? (double)(cs.freekv_corrections - c0->freekv_corrections) / hs : 0;
+        res->hidden = hs > 0 ? (double)(cs.freekv_hidden - c0->freekv_hidden) / hs : 0;
+        res->reselected =
+            hs > 0 ? (double)(cs.freekv_reselections - c0->freekv_reselections) / hs : 0;
+        res->waited = hs > 0 ? (double)(cs.freekv_waited - c0->freekv_waited) / hs : 0;
     }
     policy_run_free(pr);
     return st;
@@ -621,7 +629,7 @@ static enum kvcap_status flashcache_overhead(const struct kvcap_model_geometry *
 
 int main(int argc, char **argv)
 {
-    enum { STORAGE = 1000, THREADS, POST, OVERHEAD, WARM, HEADS, ROWKERNELS, ENGINE };
+    enum { STORAGE = 1000, THREADS, POST, OVERHEAD, WARM, HEADS, ROWKERNELS, ENGINE, FKVSTATIC };
     const char *only = NULL;
     static const struct option options[] = {
         {"grid", required_argument, NULL, 'g'},  {"tile", required_argument, NULL, 't'},
@@ -633,10 +641,11 @@ int main(int argc, char **argv)
         {"flashcache-overhead", no_argument, NULL, OVERHEAD}, {"warm", no_argument, NULL, WARM},
         {"heads", required_argument, NULL, HEADS}, {"row-kernels", no_argument, NULL, ROWKERNELS},
         {"engine-threads", no_argument, NULL, ENGINE},
+        {"freekv-static", no_argument, NULL, FKVSTATIC},
         {NULL, 0, NULL, 0}};
     int rows = 64, cols = 128, tr = 4, tc = 4, layers = 4, batch = 1, steps = 20, threads = 0, c;
     int post = 32, overhead = 0, layers_set = 0, warm = 0, n_q = 28, n_kv = 4, row_kernels = 0;
-    int engine = 0;
+    int engine = 0, freekv_static = 0;
     double ratio = 0.4;
     const char *artifact_path = NULL;
     enum kvcap_dtype storage = KVCAP_DTYPE_F16;
@@ -660,6 +669,7 @@ int main(int argc, char **argv)
         case WARM: warm = 1; break;
         case ROWKERNELS: row_kernels = 1; break;
         case ENGINE: engine = 1; break;
+        case FKVSTATIC: freekv_static = 1; break;
         case HEADS:
             if (sscanf(optarg, "%d/%d", &n_q, &n_kv) != 2 || n_q < 1 || n_kv < 1 || n_q % n_kv)
                 return cli_usage_error("--heads: '%s' is not Q/KV with KV dividing Q", optarg);
@@ -766,7 +776,8 @@ int main(int argc, char **argv)
     int prepared = 0;
     for (; st == KVCAP_OK && prepared < n_policies; prepared++) {
         st = policy_run_prepare(&runs[prepared], &g, batch, rows, cols, storage, nthreads,
-                                engine ? &nthreads : NULL, steps, a, policies[prepared], post);
+                                engine ? &nthreads : NULL, steps, a, policies[prepared], post,
+                                freekv_static);
         if (st != KVCAP_OK)
             break;
         cli_progress_update(&prog, prepared + 1, n_policies);
@@ -812,6 +823,12 @@ int main(int argc, char **argv)
            kvcap_structure_name(bk->structure),
            bk->structure == KVCAP_STRUCTURE_TILED ? " (tiles)" : "", u->h, u->rv, u->m,
            artifact_path ? "" : " (random: timing only)");
+    if (n_policies > 1 && strcmp(policies[n_policies - 1], "freekv") == 0)
+        printf("freekv layout: %s\n", freekv_static
+                                          ? "the vision span only; generated tokens in full "
+                                            "(a static store)"
+                                          : "the vision span and the generated tokens (a store "
+                                            "that grows every step)");
     if (warm)
         printf("caches: warm (left as the previous attention call left them)\n");
     else
@@ -856,9 +873,15 @@ int main(int argc, char **argv)
         if (res[i].compress_ms > 0)
             printf("%s: compression after prefill %.1f ms (all layers, batch)\n", res[i].name,
                    res[i].compress_ms);
-        if (strcmp(res[i].name, "freekv") == 0)
-            printf("freekv: %.1f pages recalled per step, %.1f%% of head-steps corrected\n",
-                   res[i].recalled_per_step, 100 * res[i].corrected);
+        if (strcmp(res[i].name, "freekv") == 0) {
+            printf("freekv: step time %.3f of full's at %.3f of its bytes read; of the head-steps "
+                   "(timed steps): %.1f%% hidden\n(speculative selection complete before the "
+                   "step), %.1f%% waited for it, %.1f%% corrected, %.1f%% re-selected; %.1f "
+                   "pages recalled per step\n",
+                   res[i].time_full, (double)res[i].bytes_per_step / (double)res[0].bytes_per_step,
+                   100 * res[i].hidden, 100 * res[i].waited, 100 * res[i].corrected,
+                   100 * res[i].reselected, res[i].recalled_per_step);
+        }
         if (res[i].map_bytes_per_step)
             printf("%s: bytes include the maps, %s per step\n", res[i].name,
                    cli_bytes(res[i].map_bytes_per_step, per, sizeof per));

@@ -957,6 +957,9 @@ enum kvcap_status kvcap_cache_stats(const struct kvcap_cache *c, struct kvcap_ca
             st->freekv_pages_recalled += fs.pages_recalled;
             st->freekv_bytes_recalled += fs.bytes_recalled;
             st->freekv_head_steps += fs.steps * c->g.n_kv_heads;
+            st->freekv_reselections += fs.resyncs;
+            st->freekv_hidden += fs.hidden;
+            st->freekv_waited += fs.waited;
         }
         for (int s = 0; s <= sl->n_segs; s++) {
             const struct kvcap_segment *seg = s < sl->n_segs ? &sl->segs[s] : &sl->gen;

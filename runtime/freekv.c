@@ -96,20 +96,23 @@ struct head {
     float *dig;    /* [cap_pages][2][d]: per-channel max then min of each page's stored keys */
     int *where[2]; /* [cap_pages]: a slot of pool buffer b holding page p, or -1 */
     int *slot[2];  /* [pool_slots]: the page slot s of buffer b holds, or -1 */
-    int n_sel[2];  /* slots 0..n_sel[b)-1 of buffer b hold the selection made for it */
+    int n_sel[2];  /* slots 0..n_sel[b)-1 of buffer b hold the selection made for it (any order) */
+    int sel_hi[2]; /* the end of the candidate pages that selection was made among */
     int cur;       /* the buffer the latest attend used */
-    int spec_valid;      /* buffer 1-cur holds a speculative selection ... */
-    int64_t spec_tokens; /* ... made for a store of this many tokens */
+    int spec_valid; /* buffer 1-cur holds a speculative selection made after the latest attend */
+    int att_lo, att_ws; /* the latest attend: sinks [0, att_lo), window [att_ws, pages) */
     float *q_cur, *q_prev;        /* [G][d] the queries of two consecutive steps */
     int64_t q_step, prev_step;    /* the steps they came from (-1: none) */
     int todo;                     /* attended in the step being closed: select for the next */
     /* scratch of the selection, sized at append */
     float *score;   /* [3][cap_pages] */
     int *work;      /* [cap_pages] */
+    int *mark;      /* [cap_pages]: fill's marks, all zero between fills */
     int *pick;      /* [pool_slots] */
+    int *free_slot; /* [pool_slots] */
     float *qsplit;  /* [2][d] */
     /* this step's critical-path counts, folded into the stats by step_done */
-    int corrections, resyncs, recalled;
+    int corrections, resyncs, recalled, hidden, waited;
 };
 
 struct kvcap_freekv {
@@ -121,10 +124,15 @@ struct kvcap_freekv {
     struct kvcap_freekv *next_job; /* the worker's queue link */
     atomic_int pending;            /* a job of this state is queued or running */
     int64_t tokens, step;
+    int64_t done_tokens; /* the store's size at the latest step_done */
+    int predict;         /* tokens the next step's store is expected to have more (0 or 1) */
     /* store: pages allocated one by one (never moved once written), HND within a page */
     unsigned char **pages;
     int n_alloc, cap_pages; /* pages allocated; capacity of `pages` and of per-head arrays */
-    /* pool, NHD: [pool_slots][page_size][kvh][d] for K and V, two buffers */
+    /* pool, HND per buffer: [kvh][pool_slots][page_size][d] for K and V, two buffers. A CPU
+     * attends one head on one thread: its slots are one contiguous run of rows (one call, a
+     * streaming read). A device pool is NHD instead (kernels/cuda/freekv_cuda.h), where the
+     * heads of one token side by side coalesce. */
     unsigned char *pool_k[2], *pool_v[2];
     int pool_slots;
     struct head *heads;
@@ -156,9 +164,25 @@ static int slots_needed(const struct kvcap_freekv *f, int np)
 
 static void run_job(struct kvcap_freekv *f);
 
+/* The worker must not take a core from the engine's threads. Woken at the end of an attend, a
+ * normal thread may preempt the one that woke it (the one running the decode step), and the
+ * selection it exists to take off the critical path lands back on it. SCHED_BATCH (Linux)
+ * keeps the thread's fair share of the CPU but never preempts on wake-up; elsewhere, or if
+ * refused, the thread keeps the default policy. */
+static void worker_yield_on_wakeup(void)
+{
+#if defined(__linux__)
+    struct sched_param sp;
+    memset(&sp, 0, sizeof sp);
+    (void)pthread_setschedparam(pthread_self(), 3 /* SCHED_BATCH: <sched.h> hides it without
+                                                    * _GNU_SOURCE */, &sp);
+#endif
+}
+
 static void *worker_main(void *arg)
 {
     struct kvcap_freekv_worker *w = arg;
+    worker_yield_on_wakeup();
     pthread_mutex_lock(&w->lock);
     for (;;) {
         while (!w->first && !w->stopping)
@@ -266,6 +290,8 @@ void kvcap_freekv_free(struct kvcap_freekv *f)
         free(hd->score);
         free(hd->work);
         free(hd->pick);
+        free(hd->mark);
+        free(hd->free_slot);
         free(hd->qsplit);
     }
     free(f->heads);
@@ -378,6 +404,9 @@ static enum kvcap_status reserve(struct kvcap_freekv *f, int np)
             hd->dig = grow(hd->dig, sizeof(float) * 2 * d * c, &ok);
             hd->score = grow(hd->score, sizeof(float) * 3 * c, &ok);
             hd->work = grow(hd->work, sizeof(int) * c, &ok);
+            hd->mark = grow(hd->mark, sizeof(int) * c, &ok);
+            for (int i = f->cap_pages; ok && i < cap; i++)
+                hd->mark[i] = 0;
             for (int b = 0; b < 2; b++) {
                 hd->where[b] = grow(hd->where[b], sizeof(int) * c, &ok);
                 for (int i = f->cap_pages; ok && i < cap; i++)
@@ -399,27 +428,42 @@ static enum kvcap_status reserve(struct kvcap_freekv *f, int np)
         int slots = f->pool_slots * 2 > need ? f->pool_slots * 2 : need;
         if (slots > f->k || f->pool_slots > INT_MAX / 2)
             slots = f->k > need ? f->k : need;
-        /* NHD with the slot outermost: growing appends slots, realloc keeps those filled */
-        size_t bytes;
-        KVCAP_RETURN_IF(!kvcap_mul_size((size_t)slots * f->p.page_size, f->row_bytes, &bytes) ||
-                            !kvcap_mul_size(bytes, (size_t)f->kvh, &bytes),
+        /* per head contiguous: a larger pool is a new block, each head's filled slots copied */
+        size_t head_bytes, bytes, ps_bytes = (size_t)f->p.page_size * f->row_bytes;
+        KVCAP_RETURN_IF(!kvcap_mul_size((size_t)slots, ps_bytes, &head_bytes) ||
+                            !kvcap_mul_size(head_bytes, (size_t)f->kvh, &bytes),
                         KVCAP_ERR_OUT_OF_MEMORY, "freekv: pool of %d pages too large", slots);
+        unsigned char *nb[4] = {NULL, NULL, NULL, NULL};
         int ok = 1;
-        for (int b = 0; b < 2; b++) {
-            f->pool_k[b] = grow(f->pool_k[b], bytes, &ok);
-            f->pool_v[b] = grow(f->pool_v[b], bytes, &ok);
-        }
+        for (int i = 0; i < 4; i++)
+            ok = ok && (nb[i] = malloc(bytes ? bytes : 1)) != NULL;
         for (int h = 0; h < f->kvh; h++) {
             struct head *hd = &f->heads[h];
             hd->pick = grow(hd->pick, sizeof(int) * (size_t)slots, &ok);
+            hd->free_slot = grow(hd->free_slot, sizeof(int) * (size_t)slots, &ok);
             for (int b = 0; b < 2; b++) {
                 hd->slot[b] = grow(hd->slot[b], sizeof(int) * (size_t)slots, &ok);
                 for (int s = f->pool_slots; ok && s < slots; s++)
                     hd->slot[b][s] = -1;
             }
         }
-        KVCAP_RETURN_IF(!ok, KVCAP_ERR_OUT_OF_MEMORY, "freekv: out of memory for %d pool pages",
-                        slots);
+        if (!ok) {
+            for (int i = 0; i < 4; i++)
+                free(nb[i]);
+            return kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "freekv: out of memory for %d pool pages",
+                              slots);
+        }
+        size_t old_head = (size_t)f->pool_slots * ps_bytes;
+        for (int b = 0; b < 2; b++) {
+            for (int h = 0; old_head > 0 && h < f->kvh; h++) {
+                memcpy(nb[2 * b] + h * head_bytes, f->pool_k[b] + h * old_head, old_head);
+                memcpy(nb[2 * b + 1] + h * head_bytes, f->pool_v[b] + h * old_head, old_head);
+            }
+            free(f->pool_k[b]);
+            free(f->pool_v[b]);
+            f->pool_k[b] = nb[2 * b];
+            f->pool_v[b] = nb[2 * b + 1];
+        }
         f->pool_slots = slots;
     }
     return KVCAP_OK;
@@ -559,42 +603,51 @@ static int select_pages(const struct kvcap_freekv *f, struct head *hd, const flo
     return n;
 }
 
-/* Row r of slot s in pool buffer b (K or V), head h. */
-static unsigned char *pool_row(const struct kvcap_freekv *f, unsigned char *buf, int s, int r,
-                               int h)
+/* Slot s of head h in pool buffer buf (K or V): page_size rows of d, one contiguous block. */
+static unsigned char *pool_slot(const struct kvcap_freekv *f, unsigned char *buf, int h, int s)
 {
-    return buf + (((size_t)s * f->p.page_size + r) * f->kvh + h) * f->row_bytes;
+    return buf + ((size_t)h * f->pool_slots + s) * f->p.page_size * f->row_bytes;
 }
 
-/* Puts head h's pages pick[0..n) into slots 0..n-1 of buffer b. A page already there stays; one
- * held by a pool slot (either buffer) is copied within the pool — on a GPU, a device copy; the
- * rest is recalled from the store (HND page rows scattered to NHD slot rows), counted in
- * *recalled. Candidate pages are always full (the window holds the page being written). */
+/* Puts head h's pages pick[0..n) into slots 0..n-1 of buffer b, in any order, touching only the
+ * slots whose page changes: a page already in one of those slots stays where it is; the others
+ * take the freed slots, copied from a slot of the other buffer (or from a slot >= n of this
+ * one) that holds them — on a GPU, a device copy — else recalled from the store (one page of
+ * one head is one contiguous copy of K and one of V), counted in *recalled. Candidate pages
+ * are always full (the window holds the page being written). Keeping slots in place is what
+ * makes a speculative fill cost the pages that changed, not every slot after the first change. */
 static void fill(struct kvcap_freekv *f, int h, int b, int n, int *recalled)
 {
     struct head *hd = &f->heads[h];
-    int ps = f->p.page_size;
+    size_t bytes = (size_t)f->p.page_size * f->row_bytes;
+    int *mark = hd->mark, n_free = 0;
+    for (int i = 0; i < n; i++)
+        mark[hd->pick[i]] = 1; /* wanted */
     for (int s = 0; s < n; s++) {
-        int p = hd->pick[s];
-        if (hd->slot[b][s] == p)
+        int p = hd->slot[b][s];
+        if (p >= 0 && mark[p] == 1) {
+            mark[p] = 2; /* in place */
+            hd->where[b][p] = s;
+        } else {
+            hd->free_slot[n_free++] = s;
+        }
+    }
+    /* Sources are slots of the other buffer or slots >= n of this one: never a destination. */
+    for (int i = 0, j = 0; i < n; i++) {
+        int p = hd->pick[i];
+        if (mark[p] == 2)
             continue;
-        int fb = hd->where[1 - b][p] >= 0 ? 1 - b : hd->where[b][p] >= 0 ? b : -1;
+        int s = hd->free_slot[j++];
+        unsigned char *dk = pool_slot(f, f->pool_k[b], h, s);
+        unsigned char *dv = pool_slot(f, f->pool_v[b], h, s);
+        int fb = hd->where[1 - b][p] >= 0 ? 1 - b : hd->where[b][p] >= n ? b : -1;
         if (fb >= 0) {
             int fs = hd->where[fb][p];
-            for (int r = 0; r < ps; r++) {
-                memcpy(pool_row(f, f->pool_k[b], s, r, h), pool_row(f, f->pool_k[fb], fs, r, h),
-                       f->row_bytes);
-                memcpy(pool_row(f, f->pool_v[b], s, r, h), pool_row(f, f->pool_v[fb], fs, r, h),
-                       f->row_bytes);
-            }
+            memcpy(dk, pool_slot(f, f->pool_k[fb], h, fs), bytes);
+            memcpy(dv, pool_slot(f, f->pool_v[fb], h, fs), bytes);
         } else {
-            const unsigned char *ks = store_k(f, p, h), *vs = store_v(f, p, h);
-            for (int r = 0; r < ps; r++) {
-                memcpy(pool_row(f, f->pool_k[b], s, r, h), ks + (size_t)r * f->row_bytes,
-                       f->row_bytes);
-                memcpy(pool_row(f, f->pool_v[b], s, r, h), vs + (size_t)r * f->row_bytes,
-                       f->row_bytes);
-            }
+            memcpy(dk, store_k(f, p, h), bytes);
+            memcpy(dv, store_v(f, p, h), bytes);
             (*recalled)++;
         }
         int old = hd->slot[b][s];
@@ -603,6 +656,8 @@ static void fill(struct kvcap_freekv *f, int h, int b, int n, int *recalled)
         hd->slot[b][s] = p;
         hd->where[b][p] = s;
     }
+    for (int i = 0; i < n; i++)
+        mark[hd->pick[i]] = 0;
     hd->n_sel[b] = n;
 }
 
@@ -611,21 +666,35 @@ static uint64_t recall_bytes(const struct kvcap_freekv *f, int pages)
     return (uint64_t)pages * 2 * f->p.page_size * f->row_bytes;
 }
 
+/* The end of the candidate pages of a store of `tokens` tokens. */
+static int candidates_end(const struct kvcap_freekv *f, int64_t tokens)
+{
+    int lo, hi;
+    candidates(f, (int)pages_for(f, tokens), &lo, &hi);
+    return hi;
+}
+
 /* The next step's selection of every head that attended in the step just closed, with its
- * queries, for one token more than stored, into the buffer that step did not use. */
+ * queries, into the buffer that step did not use. It is made for the store the next step is
+ * expected to see: one token more if the store grew since the step before (generated tokens
+ * go to FreeKV), the same size if it did not (FreeKV holds a span, the generated tokens live
+ * elsewhere). With one token more the candidates may include the page that then leaves the
+ * window; that page is full now (the store's size is then a multiple of page_size), so the
+ * recall is exact. Either guess stays usable if it was wrong: see attend. */
 static void run_job(struct kvcap_freekv *f)
 {
     int recalled = 0;
     uint64_t digest_bytes = 0; /* read off the critical path: not reported by attend */
+    int64_t tokens = f->tokens + f->predict;
     for (int h = 0; h < f->kvh; h++) {
         struct head *hd = &f->heads[h];
         if (!hd->todo)
             continue;
         hd->todo = 0;
-        int n = select_pages(f, hd, hd->q_cur, f->tokens + 1, &digest_bytes);
+        int n = select_pages(f, hd, hd->q_cur, tokens, &digest_bytes);
         fill(f, h, 1 - hd->cur, n, &recalled);
+        hd->sel_hi[1 - hd->cur] = candidates_end(f, tokens);
         hd->spec_valid = 1;
-        hd->spec_tokens = f->tokens + 1;
     }
     f->stats.pages_recalled += recalled;
     f->stats.bytes_recalled += recall_bytes(f, recalled);
@@ -665,6 +734,7 @@ static int must_correct(const struct kvcap_freekv *f, const struct head *hd)
     return group_cosine(hd->q_cur, hd->q_prev, f->G, f->d) < f->p.tau;
 }
 
+/* The filled rows of page p of head h, straight from the store (sinks, window). */
 static uint64_t attend_store_page(const struct kvcap_freekv *f, int p, int h, const float *q,
                                   float scale, struct kvcap_partial acc)
 {
@@ -674,6 +744,13 @@ static uint64_t attend_store_page(const struct kvcap_freekv *f, int p, int h, co
     return kvcap_attend_rows(&rows, q, f->G, f->d, scale, acc);
 }
 
+/* A speculative selection made among candidates [lo', sel_hi) stays exact for a store that has
+ * grown since: the pages it did not see, [sel_hi, hi), are attended whole from the store as
+ * part of the window (the window starts at min(sel_hi, hi)), so every page is either a sink, a
+ * ranked pick or attended. That costs hi − sel_hi pages beyond the budget (with one token per
+ * step and the one-token guess: none); up to window_pages of them it is accepted, beyond (a
+ * span appended mid-decode) the head selects anew: a resync. Picks that have meanwhile become
+ * sinks or window (a store that grew less than expected) are skipped: attended as such. */
 uint64_t kvcap_freekv_attend(struct kvcap_freekv *f, int h, const float *q, float scale,
                              struct kvcap_partial acc)
 {
@@ -682,6 +759,8 @@ uint64_t kvcap_freekv_attend(struct kvcap_freekv *f, int h, const float *q, floa
                    : !q ? "NULL q" : "h out of range");
         return 0;
     }
+    /* the speculation was not ready yet: this head's step waits for it (not hidden) */
+    int waited = f->worker && atomic_load(&f->pending);
     wait_idle(f);
     struct head *hd = &f->heads[h];
     size_t qn = (size_t)f->G * f->d;
@@ -696,12 +775,16 @@ uint64_t kvcap_freekv_attend(struct kvcap_freekv *f, int h, const float *q, floa
     if (f->tokens == 0)
         return 0;
 
+    int np = (int)pages_for(f, f->tokens), lo, hi;
+    candidates(f, np, &lo, &hi);
     uint64_t bytes = 0;
     int sync;
-    if (hd->spec_valid && hd->spec_tokens == f->tokens) {
+    if (hd->spec_valid && hi - hd->sel_hi[1 - hd->cur] <= f->p.window_pages) {
         hd->cur ^= 1; /* the speculative buffer becomes current */
         sync = must_correct(f, hd);
         hd->corrections += sync;
+        if (!sync)
+            *(waited ? &hd->waited : &hd->hidden) += 1;
     } else {
         sync = 1;
         hd->resyncs++;
@@ -711,22 +794,36 @@ uint64_t kvcap_freekv_attend(struct kvcap_freekv *f, int h, const float *q, floa
         int n = select_pages(f, hd, hd->q_cur, f->tokens, &bytes);
         fill(f, h, 1 - hd->cur, n, &hd->recalled);
         hd->cur ^= 1;
+        hd->sel_hi[hd->cur] = hi;
     }
 
     /* Sinks and window come straight from the store: on a GPU they stay device-resident (the
      * window is where appends land), only top-k pages go through the pool. */
-    int np = (int)pages_for(f, f->tokens), lo, hi;
-    candidates(f, np, &lo, &hi);
+    int b = hd->cur, ws = hd->sel_hi[b] < hi ? hd->sel_hi[b] : hi;
+    ws = ws > lo ? ws : lo;
+    hd->att_lo = lo;
+    hd->att_ws = ws;
     for (int p = 0; p < lo; p++)
         bytes += attend_store_page(f, p, h, q, scale, acc);
-    int b = hd->cur;
-    for (int s = 0; s < hd->n_sel[b]; s++) {
-        struct kvcap_rows rows = {pool_row(f, f->pool_k[b], s, 0, h),
-                                  pool_row(f, f->pool_v[b], s, 0, h), f->dt,
-                                  (size_t)f->kvh * f->d, f->p.page_size};
+    /* the pool's slots in runs of picks inside [lo, ws): one call per run (one in all unless
+     * some picks became sinks or window) */
+    size_t page_rows = (size_t)f->p.page_size;
+    for (int s = 0; s < hd->n_sel[b];) {
+        int p = hd->slot[b][s];
+        if (p < lo || p >= ws) {
+            s++;
+            continue;
+        }
+        int e = s + 1;
+        while (e < hd->n_sel[b] && hd->slot[b][e] >= lo && hd->slot[b][e] < ws)
+            e++;
+        struct kvcap_rows rows = {pool_slot(f, f->pool_k[b], h, s),
+                                  pool_slot(f, f->pool_v[b], h, s), f->dt, (size_t)f->d,
+                                  (int)((size_t)(e - s) * page_rows)};
         bytes += kvcap_attend_rows(&rows, q, f->G, f->d, scale, acc);
+        s = e;
     }
-    for (int p = hi; p < np; p++)
+    for (int p = ws; p < np; p++)
         bytes += attend_store_page(f, p, h, q, scale, acc);
     return bytes;
 }
@@ -738,20 +835,29 @@ enum kvcap_status kvcap_freekv_step_done(struct kvcap_freekv *f)
     struct kvcap_freekv_stats *st = &f->stats;
     st->steps++;
     st->last_corrections = st->last_resyncs = st->last_pages_recalled = 0;
+    st->last_hidden = st->last_waited = 0;
     st->last_bytes_recalled = 0;
     for (int h = 0; h < f->kvh; h++) {
         struct head *hd = &f->heads[h];
         st->last_corrections += hd->corrections;
         st->last_resyncs += hd->resyncs;
         st->last_pages_recalled += hd->recalled;
-        hd->corrections = hd->resyncs = hd->recalled = 0;
+        st->last_hidden += hd->hidden;
+        st->last_waited += hd->waited;
+        hd->corrections = hd->resyncs = hd->recalled = hd->hidden = hd->waited = 0;
         hd->todo = hd->q_step == f->step;
+        if (!hd->todo) /* a head that skipped this step has no speculation for the next */
+            hd->spec_valid = 0;
     }
     st->corrections += st->last_corrections;
     st->resyncs += st->last_resyncs;
+    st->hidden += st->last_hidden;
+    st->waited += st->last_waited;
     st->pages_recalled += st->last_pages_recalled;
     st->last_bytes_recalled = recall_bytes(f, st->last_pages_recalled);
     st->bytes_recalled += st->last_bytes_recalled;
+    f->predict = f->tokens > f->done_tokens;
+    f->done_tokens = f->tokens;
     f->step++;
     if (f->worker)
         enqueue(f);
@@ -806,8 +912,28 @@ int kvcap_freekv_selection(const struct kvcap_freekv *f, int h, int *pages, int 
         return -1;
     wait_idle((struct kvcap_freekv *)f);
     const struct head *hd = &f->heads[h];
-    int n = hd->n_sel[hd->cur];
-    for (int s = 0; s < n && s < cap; s++)
-        pages[s] = hd->slot[hd->cur][s];
+    int b = hd->cur, n = 0;
+    for (int s = 0; s < hd->n_sel[b]; s++) { /* the picks it attended, by insertion, ascending */
+        int p = hd->slot[b][s];
+        if (p < hd->att_lo || p >= hd->att_ws)
+            continue;
+        int i = n < cap ? n : cap;
+        while (i > 0 && pages[i - 1] > p) {
+            if (i < cap)
+                pages[i] = pages[i - 1];
+            i--;
+        }
+        if (i < cap)
+            pages[i] = p;
+        n++;
+    }
     return n;
+}
+
+int kvcap_freekv_window_start(const struct kvcap_freekv *f, int h)
+{
+    if (!f || h < 0 || h >= f->kvh)
+        return -1;
+    wait_idle((struct kvcap_freekv *)f);
+    return f->heads[h].att_ws;
 }

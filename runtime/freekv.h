@@ -2,12 +2,15 @@
  * FreeKV lives in a paged host store (HND pages: [kv_heads][2][page_size][d], so one page of
  * one head is one contiguous copy); each step attends, per KV head, over its sink pages, its
  * recent window pages and its top-k pages by group-consistent digest score, held in a page
- * pool (NHD: [slot][page_size][kv_heads][d] for K and for V) within a token budget.
- * Selection is speculative: step t uses the pages selected with q_{t−1}; selection with q_t
- * and the recall of missing pages for step t+1 run off the critical path (a worker thread,
- * two pool buffers alternating). A KV head whose group-mean query cosine between steps is
- * below τ is corrected: selected and recalled before its attention. On CPU "device" and
- * "host" are both host memory; the logic is the one a GPU build follows. */
+ * pool (on a CPU per head: [kv_heads][slot][page_size][d] for K and for V) within a token
+ * budget. Selection is speculative: step t uses the pages selected with q_{t−1}; selection
+ * with q_t and the recall of missing pages for step t+1 run off the critical path (a worker
+ * thread, two pool buffers alternating), whether the store grows every step (generated tokens
+ * in FreeKV) or not (only a span in FreeKV). A KV head whose group-mean query cosine between
+ * steps is below τ is corrected: selected and recalled before its attention. On CPU "device"
+ * and "host" are both host memory. The device state (kernels/cuda/freekv_cuda.h) follows the
+ * same rules except that it still resyncs every head on a step not preceded by exactly one
+ * appended token, and keeps its slots in ascending page order. */
 #ifndef KVCAP_FREEKV_H
 #define KVCAP_FREEKV_H
 
@@ -30,13 +33,23 @@ struct kvcap_freekv_params {
 struct kvcap_freekv_params kvcap_freekv_default_params(void);
 
 /* Counts over (step, KV head) pairs since creation; last_*: the most recent step only (its
- * attends and the recall its step_done queued). A resync is a head-step whose speculative
- * selection was missing (the first step) or made for another store size (more or fewer than
- * one token appended since): it is selected with the current queries on the critical path,
- * like a correction, but is not counted as one. */
+ * attends and the recall its step_done queued). Every head-step of a non-empty store is exactly
+ * one of: hidden, waited, a correction, a resync.
+ *  - hidden: served by the speculative selection (and its recall) made with the previous
+ *    step's queries, which had completed before the attend came. A state without a worker runs
+ *    it inside step_done, so there it is always complete (tests).
+ *  - waited: served by the speculative selection, but attend had to wait for the worker to
+ *    finish it (the wait is on the critical path, the selection's work partly too).
+ *  - correction: a speculative selection existed, but the head's group-mean query cosine was
+ *    below τ: selected and recalled with the current queries on the critical path.
+ *  - resync (a re-selection): no usable speculative selection — the head's first step, a step
+ *    after one it skipped, or a store that grew by more than window_pages candidate pages since
+ *    the selection (see attend) — selected with the current queries on the critical path, like
+ *    a correction, but not counted as one. A store that grew less (one token per step, or a
+ *    store that does not grow at all) keeps its speculation. */
 struct kvcap_freekv_stats {
     int64_t steps;          /* kvcap_freekv_step_done calls */
-    int64_t corrections;    /* head-steps selected and recalled on the critical path */
+    int64_t corrections;    /* head-steps corrected on the critical path */
     int64_t pages_recalled; /* pages copied store → pool (speculative, corrective, resync);
                              * pages found in a pool buffer are moved there, not counted */
     uint64_t bytes_recalled;
@@ -44,10 +57,13 @@ struct kvcap_freekv_stats {
     uint64_t last_bytes_recalled;
     int64_t resyncs;
     int last_resyncs;
+    int64_t hidden, waited;
+    int last_hidden, last_waited;
 };
 
 /* One background thread shared by every FreeKV state of a cache; runs queued next-step
- * selections in submission order. Free it after the states that use it. */
+ * selections in submission order. On Linux it runs under SCHED_BATCH, so waking it never
+ * preempts the thread running the decode step. Free it after the states that use it. */
 struct kvcap_freekv_worker;
 enum kvcap_status kvcap_freekv_worker_create(struct kvcap_freekv_worker **out);
 void kvcap_freekv_worker_free(struct kvcap_freekv_worker *w); /* drains its queue first */
@@ -71,20 +87,26 @@ enum kvcap_status kvcap_freekv_append(struct kvcap_freekv *f, const float *k, co
 int64_t kvcap_freekv_tokens(const struct kvcap_freekv *f);
 
 /* Decode attention of KV head h: its G queries q [G][d] f32 (rotated at their position),
- * scores (q·k)·scale, folded into acc. The first step (or a store that changed unexpectedly
- * since the speculative selection) selects with q; a head whose group-mean cosine with the
- * previous step's queries is below τ is corrected; otherwise the speculative selection is
- * used. With budget >= all tokens, every token is attended (equal to `full`). May be called
- * concurrently for different h of the same state, never twice for one h in a step. Returns the
- * bytes of K/V read by attention plus those of the digests read by a selection made here
- * (recall copies are counted in the stats); 0 with nothing stored or a bad argument (the
- * error is then recorded for kvcap_last_error). */
+ * scores (q·k)·scale, folded into acc: over the sink pages, the top-k pages of a selection, and
+ * the window. The selection is the speculative one (made with the previous step's queries by
+ * step_done) unless the head must correct (group-mean cosine with the previous step's queries
+ * below τ) or has none usable (a resync, see the stats); then it selects with q here. A
+ * speculative selection made for a smaller store than the current one is completed by
+ * attending the pages it did not rank as window pages: the window starts at the end of the
+ * candidates it was made among (kvcap_freekv_window_start). With budget >= all tokens, every
+ * token is attended (equal to `full`). May be called concurrently for different h of the same
+ * state, never twice for one h in a step. Returns the bytes of K/V read by attention plus
+ * those of the digests read by a selection made here (recall copies are counted in the
+ * stats); 0 with nothing stored or a bad argument (the error is then recorded for
+ * kvcap_last_error). */
 uint64_t kvcap_freekv_attend(struct kvcap_freekv *f, int h, const float *q, float scale,
                              struct kvcap_partial acc);
 
 /* After every KV head of this step attended: selection with this step's queries for the next
  * step and recall of its missing pages into the other pool buffer, queued on the worker (or
- * run inline). */
+ * run inline). The selection is made for the store the next step is expected to have: one
+ * token more when the store grew since the previous step_done, the same size when it did not
+ * (a store holding only a span). */
 enum kvcap_status kvcap_freekv_step_done(struct kvcap_freekv *f);
 
 /* Bytes allocated: store + pool buffers + digests. The pool grows with the store, up to the
@@ -95,12 +117,15 @@ void kvcap_freekv_stats(const struct kvcap_freekv *f, struct kvcap_freekv_stats 
 
 /* Inspection (tests, reports); wait for background work, not concurrent with attend. The
  * digest of `page` for KV head h (kmax, kmin [d]: per-channel max and min of its stored keys,
- * the filled rows only); and the top-k pages, ascending, that head h attended from the pool at
+ * the filled rows only); the top-k pages, ascending, that head h attended from the pool at
  * its latest attend (sinks and window not included), at most `cap` of them written, returns
- * their count (-1 on a bad argument). */
+ * their count (-1 on a bad argument); and the first page of the window that attend read from
+ * the store (pages_for(tokens) − window_pages unless a speculation for a smaller store
+ * extended it; -1 on a bad argument). */
 enum kvcap_status kvcap_freekv_digest(const struct kvcap_freekv *f, int h, int page, float *kmax,
                                       float *kmin);
 int kvcap_freekv_selection(const struct kvcap_freekv *f, int h, int *pages, int cap);
+int kvcap_freekv_window_start(const struct kvcap_freekv *f, int h);
 
 /* Oracle of the selection for one KV head over `n_pages` pages: digests kmax, kmin
  * [n_pages][d]; q [G][d]. Page score = mean over g of softmax over pages of

@@ -1,8 +1,11 @@
 /* test_freekv.c — FreeKV against brute force: page digests and the group-consistent selection
  * vs kvcap_freekv_select_ref, outputs vs plain attention (_ref) over exactly the pages chosen
- * with the current (τ = 1) or the previous step's queries (τ = −1), a full budget vs attention
- * over every token, worker vs inline (heads attended from two threads), hand-counted stats on a
- * scripted case, and named errors for bad parameters. */
+ * with the current (τ = 1) or the previous step's queries (τ = −1), for a store that grows every
+ * step and for one that does not, a full budget vs attention over every token, worker vs inline
+ * (heads attended from two threads), hand-counted stats on a scripted case, named errors for
+ * bad parameters; and through a cache, both layouts (FreeKV holding only the vision span, or
+ * the generated tokens too): τ = ±1 give different outputs, unchanging queries are served by a
+ * speculation completed in the background, and the counts in kvcap_cache_stats say so. */
 #include <math.h>
 #include <pthread.h>
 #include <setjmp.h>
@@ -12,11 +15,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
 #include "attention.h"
 #include "freekv.h"
+#include "kvcap.h"
 #include "rng.h"
 #include "safetensors.h"
 #include "test_numeric.h"
@@ -162,10 +167,11 @@ static void check_digests(const struct seq *s, const struct kvcap_freekv *f)
     free(gmin);
 }
 
-/* Sinks, then sel (top-k, ascending), then window: the pages attended out of np. */
-static int attended_pages(int np, int sink, int window, const int *sel, int nsel, int *out)
+/* Sinks, then sel (top-k, ascending), then the window from page ws on: the pages attended out
+ * of np. */
+static int attended_pages(int np, int sink, int ws, const int *sel, int nsel, int *out)
 {
-    int n = 0, lo = sink < np ? sink : np, hi = np - window > lo ? np - window : lo;
+    int n = 0, lo = sink < np ? sink : np, hi = ws > lo ? ws : lo;
     for (int p = 0; p < lo; p++)
         out[n++] = p;
     for (int i = 0; i < nsel; i++)
@@ -245,9 +251,11 @@ enum mode {
 };
 
 /* One configuration, 5 decode steps after a prefill; returns how many (step, head) pairs had
- * different picks by the current and the previous queries (the check must be able to tell). */
+ * different picks by the current and the previous queries (the check must be able to tell).
+ * static_store: no token is appended after the prefill (FreeKV holding only a span, the
+ * generated tokens kept by another policy); the speculation must serve it all the same. */
 static int run_mode(struct kvcap_rng *r, int G, int d, int ps, enum kvcap_dtype dt,
-                    enum mode mode)
+                    enum mode mode, int static_store)
 {
     const int kvh = 2, steps = 5, sink = 1, window = 2;
     int n0 = ps == 1 ? 40 : 9 * ps + ps / 2;
@@ -272,34 +280,52 @@ static int run_mode(struct kvcap_rng *r, int G, int d, int ps, enum kvcap_dtype 
     assert_true(pages && sel && alt && ref && score);
     int differing = 0;
     char what[160];
+    /* the store a speculation is made for: the size at step_done, one token more if it grew
+     * since the step_done before (at the first, since creation) */
+    int64_t done_tokens = 0, spec_tokens = 0;
     for (int step = 0; step < steps; step++) {
-        /* FULL: 3 tokens at once before step 3, so the speculation (made for one) resyncs */
-        int grown = step == 0 ? 0 : mode == FULL && step == 3 ? 3 : 1;
+        /* FULL: 3 tokens at once before step 3: the speculation (made for one) still serves,
+         * its window extended over the candidates it did not see */
+        int grown = step == 0 || static_store ? 0 : mode == FULL && step == 3 ? 3 : 1;
         if (grown)
             seq_append_random(r, &s, &f, 1, grown);
         int np = seq_pages(&s);
         check_digests(&s, f);
         memcpy(qprev, q, sizeof(float) * qn * kvh);
         fill_random(r, q, qn * kvh, 0.0, 1.0);
-        float *kmax = alloc_f((size_t)np * d), *kmin = alloc_f((size_t)np * d);
+        /* one page more: a speculation made for one token more may see it (as window) */
+        float *kmax = alloc_f((size_t)(np + 1) * d), *kmin = alloc_f((size_t)(np + 1) * d);
         for (int h = 0; h < kvh; h++) {
             const float *qh = q + qn * h;
-            snprintf(what, sizeof what, "%s G=%d d=%d ps=%d mode=%d step=%d h=%d",
-                     kvcap_dtype_name(dt), G, d, ps, (int)mode, step, h);
+            snprintf(what, sizeof what, "%s G=%d d=%d ps=%d mode=%d static=%d step=%d h=%d",
+                     kvcap_dtype_name(dt), G, d, ps, (int)mode, static_store, step, h);
             uint64_t bytes = attend(f, h, qh, G, d, scale, got);
             int nsel = kvcap_freekv_selection(f, h, sel, 4096);
+            int ws = kvcap_freekv_window_start(f, h);
             uint64_t want_bytes;
             if (mode == FULL) {
                 for (int i = 0; i < np; i++)
                     pages[i] = i;
                 want_bytes = expected_output(&s, h, pages, np, qh, scale, want);
-                assert_int_equal(nsel, np > sink + window ? np - sink - window : 0);
+                /* every candidate is a pick or (after the 3 tokens) in the extended window */
+                assert_int_equal(nsel, ws - sink);
+                assert_true(ws <= np - window && ws >= np - window - (grown > 1));
             } else {
+                /* one token per step, the speculation made for one more: no extension */
+                assert_int_equal(ws, np - window);
                 /* the pick the state should have used, by the oracle on brute-force digests */
                 brute_digests(&s, h, kmax, kmin);
-                const float *qsel = mode == CURRENT || step == 0 ? qh : qprev + qn * h;
-                int nref = kvcap_freekv_select_ref(kmax, kmin, np, qsel, G, d, sink, window, k,
-                                                   ref, score);
+                int now = mode == CURRENT || step == 0; /* selected here, for this store */
+                const float *qsel = now ? qh : qprev + qn * h;
+                int sel_np = now ? np : (int)((spec_tokens + ps - 1) / ps);
+                int nref = kvcap_freekv_select_ref(kmax, kmin, sel_np, qsel, G, d, sink, window,
+                                                   k, ref, score);
+                /* picks the store has meanwhile put in the window are attended as window */
+                int kept = 0;
+                for (int i = 0; i < nref; i++)
+                    if (ref[i] < ws)
+                        ref[kept++] = ref[i];
+                nref = kept;
                 check_selection(sel, nsel, ref, nref, score, what);
                 if (step > 0) {
                     const float *qother = mode == CURRENT ? qprev + qn * h : qh;
@@ -308,7 +334,7 @@ static int run_mode(struct kvcap_rng *r, int G, int d, int ps, enum kvcap_dtype 
                     differing += !same_set(ref, nref, alt, nalt);
                 }
                 /* the output is attention over the pick the state made (checked just above) */
-                int npg = attended_pages(np, sink, window, sel, nsel, pages);
+                int npg = attended_pages(np, sink, ws, sel, nsel, pages);
                 want_bytes = expected_output(&s, h, pages, npg, qh, scale, want);
                 if (mode == CURRENT || step == 0) /* selected here: the digests were read */
                     want_bytes += (uint64_t)(np - sink - window) * 2 * d * sizeof(float);
@@ -319,15 +345,21 @@ static int run_mode(struct kvcap_rng *r, int G, int d, int ps, enum kvcap_dtype 
         free(kmax);
         free(kmin);
         assert_int_equal(kvcap_freekv_step_done(f), KVCAP_OK);
+        spec_tokens = s.n + (s.n > done_tokens);
+        done_tokens = s.n;
         struct kvcap_freekv_stats st;
         kvcap_freekv_stats(f, &st);
         assert_int_equal(st.steps, step + 1);
-        int resync = step == 0 || grown > 1;
+        int resync = step == 0;
         assert_int_equal(st.last_resyncs, resync ? kvh : 0);
         if (mode == CURRENT)
             assert_int_equal(st.last_corrections, resync ? 0 : kvh);
-        if (mode == PREVIOUS)
+        if (mode == PREVIOUS) {
             assert_int_equal(st.last_corrections, 0);
+            assert_int_equal(st.last_hidden, resync ? 0 : kvh); /* inline: always complete */
+        }
+        assert_int_equal(st.last_waited, 0);
+        assert_int_equal(st.last_hidden + st.last_corrections + st.last_resyncs, kvh);
         assert_true(st.last_bytes_recalled ==
                     (uint64_t)st.last_pages_recalled * 2 * ps * d * kvcap_dtype_size(dt));
     }
@@ -337,7 +369,7 @@ static int run_mode(struct kvcap_rng *r, int G, int d, int ps, enum kvcap_dtype 
         assert_int_equal(st.corrections, (int64_t)kvh * (steps - 1));
     if (mode == PREVIOUS)
         assert_int_equal(st.corrections, 0);
-    assert_int_equal(st.resyncs, kvh * (mode == FULL ? 2 : 1));
+    assert_int_equal(st.resyncs, kvh);
     /* store + two pools + digests: at least the pages and digests the data needs */
     uint64_t es = kvcap_dtype_size(dt);
     int np = seq_pages(&s);
@@ -366,14 +398,16 @@ static void sweep(enum mode mode)
     for (size_t a = 0; a < 3; a++)
         for (size_t b = 0; b < 2; b++)
             for (size_t c = 0; c < 3; c++)
-                for (size_t t = 0; t < 2; t++) {
-                    int differing = run_mode(&r, Gs[a], ds[b], pss[c], dts[t], mode);
-                    /* with fresh random queries each step the two picks must differ somewhere,
-                     * else following q_t rather than q_{t-1} would be untested */
-                    if (mode != FULL && differing == 0)
-                        fail_msg("G=%d d=%d ps=%d %s: the current and previous picks never differ",
-                                 Gs[a], ds[b], pss[c], kvcap_dtype_name(dts[t]));
-                }
+                for (size_t t = 0; t < 2; t++)
+                    for (int st = 0; st < 2; st++) {
+                        int differing = run_mode(&r, Gs[a], ds[b], pss[c], dts[t], mode, st);
+                        /* with fresh random queries each step the two picks must differ
+                         * somewhere, else following q_t rather than q_{t-1} is untested */
+                        if (mode != FULL && differing == 0)
+                            fail_msg("G=%d d=%d ps=%d %s static=%d: the current and previous "
+                                     "picks never differ",
+                                     Gs[a], ds[b], pss[c], kvcap_dtype_name(dts[t]), st);
+                    }
 }
 
 static void test_tau_one_follows_current_queries(void **state)
@@ -442,15 +476,18 @@ static void test_select_ref_by_hand(void **state)
  * one vector each, so a page's score is q · that vector and every pick is known by hand:
  *   page: 0  1   2   3   4   5    6  7
  *   key : 0  e0  e1  e2  e3  2e3  0  0
- * Buffers: A is the first one filled, B the other; "moved" = copied within the pool.
+ * Buffers: A is the first one filled, B the other; "moved" = copied within the pool. Slots keep
+ * their page while it stays picked. The store grows every step, so each speculation is made for
+ * one token more.
  *  step 1 (10 tokens, q=(3,2,0,0)): resync picks {1,2}, 2 recalled into A; speculation for 11
  *          tokens picks {1,2}, moved A → B.                                  recalled 2
- *  step 2 (11, same q): uses B; speculation for 12 picks {1,2}: in A already. recalled 0
+ *  step 2 (11, same q): uses B (hidden); speculation for 12 picks {1,2}: in A already.
  *  step 3 (12, q=(0,0,2,3), cosine 0 < τ): corrected, picks {3,4}: 2 recalled into B;
  *          speculation for 13 picks {4,5}: 4 moved B → A, 5 recalled.  1 correction, 3 recalled
- *  step 4 (13, same q): uses A; speculation for 14: {4,5} moved A → B.        recalled 0
- *  step 5 (15: two tokens, the speculation was for 14): resync picks {4,5}, in B already.
- *          1 resync, recalled 0 */
+ *  step 4 (13, same q): uses A (hidden); speculation for 14: B keeps 4 in its slot, 5 moved
+ *          A → B.                                                            recalled 0
+ *  step 5 (15: two tokens, the speculation was for 14, among pages [1, 6)): still used
+ *          (hidden), the window extended back to page 6: attends 0, {4,5}, 6, 7. recalled 0 */
 static void scripted(struct kvcap_freekv_worker *w)
 {
     const int d = 4, ps = 2;
@@ -465,15 +502,15 @@ static void scripted(struct kvcap_freekv_worker *w)
     static const struct {
         int append;
         float q[4];
-        int sel[2];
-        int corrections, resyncs, recalled;
+        int sel[2], ws;
+        int corrections, resyncs, hidden, recalled;
     } script[] = {
-        {10, {3, 2, 0, 0}, {1, 2}, 0, 1, 2}, {1, {3, 2, 0, 0}, {1, 2}, 0, 0, 0},
-        {1, {0, 0, 2, 3}, {3, 4}, 1, 0, 3},  {1, {0, 0, 2, 3}, {4, 5}, 0, 0, 0},
-        {2, {0, 0, 2, 3}, {4, 5}, 0, 1, 0},
+        {10, {3, 2, 0, 0}, {1, 2}, 4, 0, 1, 0, 2}, {1, {3, 2, 0, 0}, {1, 2}, 5, 0, 0, 1, 0},
+        {1, {0, 0, 2, 3}, {3, 4}, 5, 1, 0, 0, 3},  {1, {0, 0, 2, 3}, {4, 5}, 6, 0, 0, 1, 0},
+        {2, {0, 0, 2, 3}, {4, 5}, 6, 0, 0, 1, 0},
     };
     const uint64_t page_bytes = 2 * ps * d * sizeof(float); /* K and V of one head */
-    int64_t corrections = 0, resyncs = 0, recalled = 0;
+    int64_t corrections = 0, resyncs = 0, hidden = 0, recalled = 0;
     float got[4], want[4], k[10 * 4], v[10 * 4];
     int sel[8], pages[8];
     for (int step = 0; step < 5; step++) {
@@ -486,22 +523,28 @@ static void scripted(struct kvcap_freekv_worker *w)
         assert_int_equal(kvcap_freekv_selection(f, 0, sel, 8), 2);
         assert_int_equal(sel[0], script[step].sel[0]);
         assert_int_equal(sel[1], script[step].sel[1]);
-        int npg = attended_pages(seq_pages(&s), 1, 1, sel, 2, pages);
+        assert_int_equal(kvcap_freekv_window_start(f, 0), script[step].ws);
+        int npg = attended_pages(seq_pages(&s), 1, script[step].ws, sel, 2, pages);
         expected_output(&s, 0, pages, npg, script[step].q, 0.5f, want);
         assert_close(got, want, (size_t)d, OUT_REL_TOL, "scripted");
         assert_int_equal(kvcap_freekv_step_done(f), KVCAP_OK);
         struct kvcap_freekv_stats st;
-        kvcap_freekv_stats(f, &st);
+        kvcap_freekv_stats(f, &st); /* waits for the worker: the next attend finds it done */
         corrections += script[step].corrections;
         resyncs += script[step].resyncs;
+        hidden += script[step].hidden;
         recalled += script[step].recalled;
         assert_int_equal(st.steps, step + 1);
         assert_int_equal(st.last_corrections, script[step].corrections);
         assert_int_equal(st.last_resyncs, script[step].resyncs);
+        assert_int_equal(st.last_hidden, script[step].hidden);
+        assert_int_equal(st.last_waited, 0);
         assert_int_equal(st.last_pages_recalled, script[step].recalled);
         assert_int_equal(st.last_bytes_recalled, script[step].recalled * page_bytes);
         assert_int_equal(st.corrections, corrections);
         assert_int_equal(st.resyncs, resyncs);
+        assert_int_equal(st.hidden, hidden);
+        assert_int_equal(st.waited, 0);
         assert_int_equal(st.pages_recalled, recalled);
         assert_int_equal(st.bytes_recalled, recalled * page_bytes);
     }
@@ -566,8 +609,8 @@ static void worker_case(struct kvcap_freekv_worker *w, int kvh, int G, int d, in
     int sel[3][64];
     fill_random(&r, q, all, 0.0, 1.0);
     for (int step = 0; step < steps; step++) {
-        /* two tokens before step 6, none before step 8: both resync (the speculation was
-         * made for one more token) */
+        /* two tokens before step 6, none before step 8: the speculation (made for one more
+         * token) serves both, no resync */
         if (step > 0 && step != 8)
             seq_append_random(&r, &s, fs, 3, step == 6 ? 2 : 1);
         fill_random(&r, noise, all, 0.0, 1.0);
@@ -610,11 +653,15 @@ static void worker_case(struct kvcap_freekv_worker *w, int kvh, int G, int d, in
         assert_int_equal(st[i].pages_recalled, st[0].pages_recalled);
         assert_int_equal(st[i].bytes_recalled, st[0].bytes_recalled);
         assert_int_equal(st[i].last_pages_recalled, st[0].last_pages_recalled);
+        /* hidden or waited depends on the worker's timing, their sum does not */
+        assert_int_equal(st[i].hidden + st[i].waited, st[0].hidden + st[0].waited);
     }
-    /* both paths ran: speculation used on some head-steps, corrected on others; three resyncs
-     * per head (the first step, steps 6 and 8) */
-    assert_true(st[0].corrections > 0 && st[0].corrections < (int64_t)kvh * (steps - 3));
-    assert_int_equal(st[0].resyncs, 3 * kvh);
+    /* both paths ran: speculation used on some head-steps, corrected on others; one resync per
+     * head (the first step) */
+    assert_true(st[0].corrections > 0 && st[0].corrections < (int64_t)kvh * (steps - 1));
+    assert_int_equal(st[0].resyncs, kvh);
+    assert_int_equal(st[0].waited, 0); /* inline */
+    assert_int_equal(st[0].hidden + st[0].corrections + st[0].resyncs, (int64_t)kvh * steps);
     assert_true(st[0].pages_recalled > 0);
     /* queue one more job and free at once: free must wait for it */
     assert_int_equal(kvcap_freekv_step_done(fs[1]), KVCAP_OK);
@@ -637,6 +684,223 @@ static void test_worker_matches_inline(void **state)
     worker_case(w, 2, 1, 64, 1, KVCAP_DTYPE_BF16);
     kvcap_freekv_worker_free(w);
     kvcap_freekv_worker_free(NULL);
+}
+
+/* ---- in a cache: FreeKV holding a span, or the generated tokens too ---------------------- */
+
+enum { CL = 2, CKV = 2, CG = 4, CD = 64, CSTEPS = 6, CROWS = 16, CCOLS = 16 };
+
+struct cache_run {
+    float out[CSTEPS][CL][CKV * CG * CD];
+    struct kvcap_cache_stats st[CSTEPS]; /* after each step */
+};
+
+/* A cache (vision: freekv, text: full, generated: `generated`) with one 16x16 vision span per
+ * layer in pages of 8 tokens, 1 sink and 1 window page, `budget` tokens (64: 6 ranked pages
+ * of 30 candidates), threshold tau; CSTEPS decode steps, each appending one token per layer
+ * and attending with queries that are fresh every step (moving) or the same every step. The
+ * stats are read after every step, which waits for the background selections: the next step
+ * finds them complete. The same seed gives every run the same data and queries. */
+static void run_cache(const char *generated, int budget, float tau, int moving,
+                      struct cache_run *res)
+{
+    const int n = CROWS * CCOLS, Hq = CKV * CG;
+    char path[512], yaml[512];
+    const char *t = getenv("TMPDIR");
+    snprintf(path, sizeof path, "%s/test_freekv-%d.yaml", t ? t : "/tmp", (int)getpid());
+    if (strcmp(generated, "all-full") == 0)
+        snprintf(yaml, sizeof yaml, "policies: {vision: full, text: full, generated: full}\n");
+    else
+        snprintf(yaml, sizeof yaml,
+                 "policies: {vision: freekv, text: full, generated: %s}\n"
+                 "freekv: {page_size: 8, budget: %d, sink_pages: 1, window_pages: 1, tau: %g}\n",
+                 generated, budget, (double)tau);
+    FILE *fp = fopen(path, "w");
+    assert_non_null(fp);
+    fputs(yaml, fp);
+    fclose(fp);
+    struct kvcap_cache_params p;
+    kvcap_cache_default_params(&p);
+    struct kvcap_model_geometry g = {.name = "test", .n_layers = CL, .n_q_heads = Hq,
+                                     .n_kv_heads = CKV, .head_dim = CD,
+                                     .rope_type = KVCAP_ROPE_ROPE,
+                                     .rope_pairing = KVCAP_ROPE_PAIRING_HALF, .rope_theta = 1e4};
+    p.model = g;
+    p.storage = KVCAP_DTYPE_F32;
+    p.n_threads = 2; /* heads attended from two threads */
+    p.config_path = path;
+    struct kvcap_cache *c = NULL;
+    enum kvcap_status cs = kvcap_cache_create(&p, &c);
+    unlink(path);
+    if (cs != KVCAP_OK)
+        fail_msg("create: %s", kvcap_last_error());
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 77);
+    /* keys: a new mean every page, so pages differ and the selection has something to rank */
+    float *k = alloc_f((size_t)CKV * n * CD), *v = alloc_f((size_t)CKV * n * CD);
+    float bias[CD];
+    for (int l = 0; l < CL; l++) {
+        for (int h = 0; h < CKV; h++)
+            for (int i = 0; i < n; i++) {
+                float *kr = k + ((size_t)h * n + i) * CD;
+                if (i % 8 == 0)
+                    fill_random(&r, bias, CD, 0.0, 1.0);
+                fill_random(&r, kr, CD, 0.0, 0.3);
+                for (int ch = 0; ch < CD; ch++)
+                    kr[ch] += bias[ch];
+            }
+        fill_random(&r, v, (size_t)CKV * n * CD, 0.5, 1.0);
+        struct kvcap_span_desc desc = {KVCAP_SPAN_VISION, n, CROWS, CCOLS, 0};
+        struct kvcap_tensor_view kv = {k, NULL, 0, KVCAP_DTYPE_F32, (int64_t)n * CD, CD};
+        struct kvcap_tensor_view vv = {v, NULL, 0, KVCAP_DTYPE_F32, (int64_t)n * CD, CD};
+        assert_int_equal(kvcap_cache_add_span(c, 0, l, &desc, &kv, &vv), KVCAP_OK);
+    }
+    float q[CL][Hq * CD], tok[2 * CKV * CD];
+    fill_random(&r, &q[0][0], (size_t)CL * Hq * CD, 0.0, 1.5);
+    for (int step = 0; step < CSTEPS; step++) {
+        for (int l = 0; l < CL; l++) {
+            fill_random(&r, tok, 2 * CKV * CD, 0.0, 1.0);
+            struct kvcap_tensor_view gk = {tok, NULL, 0, KVCAP_DTYPE_F32, CD, 0};
+            struct kvcap_tensor_view gv = {tok + CKV * CD, NULL, 0, KVCAP_DTYPE_F32, CD, 0};
+            assert_int_equal(kvcap_cache_append(c, 0, l, &gk, &gv), KVCAP_OK);
+            if (moving && step > 0)
+                fill_random(&r, q[l], (size_t)Hq * CD, 0.0, 1.5);
+            assert_int_equal(kvcap_cache_attend(c, l, q[l], res->out[step][l]), KVCAP_OK);
+        }
+        assert_int_equal(kvcap_cache_stats(c, &res->st[step]), KVCAP_OK);
+    }
+    kvcap_cache_free(c);
+    free(k);
+    free(v);
+}
+
+static double max_abs_diff(const float *a, const float *b, size_t n)
+{
+    double m = 0;
+    for (size_t i = 0; i < n; i++)
+        m = fmax(m, fabs((double)a[i] - b[i]));
+    return m;
+}
+
+/* The counts of step `step` alone (differences of the cumulative stats). */
+static void step_counts(const struct cache_run *x, int step, int64_t *hidden, int64_t *resel,
+                        int64_t *corr, int64_t *waited)
+{
+    const struct kvcap_cache_stats *a = &x->st[step], *b = step > 0 ? &x->st[step - 1] : NULL;
+    *hidden = a->freekv_hidden - (b ? b->freekv_hidden : 0);
+    *resel = a->freekv_reselections - (b ? b->freekv_reselections : 0);
+    *corr = a->freekv_corrections - (b ? b->freekv_corrections : 0);
+    *waited = a->freekv_waited - (b ? b->freekv_waited : 0);
+}
+
+/* Static layout (only the vision span in FreeKV, generated tokens in full), queries that move:
+ * τ = −1 attends the speculation (picked with the previous step's queries), τ = +1 corrects
+ * every head-step (picks with the current ones). Outputs agree at the first step (both select
+ * with the current queries) and differ after; the counts say which path served. */
+static void test_static_layout_tau_decides(void **state)
+{
+    (void)state;
+    static struct cache_run lo, hi;
+    run_cache("full", 64, -1.0f, 1, &lo);
+    run_cache("full", 64, 1.0f, 1, &hi);
+    const int64_t HS = (int64_t)CL * CKV; /* head-steps per step */
+    const size_t all = (size_t)CKV * CG * CD;
+    int differ = 0;
+    for (int step = 0; step < CSTEPS; step++) {
+        double diff = 0;
+        for (int l = 0; l < CL; l++)
+            diff = fmax(diff, max_abs_diff(lo.out[step][l], hi.out[step][l], all));
+        if (step == 0)
+            assert_true(diff == 0); /* the same selection, the same code */
+        else
+            differ += diff > 1e-3;
+        int64_t hid, res, cor, wai;
+        step_counts(&lo, step, &hid, &res, &cor, &wai);
+        assert_int_equal(res, step == 0 ? HS : 0); /* a static store keeps its speculation */
+        assert_int_equal(cor, 0);
+        assert_int_equal(hid, step == 0 ? 0 : HS);
+        assert_int_equal(wai, 0);
+        step_counts(&hi, step, &hid, &res, &cor, &wai);
+        assert_int_equal(res, step == 0 ? HS : 0);
+        assert_int_equal(cor, step == 0 ? 0 : HS);
+        assert_int_equal(hid, 0);
+        assert_int_equal(wai, 0);
+    }
+    /* at least most steps: a pick by fresh random queries differs from the previous one */
+    if (differ < CSTEPS - 2)
+        fail_msg("tau -1 and +1 differ at %d of %d steps", differ, CSTEPS - 1);
+    assert_int_equal(lo.st[CSTEPS - 1].freekv_head_steps, HS * CSTEPS);
+    assert_int_equal(hi.st[CSTEPS - 1].freekv_corrections, HS * (CSTEPS - 1));
+    assert_int_equal(lo.st[CSTEPS - 1].freekv_corrections, 0);
+    /* the speculation recalls what the moving queries pick anew */
+    assert_true(lo.st[CSTEPS - 1].freekv_pages_recalled > lo.st[0].freekv_pages_recalled);
+}
+
+/* Queries that stay the same: after the first step every head-step is served by the
+ * speculation, complete before it was needed, in both layouts; no re-selection, no correction
+ * (cosine 1 >= τ = 0.9). */
+static void test_same_queries_hidden(void **state)
+{
+    (void)state;
+    static struct cache_run x;
+    const char *layouts[2] = {"full", "freekv"};
+    const int64_t HS = (int64_t)CL * CKV;
+    for (int i = 0; i < 2; i++) {
+        run_cache(layouts[i], 64, 0.9f, 0, &x);
+        const struct kvcap_cache_stats *last = &x.st[CSTEPS - 1];
+        assert_int_equal(last->freekv_head_steps, HS * CSTEPS);
+        assert_int_equal(last->freekv_reselections, HS);
+        assert_int_equal(last->freekv_hidden, HS * (CSTEPS - 1));
+        assert_int_equal(last->freekv_hidden + last->freekv_reselections +
+                             last->freekv_corrections + last->freekv_waited,
+                         last->freekv_head_steps);
+        assert_int_equal(last->freekv_corrections, 0);
+        assert_int_equal(last->freekv_waited, 0);
+        for (int step = 1; step < CSTEPS; step++) {
+            int64_t hid, res, cor, wai;
+            step_counts(&x, step, &hid, &res, &cor, &wai);
+            assert_int_equal(hid, HS);
+            assert_int_equal(res, 0);
+        }
+    }
+}
+
+/* Growing layout (generated tokens in FreeKV too), moving queries: the speculation serves at
+ * τ = −1, every step corrects at τ = +1; and with a budget above every token, both layouts
+ * give what `full` gives (every page attended once, whatever served the selection). */
+static void test_growing_layout_and_full_budget(void **state)
+{
+    (void)state;
+    static struct cache_run lo, hi, ref, big;
+    const int64_t HS = (int64_t)CL * CKV;
+    const size_t all = (size_t)CKV * CG * CD;
+    run_cache("freekv", 64, -1.0f, 1, &lo);
+    run_cache("freekv", 64, 1.0f, 1, &hi);
+    const struct kvcap_cache_stats *a = &lo.st[CSTEPS - 1], *b = &hi.st[CSTEPS - 1];
+    assert_int_equal(a->freekv_reselections, HS);
+    assert_int_equal(a->freekv_hidden, HS * (CSTEPS - 1));
+    assert_int_equal(a->freekv_corrections, 0);
+    assert_int_equal(b->freekv_reselections, HS);
+    assert_int_equal(b->freekv_corrections, HS * (CSTEPS - 1));
+    assert_int_equal(b->freekv_hidden, 0);
+    int differ = 0;
+    for (int step = 1; step < CSTEPS; step++)
+        for (int l = 0; l < CL; l++)
+            differ += max_abs_diff(lo.out[step][l], hi.out[step][l], all) > 1e-3;
+    assert_true(differ > 0);
+    run_cache("all-full", 0, 0.0f, 1, &ref);
+    const char *layouts[2] = {"full", "freekv"};
+    for (int i = 0; i < 2; i++) {
+        run_cache(layouts[i], 1 << 20, -1.0f, 1, &big);
+        for (int step = 0; step < CSTEPS; step++)
+            for (int l = 0; l < CL; l++) {
+                char what[96];
+                snprintf(what, sizeof what, "full budget, generated: %s, step %d layer %d",
+                         layouts[i], step, l);
+                assert_close(big.out[step][l], ref.out[step][l], all, OUT_REL_TOL, what);
+            }
+        assert_int_equal(big.st[CSTEPS - 1].freekv_hidden, HS * (CSTEPS - 1));
+    }
 }
 
 /* ---- arguments ------------------------------------------------------------------------------ */
@@ -709,6 +973,9 @@ int main(void)
         cmocka_unit_test(test_tau_minus_one_follows_previous_queries),
         cmocka_unit_test(test_full_budget_is_plain_attention),
         cmocka_unit_test(test_worker_matches_inline),
+        cmocka_unit_test(test_static_layout_tau_decides),
+        cmocka_unit_test(test_same_queries_hidden),
+        cmocka_unit_test(test_growing_layout_and_full_budget),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -399,6 +399,21 @@ struct kvcap_cache_stats {
      * of which corrected on the critical path; pages and bytes copied store → pool. */
     int64_t freekv_head_steps, freekv_corrections, freekv_pages_recalled;
     uint64_t freekv_bytes_recalled;
+    /* FreeKV, how each (step, KV head) pair was served, summed like the counts above: with
+     * freekv_corrections they add up to freekv_head_steps (less the head-steps of a layer whose
+     * FreeKV store was still empty). Speculative: selected with the previous step's queries,
+     * and recalled, after that step's attend, by a background thread. A device cache leaves
+     * all three 0 (it has no FreeKV; see params.memory). */
+    int64_t freekv_reselections; /* selected synchronously on the critical path because no
+                                  * usable speculative selection existed: the first step, a
+                                  * step after one the head skipped, or a store that grew by
+                                  * more than window_pages candidate pages since (corrections
+                                  * not included). A store that grew by a few tokens, or not at
+                                  * all (only a span in FreeKV), keeps its speculation. */
+    int64_t freekv_hidden;       /* served by a speculative selection, and its recall, that had
+                                  * completed off the critical path before the step needed it */
+    int64_t freekv_waited;       /* served by a speculative selection that attend had to wait
+                                  * for (still running in the background when the step came) */
 };
 
 KVCAP_API enum kvcap_status kvcap_cache_stats(const struct kvcap_cache *cache,
