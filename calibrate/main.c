@@ -8,6 +8,7 @@
 
 #include "calibrate.h"
 #include "cli.h"
+#include "internal.h"
 
 extern const char kvcap_default_calib_yaml[];
 
@@ -201,17 +202,14 @@ static int write_metrics_json(const char *path, const struct kvcap_calib_state *
     cJSON_AddNumberToObject(t, "validate", r->seconds_validate);
     char *text = cJSON_Print(root);
     cJSON_Delete(root);
-    FILE *f = text ? fopen(path, "w") : NULL;
-    int ok = f && fputs(text, f) >= 0 && fputc('\n', f) != EOF;
-    if (f)
-        ok = fclose(f) == 0 && ok;
-    cJSON_free(text);
-    if (!ok) {
-        remove(path);
-        fprintf(stderr, "kvcap-calibrate: error: %s: cannot write the metrics\n", path);
+    if (!text) {
+        fprintf(stderr, "kvcap-calibrate: error: %s: out of memory for the metrics\n", path);
         return 1;
     }
-    return 0;
+    /* atomic, and never onto a device or FIFO (a failed plain write used to remove(path)) */
+    enum kvcap_status st = kvcap_write_file_atomic(path, text, strlen(text));
+    cJSON_free(text);
+    return st == KVCAP_OK ? 0 : cli_fail(st);
 }
 
 int main(int argc, char **argv)
@@ -256,6 +254,21 @@ int main(int argc, char **argv)
     if (!out || n_data == 0) {
         free(data);
         return cli_usage_error(!out ? "--out STATE.kvcs is required" : "--data PATH is required");
+    }
+    {
+        struct cli_path outs[2] = {{"--out", out}, {"--metrics-json", metrics}};
+        struct cli_path *ins = calloc((size_t)n_data + 1, sizeof *ins);
+        int bad = !ins;
+        for (int i = 0; ins && i < n_data; i++)
+            ins[i] = (struct cli_path){"--data", data[i]};
+        if (ins)
+            ins[n_data] = (struct cli_path){"--config", config_path};
+        bad = bad ? cli_usage_error("out of memory") : cli_check_outputs(outs, 2, ins, n_data + 1);
+        free(ins);
+        if (bad) {
+            free(data);
+            return bad;
+        }
     }
     cli_init("kvcap-calibrate", verbose);
     const char *no_cuda = kvcap_calib_cuda_unavailable();

@@ -1,7 +1,12 @@
 /* cli.c — shared helpers of the kvcap tools (see cli.h). */
+#include <dirent.h>
+#include <libgen.h>
+#include <limits.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "cli.h"
@@ -112,4 +117,80 @@ double cli_median(double *x, int n)
 {
     qsort(x, (size_t)n, sizeof(double), cmp_double);
     return n % 2 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
+}
+
+/* ---- Outputs that would destroy inputs -------------------------------------------------- */
+
+static int same_inode(const struct stat *a, const struct stat *b)
+{
+    return a->st_dev == b->st_dev && a->st_ino == b->st_ino;
+}
+
+/* 1 if the existing output `o` is `in`, 2 if it is a regular file directly inside the folder
+ * `in`, else 0. */
+static int output_is_input(const struct stat *o, const char *in)
+{
+    struct stat si;
+    if (stat(in, &si) != 0)
+        return 0;
+    if (!S_ISDIR(si.st_mode))
+        return same_inode(o, &si);
+    DIR *d = opendir(in);
+    int hit = 0;
+    for (struct dirent *e; d && !hit && (e = readdir(d));) {
+        char p[PATH_MAX];
+        struct stat se;
+        if (snprintf(p, sizeof p, "%s/%s", in, e->d_name) < (int)sizeof p && stat(p, &se) == 0 &&
+            S_ISREG(se.st_mode))
+            hit = same_inode(o, &se) ? 2 : 0;
+    }
+    if (d)
+        closedir(d);
+    return hit;
+}
+
+/* The file an output path will name: its folder resolved, then its last component. */
+static int resolved(const char *path, char *out, size_t cap)
+{
+    char a[PATH_MAX], b[PATH_MAX], dir[PATH_MAX];
+    if (snprintf(a, sizeof a, "%s", path) >= (int)sizeof a ||
+        snprintf(b, sizeof b, "%s", path) >= (int)sizeof b || !realpath(dirname(a), dir))
+        return 0;
+    return snprintf(out, cap, "%s/%s", dir, basename(b)) < (int)cap;
+}
+
+int cli_check_outputs(const struct cli_path *outputs, int n_out, const struct cli_path *inputs,
+                      int n_in)
+{
+    for (int i = 0; i < n_out; i++) {
+        if (!outputs[i].path)
+            continue;
+        struct stat so;
+        const int exists = stat(outputs[i].path, &so) == 0;
+        if (exists && !S_ISREG(so.st_mode))
+            return cli_usage_error("%s %s exists and is not a regular file: refusing to replace "
+                                   "it", outputs[i].option, outputs[i].path);
+        for (int j = 0; exists && j < n_in; j++) {
+            const int hit = inputs[j].path ? output_is_input(&so, inputs[j].path) : 0;
+            if (hit)
+                return cli_usage_error("%s %s is %s the input %s %s: refusing to overwrite it",
+                                       outputs[i].option, outputs[i].path,
+                                       hit == 1 ? "the same file as" : "a file inside",
+                                       inputs[j].option, inputs[j].path);
+        }
+        for (int j = 0; j < i; j++) {
+            if (!outputs[j].path)
+                continue;
+            struct stat sj;
+            char ri[PATH_MAX], rj[PATH_MAX];
+            int same = exists && stat(outputs[j].path, &sj) == 0
+                           ? same_inode(&so, &sj)
+                           : resolved(outputs[i].path, ri, sizeof ri) &&
+                                 resolved(outputs[j].path, rj, sizeof rj) && !strcmp(ri, rj);
+            if (same)
+                return cli_usage_error("%s %s and %s %s name the same file", outputs[j].option,
+                                       outputs[j].path, outputs[i].option, outputs[i].path);
+        }
+    }
+    return 0;
 }

@@ -34,6 +34,20 @@ struct cli_progress {
 void cli_progress_begin(struct cli_progress *p, const char *label, int quiet);
 void cli_progress_update(struct cli_progress *p, int64_t done, int64_t total);
 
+/* A file a tool reads or writes, named by the option that gave it ("--out", "--data", ...). */
+struct cli_path {
+    const char *option;
+    const char *path;
+};
+
+/* Refuses a command line whose outputs would destroy what it reads or writes twice, before any
+ * work: an output that exists and is not a regular file (a device, FIFO or folder), one
+ * that is the same file (device and inode, so other spellings, symlinks and hard links count)
+ * as an input or as a regular file directly inside an input folder, or two outputs naming one
+ * file. Prints a usage error naming both and returns 2; 0 when every output is distinct. */
+int cli_check_outputs(const struct cli_path *outputs, int n_out, const struct cli_path *inputs,
+                      int n_in);
+
 /* The same as a library progress callback (user = struct cli_progress *); never stops. */
 int cli_progress_callback(int64_t done, int64_t total, void *user);
 

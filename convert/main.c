@@ -161,6 +161,15 @@ int main(int argc, char **argv)
     }
     o.states = (const char *const *)&argv[optind];
     o.n_states = argc - optind;
+    {
+        struct cli_path out = {"--out", o.out}, *ins = calloc((size_t)o.n_states, sizeof *ins);
+        for (int i = 0; ins && i < o.n_states; i++)
+            ins[i] = (struct cli_path){"STATE", o.states[i]};
+        rc = ins ? cli_check_outputs(&out, 1, ins, o.n_states) : cli_usage_error("out of memory");
+        free(ins);
+        if (rc)
+            goto done;
+    }
     struct kvcap_convert_report report;
     enum kvcap_status st = kvcap_convert(&o, &report);
     if (st != KVCAP_OK) {

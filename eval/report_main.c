@@ -104,6 +104,10 @@ int main(int argc, char **argv)
         rc = 1;
         goto done;
     }
+    const struct cli_path outs[2] = {{"--html", html}, {"--csv", csv}};
+    const struct cli_path in = {"METRICS.json", metrics};
+    if ((rc = cli_check_outputs(outs, 2, &in, 1)) != 0)
+        goto done;
     enum kvcap_status st = kvcap_report_write(metrics, html, csv);
     if (st != KVCAP_OK) {
         rc = cli_fail(st);

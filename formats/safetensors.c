@@ -1048,6 +1048,7 @@ enum kvcap_status kvst_writer_commit(struct kvst_writer *w, const char *path)
     KVCAP_RETURN_IF(!w, KVCAP_ERR_INVALID_ARGUMENT, "kvst_writer_commit: writer is NULL");
     KVCAP_RETURN_IF(!path || !*path, KVCAP_ERR_INVALID_ARGUMENT,
                     "kvst_writer_commit: empty path");
+    KVCAP_TRY(kvcap_check_replaceable(path));
 
     struct layout_ref *order = malloc((w->n ? w->n : 1) * sizeof *order);
     uint64_t *begin = malloc((w->n ? w->n : 1) * sizeof *begin);

@@ -184,21 +184,56 @@ double kvcap_seconds(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-enum kvcap_status kvcap_map_file(const char *path, size_t min_size, const char *too_short,
-                                 void **map, size_t *size)
+/* Opens an input for reading only if it is a regular file. O_NONBLOCK keeps the open itself
+ * from waiting for a writer when the path is a FIFO (it is cleared once the type is known); a
+ * device, FIFO, socket or folder is refused before anything is read from it. */
+static enum kvcap_status open_regular(const char *path, int *fd_out, struct stat *sb)
 {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     KVCAP_RETURN_IF(fd < 0, KVCAP_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
-    struct stat sb;
-    if (fstat(fd, &sb) != 0) {
+    if (fstat(fd, sb) != 0) {
         int e = errno;
         close(fd);
         return kvcap_fail(KVCAP_ERR_IO, "%s: cannot stat: %s", path, strerror(e));
     }
-    if (!S_ISREG(sb.st_mode)) {
+    if (!S_ISREG(sb->st_mode)) {
         close(fd);
-        return kvcap_fail(KVCAP_ERR_IO, "%s: not a regular file", path);
+        return kvcap_fail(KVCAP_ERR_IO, "%s: not a regular file (a %s)", path,
+                          S_ISDIR(sb->st_mode)    ? "folder"
+                          : S_ISFIFO(sb->st_mode) ? "FIFO"
+                          : S_ISCHR(sb->st_mode) || S_ISBLK(sb->st_mode) ? "device"
+                                                                         : "socket or other");
     }
+    int flags = fcntl(fd, F_GETFL);
+    if (flags < 0 || fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+        int e = errno;
+        close(fd);
+        return kvcap_fail(KVCAP_ERR_IO, "%s: fcntl: %s", path, strerror(e));
+    }
+    *fd_out = fd;
+    return KVCAP_OK;
+}
+
+enum kvcap_status kvcap_check_replaceable(const char *path)
+{
+    struct stat sb;
+    if (stat(path, &sb) != 0)
+        return KVCAP_OK; /* nothing there (or nothing we may look at: the write will say) */
+    KVCAP_RETURN_IF(!S_ISREG(sb.st_mode), KVCAP_ERR_INVALID_ARGUMENT,
+                    "%s: exists and is not a regular file (a %s); refusing to replace it", path,
+                    S_ISDIR(sb.st_mode)    ? "folder"
+                    : S_ISFIFO(sb.st_mode) ? "FIFO"
+                    : S_ISCHR(sb.st_mode) || S_ISBLK(sb.st_mode) ? "device"
+                                                                   : "socket or other");
+    return KVCAP_OK;
+}
+
+enum kvcap_status kvcap_map_file(const char *path, size_t min_size, const char *too_short,
+                                 void **map, size_t *size)
+{
+    int fd = -1;
+    struct stat sb;
+    KVCAP_TRY(open_regular(path, &fd, &sb));
     if ((uint64_t)sb.st_size < min_size) {
         close(fd);
         return kvcap_fail(KVCAP_ERR_FORMAT, "%s: file is %lld bytes, %s", path,
@@ -241,6 +276,7 @@ int kvcap_fsync_parent(const char *path)
 
 enum kvcap_status kvcap_write_file_atomic(const char *path, const void *data, size_t len)
 {
+    KVCAP_TRY(kvcap_check_replaceable(path));
     size_t n = strlen(path) + sizeof ".tmp-XXXXXX";
     char *tmp = malloc(n);
     KVCAP_RETURN_IF(!tmp, KVCAP_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
@@ -330,8 +366,15 @@ size_t kvcap_utf8_seq_len(const unsigned char *s, size_t n)
 enum kvcap_status kvcap_read_file(const char *path, size_t max_bytes, enum kvcap_status too_big,
                                   const char *too_big_suffix, char **out, size_t *len)
 {
-    FILE *f = fopen(path, "rb");
-    KVCAP_RETURN_IF(!f, KVCAP_ERR_IO, "%s: cannot open: %s", path, strerror(errno));
+    int fd = -1;
+    struct stat sb;
+    KVCAP_TRY(open_regular(path, &fd, &sb));
+    FILE *f = fdopen(fd, "rb");
+    if (!f) {
+        int e = errno;
+        close(fd);
+        return kvcap_fail(KVCAP_ERR_IO, "%s: cannot open: %s", path, strerror(e));
+    }
     size_t cap = 4096, n = 0;
     char *buf = malloc(cap);
     enum kvcap_status st = KVCAP_OK;

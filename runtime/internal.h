@@ -43,8 +43,14 @@ enum kvcap_status kvcap_parallel_status(const struct kvcap_parallel_error *e);
 /* Seconds on a monotonic clock (timings in reports and benchmarks). */
 double kvcap_seconds(void);
 
+/* KVCAP_OK when `path` does not exist or is a regular file; a device, FIFO, socket or folder
+ * is refused (KVCAP_ERR_INVALID_ARGUMENT naming it) rather than replaced by a rename. The
+ * atomic writers call it first. */
+enum kvcap_status kvcap_check_replaceable(const char *path);
+
 /* Maps the regular file `path` read-only (file readers: safetensors, GGUF). Open, stat, mmap
- * failures and non-regular files are KVCAP_ERR_IO; a file shorter than min_size is
+ * failures and non-regular files are KVCAP_ERR_IO (a FIFO is refused without waiting for a
+ * writer, as kvcap_read_file does); a file shorter than min_size is
  * KVCAP_ERR_FORMAT "PATH: file is N bytes, <too_short>". Unmap with munmap(*map, *size). */
 enum kvcap_status kvcap_map_file(const char *path, size_t min_size, const char *too_short,
                                  void **map, size_t *size);

@@ -78,6 +78,33 @@ expect cal_skip 1 "buckets\[0\] (16x16 dense): no training span" "$calibrate" --
 expect conv_run 0 "wrote $work/a.kvcap" "$convert" "$work/s.kvcs" --out "$work/a.kvcap" --keys uniform:0.25 --storage bf16
 expect conv_inspect 0 "storage BF16, activation linear" "$convert" -i "$work/a.kvcap"
 expect conv_inspect_r 0 "keys       mean r 0.250" "$convert" -i "$work/a.kvcap"
+
+# An output naming an input (any spelling: ./, a symlink, a hard link) or a file inside an input
+# folder is refused before any work, and the input stays as it was; so are two outputs naming
+# one file, outputs that are devices or FIFOs, and FIFOs as inputs (refused, not waited on).
+sum_before=$(cksum <"$work/s.kvcs")
+ln -sf s.kvcs "$work/s-link.kvcs"
+ln -f "$work/s.kvcs" "$work/s-hard.kvcs"
+expect same_out 2 "--out $work/s.kvcs is the same file as the input STATE" "$convert" "$work/s.kvcs" --out "$work/s.kvcs"
+expect same_out_dot 2 "is the same file as the input" "$convert" "$work/s.kvcs" --out "$work/./s.kvcs"
+expect same_out_link 2 "is the same file as the input" "$convert" "$work/s.kvcs" --out "$work/s-link.kvcs"
+expect same_out_hard 2 "is the same file as the input" "$convert" "$work/s.kvcs" --out "$work/s-hard.kvcs"
+[ "$(cksum <"$work/s.kvcs")" = "$sum_before" ] || fail "a refused convert changed its input"
+expect cal_out_in_data 2 "is a file inside the input --data" "$calibrate" --data "$work/synth16" --out "$work/synth16/shard-00000.safetensors"
+expect cal_out_metrics 2 "name the same file" "$calibrate" --data "$work/synth16" --out "$work/t.kvcs" --metrics-json "$work/./t.kvcs"
+expect cal_out_device 2 "--metrics-json /dev/null exists and is not a regular file" "$calibrate" --data "$work/synth16" --out "$work/t.kvcs" --metrics-json /dev/null
+[ -e "$work/t.kvcs" ] && fail "a refused calibration wrote t.kvcs"
+[ -c /dev/null ] || fail "/dev/null is no longer a device"
+if mkfifo "$work/fifo" 2>/dev/null; then
+  expect fifo_in 1 "fifo: not a regular file (a FIFO)" timeout 10 "$convert" "$work/fifo" --out "$work/f.kvcap"
+  expect fifo_out 2 "fifo exists and is not a regular file" timeout 10 "$convert" "$work/s.kvcs" --out "$work/fifo"
+  [ -p "$work/fifo" ] || fail "a refused convert replaced the FIFO"
+fi
+cp "$data/eval/metrics-sample.json" "$work/metrics.json"
+report="$bin/kvcap-report"
+expect report_same_in 2 "--html $work/./metrics.json is the same file as the input" "$report" "$work/metrics.json" --html "$work/./metrics.json"
+expect report_same_out 2 "name the same file" "$report" "$work/metrics.json" --html "$work/r.html" --csv "$work/./r.html"
+cmp -s "$data/eval/metrics-sample.json" "$work/metrics.json" || fail "a refused report changed its input"
 expect conv_bad_sched 2 "--keys: 'pyramid:0.5'" "$convert" "$work/s.kvcs" --out "$work/b.kvcap" --keys pyramid:0.5
 expect conv_missing 1 "no_such.kvcs" "$convert" "$work/no_such.kvcs" --out "$work/b.kvcap"
 expect conv_wrong_kind 1 "kvcap.kind: 'artifact', expected 'calib'" "$convert" "$work/a.kvcap" --out "$work/b.kvcap"
