@@ -1704,9 +1704,9 @@ static int cmd_run(const struct options *o, int argc, char **argv)
 int main(int argc, char **argv)
 {
     struct options o;
+    cli_init("kvcap-eval", 0); /* first: usage errors name the tool */
     int rc = parse_options(argc, argv, &o);
     if (rc)
         return rc;
-    cli_init("kvcap-eval", 0);
     return o.record ? cmd_record(&o) : cmd_run(&o, argc, argv);
 }

@@ -899,13 +899,16 @@ static void besc(struct buf *b, const char *s)
 
 /* ---- CSV ----------------------------------------------------------------------------------- */
 
+/* A text cell. One that starts like a formula (=, +, -, @, tab, CR) gets a leading ' so a
+ * spreadsheet shows it as text instead of evaluating it (labels come from the command line). */
 static void csv_text(struct buf *b, const char *s)
 {
-    if (!strpbrk(s, ",\"\r\n")) {
+    const int formula = *s && strchr("=+-@\t\r", *s);
+    if (!formula && !strpbrk(s, ",\"\r\n")) {
         bputs(b, s);
         return;
     }
-    bputs(b, "\"");
+    bputs(b, formula ? "\"'" : "\"");
     for (; *s; s++)
         bput(b, *s == '"' ? "\"\"" : s, *s == '"' ? 2 : 1);
     bputs(b, "\"");

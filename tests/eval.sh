@@ -15,7 +15,8 @@ eval_bin="$bin/kvcap-eval"
 "$eval_bin" >"$work/noargs.out" 2>&1; rc=$?
 [ "$rc" -eq 2 ] && grep -q "expected a command" "$work/noargs.out" || fail "no command: exit $rc"
 "$eval_bin" run >"$work/noout.out" 2>&1; rc=$?
-[ "$rc" -eq 2 ] && grep -q -- "--out is required" "$work/noout.out" || fail "run without --out: exit $rc"
+[ "$rc" -eq 2 ] && grep -q -- "^kvcap-eval: error: --out is required" "$work/noout.out" ||
+  fail "run without --out: exit $rc"
 "$eval_bin" run --out "$work/x" --task-queries -1 >"$work/badtask.out" 2>&1; rc=$?
 [ "$rc" -eq 2 ] && grep -q -- "--task-queries" "$work/badtask.out" || fail "bad --task-queries: exit $rc"
 "$eval_bin" run --out "$work/x" --kvcapsule nonsense >"$work/badart.out" 2>&1; rc=$?

@@ -650,6 +650,21 @@ static void test_html_escaping(void **state)
     assert_non_null(csv);
     assert_non_null(strstr(csv, ",\"<script>alert('x')</script> & \"\"co\"\"\","));
     free(csv);
+
+    /* A label that starts like a spreadsheet formula stays text in the CSV. */
+    doc = load_sample();
+    cJSON_ReplaceItemInObject(run_of(doc, 4), "label",
+                              cJSON_CreateString("=HYPERLINK(\"http://x\",\"y\")"));
+    cJSON_ReplaceItemInObject(run_of(doc, 5), "label", cJSON_CreateString("@SUM(A1)"));
+    write_json(d.metrics, doc);
+    cJSON_Delete(doc);
+    assert_int_equal(kvcap_report_write(d.metrics, d.html, d.csv), KVCAP_OK);
+    csv = slurp(d.csv);
+    assert_non_null(csv);
+    assert_non_null(strstr(csv, ",\"'=HYPERLINK(\"\"http://x\"\",\"\"y\"\")\","));
+    assert_non_null(strstr(csv, ",\"'@SUM(A1)\""));
+    assert_null(strstr(csv, ",=HYPERLINK"));
+    free(csv);
     dirs_remove(&d);
 }
 
