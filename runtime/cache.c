@@ -112,6 +112,10 @@ enum kvcap_status kvcap_cache_create(const struct kvcap_cache_params *p, struct 
     KVCAP_RETURN_IF(p->reserve_tokens < 0 || p->reserve_tokens > (1 << 24),
                     KVCAP_ERR_INVALID_ARGUMENT, "params.reserve_tokens: %d is outside 0..2^24",
                     p->reserve_tokens);
+    KVCAP_RETURN_IF(p->config_path && !*p->config_path, KVCAP_ERR_INVALID_ARGUMENT,
+                    "params.config_path: empty string (NULL means the defaults)");
+    KVCAP_RETURN_IF(p->record_dir && !*p->record_dir, KVCAP_ERR_INVALID_ARGUMENT,
+                    "params.record_dir: empty string (NULL means no record mode)");
     int device = p->memory == KVCAP_MEMORY_CUDA;
     KVCAP_RETURN_IF(device && p->record_dir, KVCAP_ERR_UNSUPPORTED,
                     "params.record_dir: record mode is not available with params.memory = "

@@ -79,6 +79,12 @@ void kvcap_log_set(kvcap_log_fn fn, void *user, enum kvcap_log_level min_level)
     }
     /* Two slots alternate so a reader holding the previous sink never sees it rewritten
      * by the very next call; callers set the callback rarely (see the header). */
+    /* Out of range: below DEBUG shows everything, above ERROR still shows errors (a level
+     * past every message would silently drop them all). */
+    if ((int)min_level < KVCAP_LOG_DEBUG)
+        min_level = KVCAP_LOG_DEBUG;
+    if ((int)min_level > KVCAP_LOG_ERROR)
+        min_level = KVCAP_LOG_ERROR;
     int slot = atomic_fetch_xor(&log_slot, 1);
     log_sinks[slot] = (struct log_sink){fn, user, min_level};
     atomic_store(&log_current, &log_sinks[slot]);

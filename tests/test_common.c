@@ -83,9 +83,17 @@ static void test_log_and_last_error(void **state)
     assert_int_equal(c.level, KVCAP_LOG_ERROR);
     assert_string_equal(c.message, "outer: x.bin: gone");
 
+    /* a level past ERROR is clamped: errors still arrive, nothing below them does */
+    kvcap_log_set(capture, &c, (enum kvcap_log_level)42);
+    kvcap_log(KVCAP_LOG_WARN, "filtered");
+    assert_int_equal(c.calls, 3);
+    kvcap_log(KVCAP_LOG_ERROR, "error %d", 4);
+    assert_int_equal(c.calls, 4);
+    assert_string_equal(c.message, "error 4");
+
     kvcap_log_set(NULL, NULL, KVCAP_LOG_DEBUG);
     kvcap_log(KVCAP_LOG_ERROR, "silent");
-    assert_int_equal(c.calls, 3);
+    assert_int_equal(c.calls, 4);
     kvcap_clear_error();
     assert_string_equal(kvcap_last_error(), "");
 }

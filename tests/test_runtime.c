@@ -636,6 +636,16 @@ static void test_invalid_calls_leave_cache_usable(void **state)
     expect_status(kvcap_cache_create(&p, &bad), KVCAP_ERR_INVALID_ARGUMENT, "params.n_threads");
     assert_null(bad);
 
+    /* empty paths are named, not taken for a file in the current folder */
+    kvcap_cache_default_params(&p);
+    p.model = g;
+    p.config_path = "";
+    expect_status(kvcap_cache_create(&p, &bad), KVCAP_ERR_INVALID_ARGUMENT, "params.config_path");
+    p.config_path = NULL;
+    p.record_dir = "";
+    expect_status(kvcap_cache_create(&p, &bad), KVCAP_ERR_INVALID_ARGUMENT, "params.record_dir");
+    assert_null(bad);
+
     struct kvcap_cache *c = make_cache(&g, 1, KVCAP_DTYPE_F16, a, NULL);
     static float kv[2 * 2 * 16 * 64];
     struct kvcap_tensor_view k = hnd(kv, 16, 64), v = hnd(kv + 2 * 16 * 64, 16, 64);

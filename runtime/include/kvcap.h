@@ -101,7 +101,8 @@ enum kvcap_log_level {
 typedef void (*kvcap_log_fn)(enum kvcap_log_level level, const char *message, void *user);
 
 /* Install a process-wide log callback (NULL: silence, the default). Messages below
- * `min_level` are not formatted at all. */
+ * `min_level` are not formatted at all. A level outside DEBUG..ERROR is clamped to that range
+ * (errors are always delivered to an installed callback). */
 KVCAP_API void kvcap_log_set(kvcap_log_fn fn, void *user, enum kvcap_log_level min_level);
 
 /* ---- Element types -------------------------------------------------------------------- */
