@@ -1,6 +1,7 @@
 /* artifact.c — opening a compressor artifact: validation (formats/schema.c), then every map
  * converted once to f32 so decode never converts parameters. */
 #include <stdio.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -42,7 +43,13 @@ static enum kvcap_status load_floats(const struct kvst_file *f, const char *pref
     KVCAP_RETURN_IF(!*out, KVCAP_ERR_OUT_OF_MEMORY, "%s: out of memory for '%s'", kvst_path(f),
                     name);
     *count = t->n_elements;
-    return kvcap_convert_to_f32(t->dtype, t->data, t->n_elements, *out);
+    KVCAP_TRY(kvcap_convert_to_f32(t->dtype, t->data, t->n_elements, *out));
+    /* A NaN in a map would turn every decode output of its spans into NaN, with status OK. */
+    for (size_t i = 0; i < t->n_elements; i++)
+        KVCAP_RETURN_IF(!isfinite((*out)[i]), KVCAP_ERR_NUMERIC,
+                        "%s: tensor '%s': non-finite value %g at element %zu", kvst_path(f), name,
+                        (double)(*out)[i], i);
+    return KVCAP_OK;
 }
 
 enum kvcap_status kvcap_artifact_open(const char *path, struct kvcap_artifact **out)
@@ -153,6 +160,10 @@ static enum kvcap_status add_floats(struct kvst_writer *w, struct buffers *bufs,
 {
     char name[96];
     snprintf(name, sizeof name, "%s.%s", prefix, suffix);
+    for (size_t i = 0; i < count; i++) /* never write a poisoned artifact (kvcap-convert) */
+        KVCAP_RETURN_IF(!isfinite(src[i]), KVCAP_ERR_NUMERIC,
+                        "artifact: tensor '%s': non-finite value %g at element %zu", name,
+                        (double)src[i], i);
     void *dst = keep(bufs, count * kvcap_dtype_size(dtype));
     KVCAP_RETURN_IF(!dst, KVCAP_ERR_OUT_OF_MEMORY, "artifact: out of memory for '%s'", name);
     KVCAP_TRY(kvcap_convert_from_f32(dtype, src, count, dst));

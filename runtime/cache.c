@@ -473,6 +473,32 @@ static enum kvcap_status check_span(const struct kvcap_cache *c, int seq, int la
     return KVCAP_OK;
 }
 
+/* NaN or Inf in what an engine hands over would flow through every policy and come back as
+ * finite-looking outputs with status OK (a softmax drops it, or zeros it): refuse it here,
+ * naming the argument and where. Host views only (a device cache's views are device memory). */
+static enum kvcap_status check_view_finite(const struct kvcap_tensor_view *v, const char *what,
+                                           int heads, int n, int d)
+{
+    enum { ROWS = 64 };
+    float *buf = malloc(sizeof(float) * ROWS * (size_t)d);
+    KVCAP_RETURN_IF(!buf, KVCAP_ERR_OUT_OF_MEMORY, "cache: out of memory");
+    for (int h = 0; h < heads; h++)
+        for (int t0 = 0; t0 < n; t0 += ROWS) {
+            const int rows = n - t0 < ROWS ? n - t0 : ROWS;
+            kvcap_view_read(v, h, t0, rows, d, buf);
+            for (size_t i = 0; i < (size_t)rows * d; i++)
+                if (!isfinite(buf[i])) {
+                    const int t = t0 + (int)(i / (size_t)d), ch = (int)(i % (size_t)d);
+                    free(buf);
+                    return kvcap_fail(KVCAP_ERR_NUMERIC,
+                                      "%s: non-finite value %g at head %d, token %d, channel %d",
+                                      what, (double)buf[i], h, t, ch);
+                }
+        }
+    free(buf);
+    return KVCAP_OK;
+}
+
 enum kvcap_status kvcap_cache_add_span(struct kvcap_cache *c, int seq, int layer,
                                        const struct kvcap_span_desc *span,
                                        const struct kvcap_tensor_view *k,
@@ -482,6 +508,12 @@ enum kvcap_status kvcap_cache_add_span(struct kvcap_cache *c, int seq, int layer
     KVCAP_TRY(check_span(c, seq, layer, span));
     KVCAP_TRY(kvcap_view_check(k, "k", c->g.n_kv_heads, span->n_tokens, c->g.head_dim));
     KVCAP_TRY(kvcap_view_check(v, "v", c->g.n_kv_heads, span->n_tokens, c->g.head_dim));
+    if (!c->dev) {
+        KVCAP_TRY(check_view_finite(k, "add_span: k", c->g.n_kv_heads, span->n_tokens,
+                                    c->g.head_dim));
+        KVCAP_TRY(check_view_finite(v, "add_span: v", c->g.n_kv_heads, span->n_tokens,
+                                    c->g.head_dim));
+    }
     struct kvcap_seq_layer *sl = kvcap_cache_seq_layer(c, seq, layer);
     if (sl->n_segs == sl->cap_segs) {
         int cap = sl->cap_segs ? 2 * sl->cap_segs : 4;
@@ -540,6 +572,12 @@ enum kvcap_status kvcap_cache_add_post_queries(struct kvcap_cache *c, int seq, i
                     seq, layer);
     if (c->dev)
         return KVCAP_OK; /* device memory; no policy of a device cache reads them */
+    for (size_t i = 0; i < (size_t)n * c->g.n_q_heads * c->g.head_dim; i++)
+        KVCAP_RETURN_IF(!isfinite(q[i]), KVCAP_ERR_NUMERIC,
+                        "post queries: q: non-finite value %g at head %d, query %d, channel %d",
+                        (double)q[i], (int)(i / ((size_t)n * c->g.head_dim)),
+                        (int)(i / (size_t)c->g.head_dim % (size_t)n),
+                        (int)(i % (size_t)c->g.head_dim));
     /* Kept token-major ([n][q_heads][d]) so later calls extend the same block. */
     size_t qd = (size_t)c->g.n_q_heads * c->g.head_dim;
     float *grown = realloc(sl->post_q, sizeof(float) * qd * (size_t)(sl->n_post + n));
@@ -652,7 +690,15 @@ enum kvcap_status kvcap_cache_append(struct kvcap_cache *c, int seq, int layer,
         kvcap_view_read(v, h, 0, 1, d, vb + (size_t)h * d);
     }
     enum kvcap_status st = KVCAP_OK;
-    if (gen->policy == KVCAP_POLICY_FREEKV) {
+    for (size_t i = 0; st == KVCAP_OK && i < 2 * (size_t)H * d; i++)
+        if (!isfinite(buf[i]))
+            st = kvcap_fail(KVCAP_ERR_NUMERIC,
+                            "append: %s: non-finite value %g at head %d, channel %d",
+                            i < (size_t)H * d ? "k" : "v", (double)buf[i],
+                            (int)(i % ((size_t)H * d) / (size_t)d), (int)(i % (size_t)d));
+    if (st != KVCAP_OK) {
+        /* refused above: nothing stored */
+    } else if (gen->policy == KVCAP_POLICY_FREEKV) {
         struct kvcap_freekv *f;
         st = kvcap_cache_freekv(c, sl, &f);
         if (st == KVCAP_OK)
@@ -889,6 +935,13 @@ enum kvcap_status kvcap_cache_attend_lse(struct kvcap_cache *c, int layer, const
         KVCAP_TRY(kvcap_cache_end_prefill(c, s));
     if (c->dev)
         return kvcap_device_attend(c, layer, q, out, lse);
+    const size_t nq = (size_t)c->n_seqs * c->g.n_q_heads * c->g.head_dim;
+    for (size_t i = 0; i < nq; i++)
+        KVCAP_RETURN_IF(!isfinite(q[i]), KVCAP_ERR_NUMERIC,
+                        "attend: q: non-finite value %g at seq %d, head %d, channel %d",
+                        (double)q[i], (int)(i / ((size_t)c->g.n_q_heads * c->g.head_dim)),
+                        (int)(i / (size_t)c->g.head_dim % (size_t)c->g.n_q_heads),
+                        (int)(i % (size_t)c->g.head_dim));
     KVCAP_TRY(prepare_scratch(c, layer));
     if (c->recorder)
         KVCAP_TRY(kvcap_recorder_decode_queries(c->recorder, layer, q));

@@ -663,9 +663,31 @@ static void test_invalid_calls_leave_cache_usable(void **state)
                   "not added at layer 0");
     float q[4 * 64] = {0}, out[4 * 64];
     expect_status(kvcap_cache_attend(c, 5, q, out), KVCAP_ERR_INVALID_ARGUMENT, "layer: 5");
+    /* poison is refused, named, and stores nothing (it used to come back as finite outputs
+     * with status OK) */
+    kv[2 * 16 * 64 + 5 * 64 + 7] = NAN; /* v, head 0, token 5, channel 7 */
+    expect_status(kvcap_cache_add_span(c, 0, 0, &ok, &k, &v), KVCAP_ERR_NUMERIC,
+                  "add_span: v: non-finite value nan at head 0, token 5, channel 7");
+    kv[2 * 16 * 64 + 5 * 64 + 7] = 0.0f;
     /* still usable */
     assert_int_equal(kvcap_cache_add_span(c, 0, 0, &ok, &k, &v), KVCAP_OK);
     assert_int_equal(kvcap_cache_add_span(c, 0, 1, &ok, &k, &v), KVCAP_OK);
+    assert_int_equal(kvcap_cache_attend(c, 1, q, out), KVCAP_OK);
+    q[64 + 3] = INFINITY;
+    expect_status(kvcap_cache_attend(c, 1, q, out), KVCAP_ERR_NUMERIC,
+                  "attend: q: non-finite value inf at seq 0, head 1, channel 3");
+    q[64 + 3] = 0.0f;
+    static float tok[2 * 2 * 64];
+    struct kvcap_tensor_view tk = {tok, NULL, 0, KVCAP_DTYPE_F32, 64, 0};
+    struct kvcap_tensor_view tv = {tok + 2 * 64, NULL, 0, KVCAP_DTYPE_F32, 64, 0};
+    tok[2 * 64 + 64 + 9] = NAN;
+    expect_status(kvcap_cache_append(c, 0, 1, &tk, &tv), KVCAP_ERR_NUMERIC,
+                  "append: v: non-finite value nan at head 1, channel 9");
+    struct kvcap_cache_stats st;
+    assert_int_equal(kvcap_cache_stats(c, &st), KVCAP_OK);
+    assert_int_equal(st.tokens_by_kind[KVCAP_SPAN_GENERATED], 0);
+    tok[2 * 64 + 64 + 9] = 0.0f;
+    assert_int_equal(kvcap_cache_append(c, 0, 1, &tk, &tv), KVCAP_OK);
     assert_int_equal(kvcap_cache_attend(c, 1, q, out), KVCAP_OK);
     kvcap_cache_free(c);
 
@@ -1082,6 +1104,62 @@ static void test_vlcache_in_cache(void **state)
                                             * through the text into the span, no sinks */
 }
 
+/* A NaN in an artifact's maps is refused when it is opened (it used to turn every decode
+ * output of its spans into NaN with status OK), and the writer never writes one. */
+static void test_poisoned_artifact(void **state)
+{
+    (void)state;
+    struct kvcap_model_geometry g = geometry(2, 4, 2, 64);
+    const struct test_bucket tb[1] = {{4, 4, 0, 0, 8, 6, 7}};
+    char path[512];
+    tmp_path(path, sizeof path, "poisoned.kvcap");
+    write_artifact(path, &g, tb, 1, 5);
+    FILE *f = fopen(path, "rb");
+    assert_non_null(f);
+    fseek(f, 0, SEEK_END);
+    long size = ftell(f);
+    rewind(f);
+    char *bytes = malloc((size_t)size);
+    assert_int_equal(fread(bytes, 1, (size_t)size, f), (size_t)size);
+    fclose(f);
+    struct kvst_file *sf = NULL;
+    assert_int_equal(kvst_open_memory(bytes, (size_t)size, path, &sf), KVCAP_OK);
+    const struct kvst_tensor *t = kvst_find(sf, "l1.h0.b0.k_w2");
+    assert_non_null(t);
+    assert_int_equal(t->dtype, KVCAP_DTYPE_F32);
+    const float nan = NAN;
+    memcpy((char *)bytes + ((const char *)t->data - bytes) + 3 * sizeof(float), &nan, sizeof nan);
+    kvst_close(sf);
+    f = fopen(path, "wb");
+    assert_non_null(f);
+    assert_int_equal(fwrite(bytes, 1, (size_t)size, f), (size_t)size);
+    fclose(f);
+    free(bytes);
+    struct kvcap_artifact *a = NULL;
+    expect_status(kvcap_artifact_open(path, &a), KVCAP_ERR_NUMERIC,
+                  "tensor 'l1.h0.b0.k_w2': non-finite value nan at element 3");
+    assert_null(a);
+    unlink(path);
+
+    /* the writer: a unit whose map holds Inf is refused and nothing is left on disk */
+    struct kvcap_bucket bucket = {0};
+    bucket.rows = 4, bucket.cols = 4, bucket.structure = KVCAP_STRUCTURE_DENSE;
+    float maps[16 * 2 + 2 * 2 + 2 + 2 * 16 + 16] = {0};
+    int32_t mask[2] = {0, 8};
+    struct kvcap_unit_maps units[4];
+    for (int i = 0; i < 4; i++)
+        units[i] = (struct kvcap_unit_maps){.m = 16, .rk = 2, .h = 2, .rv = 2, .gelu = 0,
+                                            .mask = mask, .u = maps, .w1 = maps + 32,
+                                            .b1 = maps + 36, .w2 = maps + 38, .b2 = maps + 70};
+    maps[40] = INFINITY;
+    double ratios[2] = {0.125, 0.125};
+    struct kvcap_artifact_desc desc = {g, 1, &bucket, KVCAP_DTYPE_F16, 1, KVCAP_POLICY_FULL,
+                                       ratios, ratios, NULL, NULL};
+    expect_status(kvcap_artifact_write(path, &desc, units), KVCAP_ERR_NUMERIC,
+                  "'l0.h0.b0.k_w2': non-finite value inf at element 2");
+    assert_int_equal(access(path, F_OK), -1);
+}
+
 /* ---- Composition: one softmax over four policies equals each policy alone, merged by hand -- */
 
 enum { COMP_SEQS = 2, COMP_STEPS = 14 };
@@ -1203,6 +1281,7 @@ int main(void)
         cmocka_unit_test(test_flashcache_in_cache),
         cmocka_unit_test(test_vlcache_in_cache),
         cmocka_unit_test(test_composition),
+        cmocka_unit_test(test_poisoned_artifact),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
