@@ -190,6 +190,15 @@ double kvcap_seconds(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
+/* What a file that is not a regular one is, for messages. */
+static const char *file_kind(mode_t mode)
+{
+    return S_ISDIR(mode)                    ? "folder"
+           : S_ISFIFO(mode)                 ? "FIFO"
+           : S_ISCHR(mode) || S_ISBLK(mode) ? "device"
+                                            : "socket or other";
+}
+
 /* Opens an input for reading only if it is a regular file. O_NONBLOCK keeps the open itself
  * from waiting for a writer when the path is a FIFO (it is cleared once the type is known); a
  * device, FIFO, socket or folder is refused before anything is read from it. */
@@ -205,10 +214,7 @@ static enum kvcap_status open_regular(const char *path, int *fd_out, struct stat
     if (!S_ISREG(sb->st_mode)) {
         close(fd);
         return kvcap_fail(KVCAP_ERR_IO, "%s: not a regular file (a %s)", path,
-                          S_ISDIR(sb->st_mode)    ? "folder"
-                          : S_ISFIFO(sb->st_mode) ? "FIFO"
-                          : S_ISCHR(sb->st_mode) || S_ISBLK(sb->st_mode) ? "device"
-                                                                         : "socket or other");
+                          file_kind(sb->st_mode));
     }
     int flags = fcntl(fd, F_GETFL);
     if (flags < 0 || fcntl(fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
@@ -227,10 +233,7 @@ enum kvcap_status kvcap_check_replaceable(const char *path)
         return KVCAP_OK; /* nothing there (or nothing we may look at: the write will say) */
     KVCAP_RETURN_IF(!S_ISREG(sb.st_mode), KVCAP_ERR_INVALID_ARGUMENT,
                     "%s: exists and is not a regular file (a %s); refusing to replace it", path,
-                    S_ISDIR(sb.st_mode)    ? "folder"
-                    : S_ISFIFO(sb.st_mode) ? "FIFO"
-                    : S_ISCHR(sb.st_mode) || S_ISBLK(sb.st_mode) ? "device"
-                                                                   : "socket or other");
+                    file_kind(sb.st_mode));
     return KVCAP_OK;
 }
 
