@@ -489,10 +489,11 @@ static enum kvcap_status check_view_finite(const struct kvcap_tensor_view *v, co
             for (size_t i = 0; i < (size_t)rows * d; i++)
                 if (!isfinite(buf[i])) {
                     const int t = t0 + (int)(i / (size_t)d), ch = (int)(i % (size_t)d);
+                    const double x = buf[i];
                     free(buf);
                     return kvcap_fail(KVCAP_ERR_NUMERIC,
                                       "%s: non-finite value %g at head %d, token %d, channel %d",
-                                      what, (double)buf[i], h, t, ch);
+                                      what, x, h, t, ch);
                 }
         }
     free(buf);
