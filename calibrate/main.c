@@ -300,6 +300,7 @@ int main(int argc, char **argv)
     struct kvcap_calib_state state;
     struct kvcap_calibrate_report report;
     st = kvcap_calibrate(&cfg, &o, &state, &report);
+    const int have_state = st == KVCAP_OK;
     if (st == KVCAP_OK) {
         char note[512];
         size_t used = 0;
@@ -315,7 +316,7 @@ int main(int argc, char **argv)
         print_summary(&state, &report);
         fprintf(stderr, "kvcap-calibrate: wrote %s\n", out);
     }
-    if (st == KVCAP_OK)
+    if (have_state) /* also when writing it failed */
         kvcap_calib_state_free(&state);
     kvcap_calib_config_free(&cfg);
     free(data);

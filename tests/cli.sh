@@ -72,6 +72,10 @@ else
   cmp -s "$work/dev-auto.kvcs" "$work/dev-cuda.kvcs" || fail "--device auto and cuda wrote different states"
 fi
 expect cal_inspect 0 "kind       calib" "$convert" -i "$work/s.kvcs"
+# A state that cannot be written: named, exit 1, nothing left (and, under the sanitizers, the
+# state is freed on that path too).
+expect cal_unwritable 1 "$work/no/such/dir/s.kvcs" "$calibrate" --data "$work/synth16" --out "$work/no/such/dir/s.kvcs"
+grep -q "LeakSanitizer" "$work/cal_unwritable.out" && fail "cal_unwritable: the state leaked"
 expect cal_unmatched 1 "4x4 grid (n = 16), which matches no bucket" "$calibrate" --data "$work/synth" --out "$work/bad.kvcs"
 [ -e "$work/bad.kvcs" ] && fail "a failed calibration left bad.kvcs behind"
 expect cal_skip 1 "buckets\[0\] (16x16 dense): no training span" "$calibrate" --data "$work/synth" --out "$work/bad.kvcs" --skip-unmatched
