@@ -843,22 +843,9 @@ static void phase_teardown(struct run *runs, int n_runs)
     }
 }
 
-/* log Σ exp(x) over n logits. */
-static double log_sum_exp(const float *x, int n)
+/* KL(p || q) of the softmaxes of two logit vectors, given their log-normalisers. */
+static double kl_logits(const float *p, double lse_p, const float *q, double lse_q, int n)
 {
-    float m = x[0];
-    for (int i = 1; i < n; i++)
-        m = x[i] > m ? x[i] : m;
-    double s = 0;
-    for (int i = 0; i < n; i++)
-        s += exp((double)(x[i] - m));
-    return m + log(s);
-}
-
-/* KL(p || q) of the softmaxes of two logit vectors, p's log-normaliser given. */
-static double kl_logits(const float *p, double lse_p, const float *q, int n)
-{
-    const double lse_q = log_sum_exp(q, n);
     double kl = 0;
     for (int i = 0; i < n; i++) {
         const double lp = p[i] - lse_p;
@@ -888,9 +875,11 @@ static enum kvcap_status decode_phase(const struct options *o, const struct mode
     float *logits = malloc((size_t)rows * V * sizeof *logits);
     int32_t *ids = malloc((size_t)rows * sizeof *ids);
     int *pos = malloc((size_t)rows * sizeof *pos);
-    double *lse_full = malloc((size_t)n_prompts * sizeof *lse_full);
+    /* forced: each row's log-normaliser and its KL from full's row of the same prompt */
+    double *lse = forced ? malloc((size_t)rows * 2 * sizeof *lse) : NULL;
+    double *kl = lse ? lse + rows : NULL;
     enum kvcap_status s = KVCAP_OK;
-    if (!groups || !logits || !ids || !pos || !lse_full)
+    if (!groups || !logits || !ids || !pos || (forced && !lse))
         s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "no memory for %d decode rows", rows);
     if (s == KVCAP_OK)
         s = kvllama_decoder_create(mc->model, rows, &dec);
@@ -920,19 +909,19 @@ static enum kvcap_status decode_phase(const struct options *o, const struct mode
         for (int r = 0; r < n_runs; r++)
             groups[r].measure_bytes = time && t == steps - 2; /* the last step, all layers */
         s = kvllama_decode(dec, groups, n_runs, ids, pos, logits);
-        if (s == KVCAP_OK && forced)
-            for (int p = 0; p < n_prompts; p++)
-                lse_full[p] = log_sum_exp(logits + (size_t)p * V, V);
-        /* KL of each row from full's row of the same prompt (the slow part: one pass over the
-         * vocabulary per row, so rows in parallel) */
-        double *kl = forced && s == KVCAP_OK ? calloc((size_t)rows, sizeof *kl) : NULL;
-        if (forced && s == KVCAP_OK && !kl)
-            s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "no memory");
-        if (kl) {
+        /* The slow part: passes over the vocabulary, so rows in parallel (full's rows, the
+         * first n_prompts, before the KL that reads them). */
+        if (s == KVCAP_OK && forced) {
 #pragma omp parallel for schedule(dynamic, 4)
-            for (int row = n_prompts; row < rows; row++)
-                kl[row] = kl_logits(logits + (size_t)(row % n_prompts) * V,
-                                    lse_full[row % n_prompts], logits + (size_t)row * V, V);
+            for (int row = 0; row < rows; row++)
+                lse[row] = kvllama_log_sum_exp(logits + (size_t)row * V, V);
+#pragma omp parallel for schedule(dynamic, 4)
+            for (int row = 0; row < rows; row++)
+                kl[row] = row < n_prompts
+                              ? 0.0
+                              : kl_logits(logits + (size_t)(row % n_prompts) * V,
+                                          lse[row % n_prompts], logits + (size_t)row * V,
+                                          lse[row], V);
         }
         for (int r = 0; s == KVCAP_OK && r < n_runs; r++)
             for (int p = 0; p < n_prompts; p++) {
@@ -942,7 +931,7 @@ static enum kvcap_status decode_phase(const struct options *o, const struct mode
                 int32_t next;
                 if (forced) {
                     next = pr->ids[prompt_tokens(pr) + t + 1];
-                    runs[r].nll_sum -= kvllama_log_prob(lg, V, next);
+                    runs[r].nll_sum -= (double)lg[next] - lse[row];
                     runs[r].kl_sum += kl[row];
                     runs[r].nll_count++;
                     runs[r].forced_top1[(size_t)p * steps + t + 1] = kvllama_argmax(lg, V);
@@ -952,7 +941,6 @@ static enum kvcap_status decode_phase(const struct options *o, const struct mode
                 }
                 ids[row] = next;
             }
-        free(kl);
         cli_progress_update(&bar, t + 1, steps - 1);
     }
     if (s == KVCAP_OK && time) {
@@ -972,7 +960,7 @@ static enum kvcap_status decode_phase(const struct options *o, const struct mode
                                              st.freekv_pages_recalled, steps - 1};
     }
     kvllama_decoder_free(dec);
-    free(groups), free(logits), free(ids), free(pos), free(lse_full);
+    free(groups), free(logits), free(ids), free(pos), free(lse);
     return s;
 }
 

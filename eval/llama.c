@@ -533,7 +533,7 @@ int32_t kvllama_argmax(const float *logits, int n)
     return best;
 }
 
-double kvllama_log_prob(const float *logits, int n, int32_t id)
+double kvllama_log_sum_exp(const float *logits, int n)
 {
     float mx = logits[0];
     for (int i = 1; i < n; i++)
@@ -541,5 +541,10 @@ double kvllama_log_prob(const float *logits, int n, int32_t id)
     double sum = 0.0;
     for (int i = 0; i < n; i++)
         sum += exp((double)logits[i] - mx);
-    return (double)logits[id] - mx - log(sum);
+    return mx + log(sum);
+}
+
+double kvllama_log_prob(const float *logits, int n, int32_t id)
+{
+    return (double)logits[id] - kvllama_log_sum_exp(logits, n);
 }

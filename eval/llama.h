@@ -80,6 +80,8 @@ enum kvcap_status kvllama_decode(struct kvllama_decoder *d, struct kvllama_group
 
 /* Index of the largest logit (lowest index among ties). */
 int32_t kvllama_argmax(const float *logits, int n);
+/* log Σ exp(logits): softmax's normaliser. */
+double kvllama_log_sum_exp(const float *logits, int n);
 /* log softmax(logits)[id]. */
 double kvllama_log_prob(const float *logits, int n, int32_t id);
 
