@@ -544,7 +544,8 @@ static double decode_check(const struct decode *x, int fused, int *bytes_ok)
                 void *k = to_host((const char *)x->k + u * n * d * x->es, n * d * x->es);
                 void *v = to_host((const char *)x->v + u * n * d * x->es, n * d * x->es);
                 struct kvcap_rows r = {k, v, x->dt, d, x->n};
-                got = kvcap_attend_rows(&r, q + p * G * d, x->G, x->d, x->scale, acc);
+                kv_check(kvcap_attend_rows(&r, q + p * G * d, x->G, x->d, x->scale, acc, &got),
+                         "kvcap_attend_rows", __LINE__);
                 want = 2 * (uint64_t)n * d * x->es;
                 free(k);
                 free(v);
@@ -559,7 +560,9 @@ static double decode_check(const struct decode *x, int fused, int *bytes_ok)
                 struct kvcap_capsule_span sp = {hs, vt, mu, x->dt, x->tiles, q + p * G * d, acc};
                 size_t sf = kvcap_capsule_scratch_floats(&mp, 1, x->tiles, x->G, x->d);
                 float *scratch = xmalloc(sf * 4);
-                got = kvcap_capsule_attend(&mp, &sp, 1, x->G, x->d, x->scale, scratch, sf);
+                kv_check(kvcap_capsule_attend(&mp, &sp, 1, x->G, x->d, x->scale, scratch, sf,
+                                              &got),
+                         "kvcap_capsule_attend", __LINE__);
                 want = maps_floats(x) * 4 + (T * (x->h + x->rv) * d + d) * x->es;
                 free(scratch), free(maps), free(hs), free(vt), free(mu);
             }
@@ -1013,8 +1016,8 @@ static void fkv_check_step(struct bench *b, struct fkv *x, struct fkv_check *c, 
     for (int h = 0; h < x->H; h++) {
         struct kvcap_partial acc = {c->mx, c->sum, c->o};
         kvcap_partial_reset(acc, x->G, x->d);
-        if (kvcap_freekv_attend(c->c, h, q + h * gd, x->scale, acc) == 0)
-            kv_check(KVCAP_ERR_INTERNAL, "kvcap_freekv_attend", __LINE__);
+        kv_check(kvcap_freekv_attend(c->c, h, q + h * gd, x->scale, acc, NULL),
+                 "kvcap_freekv_attend", __LINE__);
         kvcap_partial_finish(acc, x->G, x->d, c->ref + h * gd, (size_t)x->d);
         const int ng = kvcap_cuda_freekv_selection(x->f[0], h, c->got, c->cap);
         const int nw = kvcap_freekv_selection(c->c, h, c->want, c->cap);

@@ -216,18 +216,23 @@ struct rate_job {
     size_t scratch_floats;
 };
 
-/* One call over the first `rows` rows of k and v; returns the bytes it read. */
+/* One call over the first `rows` rows of k and v; returns the bytes it read, 0 when the kernel
+ * failed (its status is in kvcap_last_error). */
 static uint64_t rate_job_run(const struct rate_job *j, int rows)
 {
     kvcap_partial_reset(j->acc, j->nq, j->d);
+    uint64_t bytes = 0;
+    enum kvcap_status st;
     if (!j->maps) {
         struct kvcap_rows r = {j->k, j->v, j->dt, (size_t)j->d, rows};
-        return kvcap_attend_rows(&r, j->q, j->nq, j->d, 0.088f, j->acc);
+        st = kvcap_attend_rows(&r, j->q, j->nq, j->d, 0.088f, j->acc, &bytes);
+    } else {
+        int per_tile = j->maps->h > j->maps->rv ? j->maps->h : j->maps->rv;
+        struct kvcap_capsule_span sp = {j->k, j->v, j->mu, j->dt, rows / per_tile, j->q, j->acc};
+        st = kvcap_capsule_attend(j->maps, &sp, 1, j->nq, j->d, 0.088f, j->scratch,
+                                  j->scratch_floats, &bytes);
     }
-    int per_tile = j->maps->h > j->maps->rv ? j->maps->h : j->maps->rv;
-    struct kvcap_capsule_span sp = {j->k, j->v, j->mu, j->dt, rows / per_tile, j->q, j->acc};
-    return kvcap_capsule_attend(j->maps, &sp, 1, j->nq, j->d, 0.088f, j->scratch,
-                                j->scratch_floats);
+    return st == KVCAP_OK ? bytes : 0;
 }
 
 /* The best-of-15 rate in GB/s of bytes read, over `rows` rows that either stay in L2 between

@@ -11,10 +11,12 @@
  *    portable C that converts each block into a 16 KiB stack buffer (the same code as
  *    kvcap_load_f32) and lets the compiler vectorise at the default target.
  *
- * Limits: d in 1..ATTN_MAX_D (4096). Outside the limits, with NULL inputs, or with too little
- * scratch (capsule), the fast functions read nothing, leave the partials untouched and return 0.
- * The _ref functions, and kvcap_attend_rows past 4096 floats of queries (nq × d rounded up to
- * 8), allocate working memory; if that fails they also return 0 untouched.
+ * Limits: d in 1..ATTN_MAX_D (4096). Every entry point returns a status: outside the limits,
+ * with NULL inputs or with too little scratch (capsule) it is KVCAP_ERR_INVALID_ARGUMENT; the
+ * _ref functions, and kvcap_attend_rows past 4096 floats of queries (nq × d rounded up to 8),
+ * allocate working memory and return KVCAP_ERR_OUT_OF_MEMORY when that fails. On any error
+ * nothing is read, the partials are untouched and *bytes is 0, so a caller can never mistake
+ * dropped work for an empty span (zero rows or tiles: KVCAP_OK, 0 bytes).
  * No function here starts threads; BLAS is called for the dense capsule maps' two products only. */
 #include <limits.h>
 #include <math.h>
@@ -1406,17 +1408,39 @@ static uint64_t rows_bytes(const struct kvcap_rows *rows, int d)
     return 2u * (uint64_t)rows->n * (uint64_t)d * kvcap_dtype_size(rows->dtype);
 }
 
-uint64_t kvcap_attend_rows_ref(const struct kvcap_rows *rows, const float *q, int nq, int d,
-                               float scale, struct kvcap_partial acc)
+/* The argument check both row kernels share; *nothing is set when there is no work (no rows or
+ * no queries). */
+static enum kvcap_status rows_check(const struct kvcap_rows *rows, const float *q, int nq, int d,
+                                    int max_d, uint64_t *bytes, int *nothing)
 {
-    if (!rows || !q || rows->n <= 0 || nq <= 0 || d <= 0 || !float_dtype(rows->dtype))
-        return 0;
+    if (bytes)
+        *bytes = 0;
+    KVCAP_RETURN_IF(!rows || !q || rows->n < 0 || nq < 0 || d <= 0 || d > max_d ||
+                        !float_dtype(rows->dtype),
+                    KVCAP_ERR_INVALID_ARGUMENT,
+                    "attend_rows: %s", !rows ? "NULL rows" : !q ? "NULL queries"
+                    : rows->n < 0 || nq < 0 ? "negative row or query count"
+                    : d <= 0 || d > max_d ? "head_dim out of range"
+                    : "rows are not F32, F16 or BF16");
+    *nothing = rows->n == 0 || nq == 0;
+    return KVCAP_OK;
+}
+
+enum kvcap_status kvcap_attend_rows_ref(const struct kvcap_rows *rows, const float *q, int nq,
+                                        int d, float scale, struct kvcap_partial acc,
+                                        uint64_t *bytes)
+{
+    int nothing;
+    KVCAP_TRY(rows_check(rows, q, nq, d, INT_MAX, bytes, &nothing));
+    if (nothing)
+        return KVCAP_OK;
     double *o = malloc(sizeof(double) * (size_t)d);
     float *of = malloc(sizeof(float) * (size_t)d);
     if (!o || !of) {
         free(o);
         free(of);
-        return 0;
+        return kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "attend_rows_ref: %d floats of working memory",
+                          3 * d);
     }
     for (int qi = 0; qi < nq; qi++) {
         const float *qv = q + (size_t)qi * d;
@@ -1452,22 +1476,26 @@ uint64_t kvcap_attend_rows_ref(const struct kvcap_rows *rows, const float *q, in
     }
     free(o);
     free(of);
-    return rows_bytes(rows, d);
+    if (bytes)
+        *bytes = rows_bytes(rows, d);
+    return KVCAP_OK;
 }
 
-uint64_t kvcap_attend_rows(const struct kvcap_rows *rows, const float *q, int nq, int d,
-                           float scale, struct kvcap_partial acc)
+enum kvcap_status kvcap_attend_rows(const struct kvcap_rows *rows, const float *q, int nq, int d,
+                                    float scale, struct kvcap_partial acc, uint64_t *bytes)
 {
-    if (!rows || !q || rows->n <= 0 || nq <= 0 || d <= 0 || d > ATTN_MAX_D ||
-        !float_dtype(rows->dtype))
-        return 0;
+    int nothing;
+    KVCAP_TRY(rows_check(rows, q, nq, d, ATTN_MAX_D, bytes, &nothing));
+    if (nothing)
+        return KVCAP_OK;
     const struct attn_isa *isa = attn_isa();
     int B = block_rows(d);
     float sc[ATTN_MAX_B * ATTN_LANES], qstack[ATTN_PACKED_STACK];
     float *qp = qstack;
     size_t nqp = packed_floats(nq, d);
     if (nqp > ATTN_PACKED_STACK && !(qp = malloc(sizeof(float) * nqp)))
-        return 0;
+        return kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "attend_rows: %zu floats of packed queries",
+                          nqp);
     pack_queries(q, nq, d, qp);
     for (int j0 = 0; j0 < rows->n; j0 += B) {
         int nr = rows->n - j0 < B ? rows->n - j0 : B;
@@ -1494,7 +1522,9 @@ uint64_t kvcap_attend_rows(const struct kvcap_rows *rows, const float *q, int nq
     }
     if (qp != qstack)
         free(qp);
-    return rows_bytes(rows, d);
+    if (bytes)
+        *bytes = rows_bytes(rows, d);
+    return KVCAP_OK;
 }
 
 /* ---- KVCapsule spans ---------------------------------------------------------------------- */
@@ -1511,34 +1541,52 @@ static uint64_t capsule_bytes(const struct kvcap_capsule_maps *maps,
     return b;
 }
 
-/* Common argument check; returns the number of columns (Σ tiles × nq), 0 when there is nothing
- * to do or the arguments are unusable. */
-static size_t capsule_cols(const struct kvcap_capsule_maps *maps,
-                           const struct kvcap_capsule_span *spans, int n_spans, int nq, int d)
+/* The argument check both capsule kernels share: *cols is the number of columns (Σ tiles × nq),
+ * 0 when there is nothing to do. */
+static enum kvcap_status capsule_check(const struct kvcap_capsule_maps *maps,
+                                       const struct kvcap_capsule_span *spans, int n_spans,
+                                       int nq, int d, int max_d, size_t *cols, uint64_t *bytes)
 {
-    if (!maps || !spans || n_spans <= 0 || nq <= 0 || d <= 0 || maps->m <= 0 || maps->h < 0 ||
-        maps->rv < 0 || (maps->h && !maps->w2) || !maps->b2 || (maps->rv && !maps->u))
-        return 0;
-    size_t cols = 0;
+    *cols = 0;
+    if (bytes)
+        *bytes = 0;
+    KVCAP_RETURN_IF(!maps || !spans || n_spans < 0 || nq < 0 || d <= 0 || d > max_d,
+                    KVCAP_ERR_INVALID_ARGUMENT, "capsule_attend: %s",
+                    !maps ? "NULL maps" : !spans ? "NULL spans"
+                    : n_spans < 0 || nq < 0 ? "negative span or query count"
+                    : "head_dim out of range");
+    KVCAP_RETURN_IF(maps->m <= 0 || maps->h < 0 || maps->rv < 0 || (maps->h && !maps->w2) ||
+                        !maps->b2 || (maps->rv && !maps->u),
+                    KVCAP_ERR_INVALID_ARGUMENT,
+                    "capsule_attend: maps (m %d, h %d, rv %d) incomplete or out of range",
+                    maps->m, maps->h, maps->rv);
+    size_t n = 0;
     for (int i = 0; i < n_spans; i++) {
         const struct kvcap_capsule_span *s = &spans[i];
-        if (s->tiles < 0 || !float_dtype(s->dtype))
-            return 0;
+        KVCAP_RETURN_IF(s->tiles < 0 || !float_dtype(s->dtype), KVCAP_ERR_INVALID_ARGUMENT,
+                        "capsule_attend: span %d: %s", i,
+                        s->tiles < 0 ? "negative tile count" : "not F32, F16 or BF16");
         if (s->tiles == 0)
             continue;
-        if (!s->q || !s->mu || (maps->h && !s->hs) || (maps->rv && !s->vt))
-            return 0;
-        cols += (size_t)s->tiles * (size_t)nq;
+        KVCAP_RETURN_IF(!s->q || !s->mu || (maps->h && !s->hs) || (maps->rv && !s->vt),
+                        KVCAP_ERR_INVALID_ARGUMENT, "capsule_attend: span %d: NULL %s", i,
+                        !s->q ? "queries" : !s->mu ? "mu" : !s->vt ? "values" : "keys");
+        n += (size_t)s->tiles * (size_t)nq;
     }
-    return cols;
+    KVCAP_RETURN_IF(n > INT_MAX, KVCAP_ERR_INVALID_ARGUMENT,
+                    "capsule_attend: %zu columns (tiles × queries) exceed %d", n, INT_MAX);
+    *cols = n;
+    return KVCAP_OK;
 }
 
-uint64_t kvcap_capsule_attend_ref(const struct kvcap_capsule_maps *maps,
-                                  const struct kvcap_capsule_span *spans, int n_spans, int nq,
-                                  int d, float scale)
+enum kvcap_status kvcap_capsule_attend_ref(const struct kvcap_capsule_maps *maps,
+                                           const struct kvcap_capsule_span *spans, int n_spans,
+                                           int nq, int d, float scale, uint64_t *bytes)
 {
-    if (capsule_cols(maps, spans, n_spans, nq, d) == 0)
-        return 0;
+    size_t cols;
+    KVCAP_TRY(capsule_check(maps, spans, n_spans, nq, d, INT_MAX, &cols, bytes));
+    if (cols == 0)
+        return KVCAP_OK;
     int m = maps->m, h = maps->h, rv = maps->rv, max_tiles = 0;
     for (int i = 0; i < n_spans; i++)
         max_tiles = spans[i].tiles > max_tiles ? spans[i].tiles : max_tiles;
@@ -1551,7 +1599,8 @@ uint64_t kvcap_capsule_attend_ref(const struct kvcap_capsule_maps *maps,
         free(z);
         free(o);
         free(of);
-        return 0;
+        return kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "capsule_attend_ref: working memory for %d "
+                          "tiles of %d points", max_tiles, m);
     }
     for (int i = 0; i < n_spans; i++) {
         const struct kvcap_capsule_span *sp = &spans[i];
@@ -1608,7 +1657,9 @@ uint64_t kvcap_capsule_attend_ref(const struct kvcap_capsule_maps *maps,
     free(z);
     free(o);
     free(of);
-    return capsule_bytes(maps, spans, n_spans, d);
+    if (bytes)
+        *bytes = capsule_bytes(maps, spans, n_spans, d);
+    return KVCAP_OK;
 }
 
 size_t kvcap_capsule_scratch_floats(const struct kvcap_capsule_maps *maps, int n_spans,
@@ -1891,21 +1942,27 @@ static void capsule_attend_tiled(const struct kvcap_capsule_maps *maps,
     }
 }
 
-uint64_t kvcap_capsule_attend(const struct kvcap_capsule_maps *maps,
-                              const struct kvcap_capsule_span *spans, int n_spans, int nq, int d,
-                              float scale, float *scratch, size_t scratch_floats)
+enum kvcap_status kvcap_capsule_attend(const struct kvcap_capsule_maps *maps,
+                                       const struct kvcap_capsule_span *spans, int n_spans,
+                                       int nq, int d, float scale, float *scratch,
+                                       size_t scratch_floats, uint64_t *bytes)
 {
-    size_t cols = capsule_cols(maps, spans, n_spans, nq, d);
-    if (cols == 0 || cols > INT_MAX || d > ATTN_MAX_D || !scratch)
-        return 0;
+    size_t cols;
+    KVCAP_TRY(capsule_check(maps, spans, n_spans, nq, d, ATTN_MAX_D, &cols, bytes));
+    if (cols == 0)
+        return KVCAP_OK;
     int max_tiles = 0;
     for (int i = 0; i < n_spans; i++)
         max_tiles = spans[i].tiles > max_tiles ? spans[i].tiles : max_tiles;
-    if (scratch_floats < kvcap_capsule_scratch_floats(maps, n_spans, max_tiles, nq, d))
-        return 0;
+    size_t need = kvcap_capsule_scratch_floats(maps, n_spans, max_tiles, nq, d);
+    KVCAP_RETURN_IF(!scratch || scratch_floats < need, KVCAP_ERR_INVALID_ARGUMENT,
+                    "capsule_attend: %zu floats of scratch given, %zu needed",
+                    scratch ? scratch_floats : 0, need);
     if (maps->h <= ATTN_SMALL_MAP && maps->rv <= ATTN_SMALL_MAP)
         capsule_attend_tiled(maps, spans, n_spans, nq, d, scale, max_tiles, scratch);
     else
         capsule_attend_dense(maps, spans, n_spans, nq, d, scale, cols, scratch);
-    return capsule_bytes(maps, spans, n_spans, d);
+    if (bytes)
+        *bytes = capsule_bytes(maps, spans, n_spans, d);
+    return KVCAP_OK;
 }

@@ -36,12 +36,18 @@ struct kvcap_rows {
     int n;                  /* tokens */
 };
 
-/* Plain attention of nq queries (q: [nq][d] f32, contiguous) over `rows`, folded into `acc`.
- * Returns the bytes of K/V read. */
-uint64_t kvcap_attend_rows_ref(const struct kvcap_rows *rows, const float *q, int nq, int d,
-                               float scale, struct kvcap_partial acc);
-uint64_t kvcap_attend_rows(const struct kvcap_rows *rows, const float *q, int nq, int d,
-                           float scale, struct kvcap_partial acc);
+/* Every kernel below returns a status and, through `bytes` (may be NULL), the bytes it read.
+ * On an error (unusable arguments: KVCAP_ERR_INVALID_ARGUMENT; working memory: _OUT_OF_MEMORY)
+ * nothing is folded into the partials and *bytes is 0; no rows, no queries or no tiles is
+ * KVCAP_OK with 0 bytes. */
+
+/* Plain attention of nq queries (q: [nq][d] f32, contiguous) over `rows`, folded into `acc`;
+ * *bytes: the bytes of K/V read. */
+enum kvcap_status kvcap_attend_rows_ref(const struct kvcap_rows *rows, const float *q, int nq,
+                                        int d, float scale, struct kvcap_partial acc,
+                                        uint64_t *bytes);
+enum kvcap_status kvcap_attend_rows(const struct kvcap_rows *rows, const float *q, int nq, int d,
+                                    float scale, struct kvcap_partial acc, uint64_t *bytes);
 
 /* KVCapsule maps of one (layer, KV head, bucket), in f32, shared by all spans of the bucket:
  * m points per tile (m = n for dense buckets), reconstructor width h, value rank rv. */
@@ -69,14 +75,14 @@ struct kvcap_capsule_span {
  *   o  += Σ_t (U p_t)ᵀ Ṽ_t + (Σ p) μ
  * without materialising K̂ or V̂. The fast version reads the maps from memory once for all
  * spans: dense maps through two sgemms over spans × queries; small (tiled) maps, which stay in
- * L1, tile by tile with the queries in vector lanes. Returns bytes read: maps once + each
- * span's H, Ṽ, μ. */
-uint64_t kvcap_capsule_attend_ref(const struct kvcap_capsule_maps *maps,
-                                  const struct kvcap_capsule_span *spans, int n_spans, int nq,
-                                  int d, float scale);
-uint64_t kvcap_capsule_attend(const struct kvcap_capsule_maps *maps,
-                              const struct kvcap_capsule_span *spans, int n_spans, int nq, int d,
-                              float scale, float *scratch, size_t scratch_floats);
+ * L1, tile by tile with the queries in vector lanes. *bytes: maps once + each span's H, Ṽ, μ. */
+enum kvcap_status kvcap_capsule_attend_ref(const struct kvcap_capsule_maps *maps,
+                                           const struct kvcap_capsule_span *spans, int n_spans,
+                                           int nq, int d, float scale, uint64_t *bytes);
+enum kvcap_status kvcap_capsule_attend(const struct kvcap_capsule_maps *maps,
+                                       const struct kvcap_capsule_span *spans, int n_spans,
+                                       int nq, int d, float scale, float *scratch,
+                                       size_t scratch_floats, uint64_t *bytes);
 
 /* Floats of scratch kvcap_capsule_attend needs for these sizes. */
 size_t kvcap_capsule_scratch_floats(const struct kvcap_capsule_maps *maps, int n_spans,

@@ -824,8 +824,13 @@ static struct kvcap_partial seq_partial(const struct kvcap_cache *c, int h, int 
  * row by row, and slice k of each KVCapsule span's tiles, bucket by bucket across the batch
  * (FreeKV state: slice 0). Bytes count what one whole head reads: the maps and each span's μ,
  * which every slice reads, are counted by slice 0 only. */
-static uint64_t attend_part(struct kvcap_cache *c, int layer, int h, int k, const float *q,
-                            struct kvcap_thread_scratch *sc, uint64_t *map_bytes)
+/* Slice k of KV head h of one layer's attention, for every sequence: folds the slice's rows and
+ * KVCapsule tiles into the sequences' partials k and adds the bytes it read to *bytes (the maps'
+ * to *map_bytes, slice 0 only). A kernel's failure is returned as is: the partials are then
+ * incomplete and the whole call fails. */
+static enum kvcap_status attend_part(struct kvcap_cache *c, int layer, int h, int k,
+                                     const float *q, struct kvcap_thread_scratch *sc,
+                                     uint64_t *bytes_out, uint64_t *map_bytes)
 {
     const struct kvcap_model_geometry *g = &c->g;
     int G = g->n_q_heads / g->n_kv_heads, d = g->head_dim, P = c->n_parts;
@@ -848,10 +853,15 @@ static uint64_t attend_part(struct kvcap_cache *c, int layer, int h, int k, cons
             size_t at = ((size_t)h * seg->cap + lo) * d * es;
             struct kvcap_rows rows = {(const char *)seg->k + at, (const char *)seg->v + at,
                                       c->storage, (size_t)d, hi - lo};
-            bytes += kvcap_attend_rows(&rows, qs, G, d, scale, acc);
+            uint64_t got;
+            KVCAP_TRY(kvcap_attend_rows(&rows, qs, G, d, scale, acc, &got));
+            bytes += got;
         }
-        if (sl->freekv && k == 0)
-            bytes += kvcap_freekv_attend(sl->freekv, h, qs, scale, acc);
+        if (sl->freekv && k == 0) {
+            uint64_t got;
+            KVCAP_TRY(kvcap_freekv_attend(sl->freekv, h, qs, scale, acc, &got));
+            bytes += got;
+        }
     }
     for (int b = 0; c->artifact && b < c->artifact->n_buckets; b++) {
         const struct kvcap_unit_maps *u = kvcap_artifact_unit(c->artifact, layer, h, b);
@@ -882,15 +892,18 @@ static uint64_t attend_part(struct kvcap_cache *c, int layer, int h, int k, cons
         if (n == 0)
             continue;
         struct kvcap_capsule_maps m = unit_maps(u);
-        uint64_t got = kvcap_capsule_attend(&m, sc->spans, n, G, d, scale, sc->work, sc->work_cap);
+        uint64_t got;
+        KVCAP_TRY(kvcap_capsule_attend(&m, sc->spans, n, G, d, scale, sc->work, sc->work_cap,
+                                       &got));
         uint64_t maps = ((uint64_t)u->h * u->m + (uint64_t)u->m + (uint64_t)u->rv * u->m) * 4;
         if (k == 0)
             *map_bytes += maps;
-        else if (got > 0) /* the maps and μ again: slice 0 counted them */
+        else /* the maps and μ again: slice 0 counted them */
             got -= maps + (uint64_t)n * d * es;
         bytes += got;
     }
-    return bytes;
+    *bytes_out += bytes;
+    return KVCAP_OK;
 }
 
 struct attend_job {
@@ -898,16 +911,22 @@ struct attend_job {
     int layer;
     const float *q;
     uint64_t bytes[64], map_bytes[64]; /* per thread */
+    struct kvcap_parallel_error error;  /* the first slice that failed */
 };
 
 static void attend_task(void *ctx, int task, int thread)
 {
     struct attend_job *job = ctx;
-    uint64_t maps = 0;
     int P = job->c->n_parts;
-    job->bytes[thread] += attend_part(job->c, job->layer, task / P, task % P, job->q,
-                                      &job->c->scratch[thread], &maps);
-    job->map_bytes[thread] += maps;
+    if (kvcap_parallel_failed(&job->error))
+        return; /* the call fails anyway */
+    kvcap_quiet_push(); /* re-raised once, on the caller's thread */
+    enum kvcap_status st = attend_part(job->c, job->layer, task / P, task % P, job->q,
+                                       &job->c->scratch[thread], &job->bytes[thread],
+                                       &job->map_bytes[thread]);
+    if (st != KVCAP_OK)
+        kvcap_parallel_fail(&job->error, st);
+    kvcap_quiet_pop();
 }
 
 /* Merges each (sequence, KV head)'s slices and writes its outputs (and log-sum-exps). */
@@ -946,7 +965,7 @@ enum kvcap_status kvcap_cache_attend_lse(struct kvcap_cache *c, int layer, const
     KVCAP_TRY(prepare_scratch(c, layer));
     if (c->recorder)
         KVCAP_TRY(kvcap_recorder_decode_queries(c->recorder, layer, q));
-    struct attend_job job = {c, layer, q, {0}, {0}};
+    struct attend_job job = {c, layer, q, {0}, {0}, {0}};
     /* KV heads are independent; BLAS runs single-threaded inside the parallel tasks. */
     int blas_threads = openblas_get_num_threads();
     if (c->threads > 1)
@@ -954,6 +973,7 @@ enum kvcap_status kvcap_cache_attend_lse(struct kvcap_cache *c, int layer, const
     kvcap_cache_parallel(c, c->g.n_kv_heads * c->n_parts, attend_task, &job);
     if (c->threads > 1)
         openblas_set_num_threads(blas_threads);
+    KVCAP_TRY(kvcap_parallel_status(&job.error));
     attend_finish(c, out, lse);
     uint64_t bytes = 0, map_bytes = 0;
     for (int t = 0; t < c->threads; t++)

@@ -735,13 +735,17 @@ static int must_correct(const struct kvcap_freekv *f, const struct head *hd)
 }
 
 /* The filled rows of page p of head h, straight from the store (sinks, window). */
-static uint64_t attend_store_page(const struct kvcap_freekv *f, int p, int h, const float *q,
-                                  float scale, struct kvcap_partial acc)
+static enum kvcap_status attend_store_page(const struct kvcap_freekv *f, int p, int h,
+                                           const float *q, float scale,
+                                           struct kvcap_partial acc, uint64_t *bytes)
 {
     int64_t filled = f->tokens - (int64_t)p * f->p.page_size;
     struct kvcap_rows rows = {store_k(f, p, h), store_v(f, p, h), f->dt, (size_t)f->d,
                               filled < f->p.page_size ? (int)filled : f->p.page_size};
-    return kvcap_attend_rows(&rows, q, f->G, f->d, scale, acc);
+    uint64_t got;
+    KVCAP_TRY(kvcap_attend_rows(&rows, q, f->G, f->d, scale, acc, &got));
+    *bytes += got;
+    return KVCAP_OK;
 }
 
 /* A speculative selection made among candidates [lo', sel_hi) stays exact for a store that has
@@ -751,14 +755,13 @@ static uint64_t attend_store_page(const struct kvcap_freekv *f, int p, int h, co
  * step and the one-token guess: none); up to window_pages of them it is accepted, beyond (a
  * span appended mid-decode) the head selects anew: a resync. Picks that have meanwhile become
  * sinks or window (a store that grew less than expected) are skipped: attended as such. */
-uint64_t kvcap_freekv_attend(struct kvcap_freekv *f, int h, const float *q, float scale,
-                             struct kvcap_partial acc)
+enum kvcap_status kvcap_freekv_attend(struct kvcap_freekv *f, int h, const float *q,
+                                      float scale, struct kvcap_partial acc, uint64_t *read)
 {
-    if (!f || h < 0 || h >= f->kvh || !q) {
-        kvcap_fail(KVCAP_ERR_INVALID_ARGUMENT, "freekv_attend: %s", !f ? "NULL state"
-                   : !q ? "NULL q" : "h out of range");
-        return 0;
-    }
+    if (read)
+        *read = 0;
+    KVCAP_RETURN_IF(!f || h < 0 || h >= f->kvh || !q, KVCAP_ERR_INVALID_ARGUMENT,
+                    "freekv_attend: %s", !f ? "NULL state" : !q ? "NULL q" : "h out of range");
     /* the speculation was not ready yet: this head's step waits for it (not hidden) */
     int waited = f->worker && atomic_load(&f->pending);
     wait_idle(f);
@@ -773,7 +776,7 @@ uint64_t kvcap_freekv_attend(struct kvcap_freekv *f, int h, const float *q, floa
     memcpy(hd->q_cur, q, sizeof(float) * qn);
     hd->q_step = f->step;
     if (f->tokens == 0)
-        return 0;
+        return KVCAP_OK;
 
     int np = (int)pages_for(f, f->tokens), lo, hi;
     candidates(f, np, &lo, &hi);
@@ -804,7 +807,7 @@ uint64_t kvcap_freekv_attend(struct kvcap_freekv *f, int h, const float *q, floa
     hd->att_lo = lo;
     hd->att_ws = ws;
     for (int p = 0; p < lo; p++)
-        bytes += attend_store_page(f, p, h, q, scale, acc);
+        KVCAP_TRY(attend_store_page(f, p, h, q, scale, acc, &bytes));
     /* the pool's slots in runs of picks inside [lo, ws): one call per run (one in all unless
      * some picks became sinks or window) */
     size_t page_rows = (size_t)f->p.page_size;
@@ -820,12 +823,16 @@ uint64_t kvcap_freekv_attend(struct kvcap_freekv *f, int h, const float *q, floa
         struct kvcap_rows rows = {pool_slot(f, f->pool_k[b], h, s),
                                   pool_slot(f, f->pool_v[b], h, s), f->dt, (size_t)f->d,
                                   (int)((size_t)(e - s) * page_rows)};
-        bytes += kvcap_attend_rows(&rows, q, f->G, f->d, scale, acc);
+        uint64_t got;
+        KVCAP_TRY(kvcap_attend_rows(&rows, q, f->G, f->d, scale, acc, &got));
+        bytes += got;
         s = e;
     }
     for (int p = ws; p < np; p++)
-        bytes += attend_store_page(f, p, h, q, scale, acc);
-    return bytes;
+        KVCAP_TRY(attend_store_page(f, p, h, q, scale, acc, &bytes));
+    if (read)
+        *read = bytes;
+    return KVCAP_OK;
 }
 
 enum kvcap_status kvcap_freekv_step_done(struct kvcap_freekv *f)

@@ -95,12 +95,12 @@ int64_t kvcap_freekv_tokens(const struct kvcap_freekv *f);
  * attending the pages it did not rank as window pages: the window starts at the end of the
  * candidates it was made among (kvcap_freekv_window_start). With budget >= all tokens, every
  * token is attended (equal to `full`). May be called concurrently for different h of the same
- * state, never twice for one h in a step. Returns the bytes of K/V read by attention plus
- * those of the digests read by a selection made here (recall copies are counted in the
- * stats); 0 with nothing stored or a bad argument (the error is then recorded for
- * kvcap_last_error). */
-uint64_t kvcap_freekv_attend(struct kvcap_freekv *f, int h, const float *q, float scale,
-                             struct kvcap_partial acc);
+ * state, never twice for one h in a step. *read (may be NULL): the bytes of K/V read by
+ * attention plus those of the digests read by a selection made here (recall copies are counted
+ * in the stats); 0 with nothing stored. A bad argument or a kernel's failure (working memory)
+ * is a status; `acc` is then incomplete and must not be used. */
+enum kvcap_status kvcap_freekv_attend(struct kvcap_freekv *f, int h, const float *q,
+                                      float scale, struct kvcap_partial acc, uint64_t *read);
 
 /* After every KV head of this step attended: selection with this step's queries for the next
  * step and recall of its missing pages into the other pool buffer, queued on the worker (or

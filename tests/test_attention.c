@@ -38,6 +38,44 @@ int kvcap_attention_set_simd(int enabled);
 
 /* ---- helpers -------------------------------------------------------------------------------- */
 
+/* The kernels through their status: each asserts KVCAP_OK and returns the bytes read. */
+static uint64_t rows_fast(const struct kvcap_rows *rows, const float *q, int nq, int d,
+                          float scale, struct kvcap_partial acc)
+{
+    uint64_t bytes = UINT64_MAX;
+    assert_int_equal(kvcap_attend_rows(rows, q, nq, d, scale, acc, &bytes), KVCAP_OK);
+    return bytes;
+}
+
+static uint64_t rows_ref(const struct kvcap_rows *rows, const float *q, int nq, int d,
+                         float scale, struct kvcap_partial acc)
+{
+    uint64_t bytes = UINT64_MAX;
+    assert_int_equal(kvcap_attend_rows_ref(rows, q, nq, d, scale, acc, &bytes), KVCAP_OK);
+    return bytes;
+}
+
+static uint64_t capsule_fast(const struct kvcap_capsule_maps *maps,
+                             const struct kvcap_capsule_span *spans, int n_spans, int nq, int d,
+                             float scale, float *scratch, size_t scratch_floats)
+{
+    uint64_t bytes = UINT64_MAX;
+    assert_int_equal(kvcap_capsule_attend(maps, spans, n_spans, nq, d, scale, scratch,
+                                          scratch_floats, &bytes),
+                     KVCAP_OK);
+    return bytes;
+}
+
+static uint64_t capsule_ref(const struct kvcap_capsule_maps *maps,
+                            const struct kvcap_capsule_span *spans, int n_spans, int nq, int d,
+                            float scale)
+{
+    uint64_t bytes = UINT64_MAX;
+    assert_int_equal(kvcap_capsule_attend_ref(maps, spans, n_spans, nq, d, scale, &bytes),
+                     KVCAP_OK);
+    return bytes;
+}
+
 static void assert_finite(const float *x, size_t n)
 {
     for (size_t i = 0; i < n; i++)
@@ -140,13 +178,13 @@ static void check_rows(struct kvcap_rng *r, enum kvcap_dtype dt, int n, int d, i
     snprintf(what, sizeof what, "%s n=%d d=%d nq=%d", kvcap_dtype_name(dt), n, d, nq);
 
     struct part fast = part_new(nq, d);
-    assert_int_equal(kvcap_attend_rows(&rows, q, nq, d, scale, fast.p), expect_bytes);
+    assert_int_equal(rows_fast(&rows, q, nq, d, scale, fast.p), expect_bytes);
     float *got = finish(&fast, nq, d);
     assert_close(got, want, (size_t)nq * d, FAST_REL_TOL, what);
 
     if (with_ref) {
         struct part ref = part_new(nq, d);
-        assert_int_equal(kvcap_attend_rows_ref(&rows, q, nq, d, scale, ref.p), expect_bytes);
+        assert_int_equal(rows_ref(&rows, q, nq, d, scale, ref.p), expect_bytes);
         float *rout = finish(&ref, nq, d);
         assert_close(rout, want, (size_t)nq * d, FAST_REL_TOL, what);
         assert_close(got, rout, (size_t)nq * d, FAST_REL_TOL, what);
@@ -163,8 +201,8 @@ static void check_rows(struct kvcap_rng *r, enum kvcap_dtype dt, int n, int d, i
                                (const unsigned char *)vb + (size_t)split * stride * es, dt, stride,
                                n - split};
         struct part pa = part_new(nq, d), pb = part_new(nq, d);
-        kvcap_attend_rows(&b, q, nq, d, scale, pb.p);
-        kvcap_attend_rows(&a, q, nq, d, scale, pa.p);
+        rows_fast(&b, q, nq, d, scale, pb.p);
+        rows_fast(&a, q, nq, d, scale, pa.p);
         kvcap_partial_merge(pa.p, pb.p, nq, d);
         float *merged = finish(&pa, nq, d);
         assert_close(merged, got, (size_t)nq * d, MERGE_REL_TOL, what);
@@ -358,11 +396,11 @@ static void run_capsule(const struct capsule_case *c, const struct capsule_data 
     if (fast) {
         size_t nf = kvcap_capsule_scratch_floats(&maps, c->n_spans, max_tiles, c->nq, c->d);
         float *scratch = alloc_f(nf);
-        bytes = kvcap_capsule_attend(&maps, spans, c->n_spans, c->nq, c->d,
+        bytes = capsule_fast(&maps, spans, c->n_spans, c->nq, c->d,
                                      1.0f / sqrtf((float)c->d), scratch, nf);
         free(scratch);
     } else {
-        bytes = kvcap_capsule_attend_ref(&maps, spans, c->n_spans, c->nq, c->d,
+        bytes = capsule_ref(&maps, spans, c->n_spans, c->nq, c->d,
                                          1.0f / sqrtf((float)c->d));
     }
     assert_int_equal(bytes, capsule_expected_bytes(c));
@@ -575,14 +613,14 @@ static void test_capsule_mixed_with_rows(void **state)
         struct kvcap_capsule_span span = {D.hs_st[0], D.vt_st[0], D.mu_st[0], c.dtype, 64, D.q[0],
                                           order == 2 ? other.p : acc.p};
         if (order == 0) {
-            kvcap_attend_rows(&rows, q, nq, d, scale, acc.p);
-            kvcap_capsule_attend(&maps, &span, 1, nq, d, scale, scratch, nf);
+            rows_fast(&rows, q, nq, d, scale, acc.p);
+            capsule_fast(&maps, &span, 1, nq, d, scale, scratch, nf);
         } else if (order == 1) {
-            kvcap_capsule_attend(&maps, &span, 1, nq, d, scale, scratch, nf);
-            kvcap_attend_rows(&rows, q, nq, d, scale, acc.p);
+            capsule_fast(&maps, &span, 1, nq, d, scale, scratch, nf);
+            rows_fast(&rows, q, nq, d, scale, acc.p);
         } else {
-            kvcap_capsule_attend(&maps, &span, 1, nq, d, scale, scratch, nf);
-            kvcap_attend_rows(&rows, q, nq, d, scale, acc.p);
+            capsule_fast(&maps, &span, 1, nq, d, scale, scratch, nf);
+            rows_fast(&rows, q, nq, d, scale, acc.p);
             kvcap_partial_merge(acc.p, other.p, nq, d);
         }
         float *got = finish(&acc, nq, d);
@@ -624,15 +662,22 @@ static void test_capsule_scratch_too_small(void **state)
     size_t nf = kvcap_capsule_scratch_floats(&maps, 1, 8, c.nq, c.d);
     assert_true(nf > 0);
     float *scratch = alloc_f(nf);
-    assert_int_equal(kvcap_capsule_attend(&maps, &span, 1, c.nq, c.d, 0.125f, scratch, nf - 1), 0);
-    assert_int_equal(kvcap_capsule_attend(&maps, &span, 1, c.nq, c.d, 0.125f, NULL, nf), 0);
+    uint64_t bytes = 1;
+    assert_int_equal(kvcap_capsule_attend(&maps, &span, 1, c.nq, c.d, 0.125f, scratch, nf - 1,
+                                          &bytes),
+                     KVCAP_ERR_INVALID_ARGUMENT);
+    assert_int_equal(bytes, 0);
+    bytes = 1;
+    assert_int_equal(kvcap_capsule_attend(&maps, &span, 1, c.nq, c.d, 0.125f, NULL, nf, &bytes),
+                     KVCAP_ERR_INVALID_ARGUMENT);
+    assert_int_equal(bytes, 0);
     for (int i = 0; i < c.nq; i++) {
         assert_true(acc.p.mx[i] == -INFINITY);
         assert_true(acc.p.sum[i] == 0.0f);
     }
     for (int i = 0; i < c.nq * c.d; i++)
         assert_true(acc.p.o[i] == 0.0f);
-    assert_true(kvcap_capsule_attend(&maps, &span, 1, c.nq, c.d, 0.125f, scratch, nf) > 0);
+    assert_true(capsule_fast(&maps, &span, 1, c.nq, c.d, 0.125f, scratch, nf) > 0);
     free(scratch);
     free(acc.buf);
     capsule_free(&c, &D);
@@ -661,7 +706,7 @@ static void capsule_scratch_offsets(int nq)
         struct part acc = part_new(c.nq, c.d);
         struct kvcap_capsule_span span = {D.hs_st[0], D.vt_st[0], D.mu_st[0], c.dtype,
                                           12,         D.q[0],     acc.p};
-        assert_true(kvcap_capsule_attend(&maps, &span, 1, c.nq, c.d, 0.125f, buf + off, nf) > 0);
+        assert_true(capsule_fast(&maps, &span, 1, c.nq, c.d, 0.125f, buf + off, nf) > 0);
         for (size_t i = 0; i < (size_t)off; i++)
             assert_true(buf[i] == canary);
         for (size_t i = off + nf; i < nf + GUARD + 16; i++)
@@ -711,8 +756,8 @@ static void test_large_scores(void **state)
     for (int simd = 0; simd < 2; simd++) {
         kvcap_attention_set_simd(simd);
         struct part fast = part_new(nq, d), ref = part_new(nq, d);
-        kvcap_attend_rows(&rows, q, nq, d, 1.0f, fast.p);
-        kvcap_attend_rows_ref(&rows, q, nq, d, 1.0f, ref.p);
+        rows_fast(&rows, q, nq, d, 1.0f, fast.p);
+        rows_ref(&rows, q, nq, d, 1.0f, ref.p);
         assert_finite(fast.p.sum, (size_t)nq);
         float *a = finish(&fast, nq, d), *b = finish(&ref, nq, d);
         assert_close(a, want, (size_t)nq * d, FAST_REL_TOL, "large scores fast");
@@ -721,8 +766,8 @@ static void test_large_scores(void **state)
         struct kvcap_rows r1 = {k, v, KVCAP_DTYPE_F32, (size_t)d, 100};
         struct kvcap_rows r2 = {k + 100 * d, v + 100 * d, KVCAP_DTYPE_F32, (size_t)d, n - 100};
         struct part p1 = part_new(nq, d), p2 = part_new(nq, d);
-        kvcap_attend_rows(&r1, q, nq, d, 1.0f, p1.p);
-        kvcap_attend_rows(&r2, q, nq, d, 1.0f, p2.p);
+        rows_fast(&r1, q, nq, d, 1.0f, p1.p);
+        rows_fast(&r2, q, nq, d, 1.0f, p2.p);
         kvcap_partial_merge(p1.p, p2.p, nq, d);
         float *m = finish(&p1, nq, d);
         assert_close(m, want, (size_t)nq * d, MERGE_REL_TOL, "large scores merged");
@@ -747,7 +792,7 @@ static void test_large_scores(void **state)
     naive_attention(q, k, v, n, nq, d, 1.0f, want);
     struct kvcap_rows rh = {kh, vh, KVCAP_DTYPE_F16, (size_t)d, n};
     struct part fast = part_new(nq, d);
-    kvcap_attend_rows(&rh, q, nq, d, 1.0f, fast.p);
+    rows_fast(&rh, q, nq, d, 1.0f, fast.p);
     float *a = finish(&fast, nq, d);
     assert_close(a, want, (size_t)nq * d, FAST_REL_TOL, "f16 huge scores");
     free(a);
@@ -776,7 +821,7 @@ static void test_softmax_weights(void **state)
             k[0] = x;
             struct kvcap_rows rows = {k, v, KVCAP_DTYPE_F32, (size_t)d, 2};
             struct part p = part_new(1, d);
-            kvcap_attend_rows(&rows, q, 1, d, 1.0f, p.p);
+            rows_fast(&rows, q, 1, d, 1.0f, p.p);
             kvcap_partial_finish(p.p, 1, d, out, (size_t)d);
             double want = exp(-(double)x), got = (double)out[1] / out[0];
             if (!(fabs(got - want) <= EXP_REL_TOL * want))
@@ -800,7 +845,7 @@ static void test_single_row(void **state)
     fill_random(&r, q, 240, 0, 1);
     struct kvcap_rows rows = {k, v, KVCAP_DTYPE_F32, (size_t)d, 1};
     struct part p = part_new(nq, d);
-    assert_int_equal(kvcap_attend_rows(&rows, q, nq, d, 0.1f, p.p), 2 * 80 * 4);
+    assert_int_equal(rows_fast(&rows, q, nq, d, 0.1f, p.p), 2 * 80 * 4);
     kvcap_partial_finish(p.p, nq, d, out, (size_t)d);
     for (int i = 0; i < nq; i++)
         assert_close(out + i * d, v, (size_t)d, 1e-7, "one row: output is that row's value");
@@ -844,8 +889,8 @@ static void test_empty_partials(void **state)
     /* attention over no rows is a no-op reading nothing */
     struct kvcap_rows none = {NULL, NULL, KVCAP_DTYPE_F16, (size_t)d, 0};
     float q[2 * 64] = {0};
-    assert_int_equal(kvcap_attend_rows(&none, q, nq, d, 1.0f, e2.p), 0);
-    assert_int_equal(kvcap_attend_rows_ref(&none, q, nq, d, 1.0f, e2.p), 0);
+    assert_int_equal(rows_fast(&none, q, nq, d, 1.0f, e2.p), 0);
+    assert_int_equal(rows_ref(&none, q, nq, d, 1.0f, e2.p), 0);
     assert_true(e2.p.mx[0] == -INFINITY);
     free(e1.buf);
     free(e2.buf);

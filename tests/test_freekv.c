@@ -195,7 +195,7 @@ static uint64_t expected_output(const struct seq *s, int h, const int *pages, in
         }
     struct kvcap_rows kr = {k, v, KVCAP_DTYPE_F32, (size_t)d, rows};
     struct part p = part_new(s->G, d);
-    kvcap_attend_rows_ref(&kr, q, s->G, d, scale, p.p);
+    assert_int_equal(kvcap_attend_rows_ref(&kr, q, s->G, d, scale, p.p, NULL), KVCAP_OK);
     kvcap_partial_finish(p.p, s->G, d, out, (size_t)d);
     free(p.buf);
     free(k);
@@ -208,7 +208,8 @@ static uint64_t attend(struct kvcap_freekv *f, int h, const float *q, int G, int
                        float *out)
 {
     struct part p = part_new(G, d);
-    uint64_t bytes = kvcap_freekv_attend(f, h, q, scale, p.p);
+    uint64_t bytes = UINT64_MAX;
+    assert_int_equal(kvcap_freekv_attend(f, h, q, scale, p.p, &bytes), KVCAP_OK);
     kvcap_partial_finish(p.p, G, d, out, (size_t)d);
     free(p.buf);
     return bytes;
@@ -570,6 +571,7 @@ struct attend_job {
     int first, kvh, G, d;
     const float *q;
     float *out; /* [kvh][G][d] */
+    int failed; /* heads whose attend did not return KVCAP_OK (checked after the join) */
 };
 
 /* Heads first, first + 2, ...: two of these run at once on one state. */
@@ -579,7 +581,8 @@ static void *attend_heads(void *arg)
     size_t qn = (size_t)j->G * j->d;
     for (int h = j->first; h < j->kvh; h += 2) {
         struct part p = part_new(j->G, j->d);
-        kvcap_freekv_attend(j->f, h, j->q + qn * h, 1.0f / sqrtf((float)j->d), p.p);
+        j->failed += kvcap_freekv_attend(j->f, h, j->q + qn * h, 1.0f / sqrtf((float)j->d),
+                                         p.p, NULL) != KVCAP_OK;
         kvcap_partial_finish(p.p, j->G, j->d, j->out + qn * h, (size_t)j->d);
         free(p.buf);
     }
@@ -619,17 +622,20 @@ static void worker_case(struct kvcap_freekv_worker *w, int kvh, int G, int d, in
         struct attend_job jobs[2];
         pthread_t th[2];
         for (int t = 0; t < 2; t++) {
-            struct attend_job j = {fs[1], t, kvh, G, d, q, out[1]};
+            struct attend_job j = {fs[1], t, kvh, G, d, q, out[1], 0};
             jobs[t] = j;
             assert_int_equal(pthread_create(&th[t], NULL, attend_heads, &jobs[t]), 0);
         }
-        for (int t = 0; t < 2; t++)
+        for (int t = 0; t < 2; t++) {
             assert_int_equal(pthread_join(th[t], NULL), 0);
+            assert_int_equal(jobs[t].failed, 0);
+        }
         for (int i = 0; i < 3; i += 2) {
-            struct attend_job j0 = {fs[i], 0, kvh, G, d, q, out[i]}, j1 = j0;
+            struct attend_job j0 = {fs[i], 0, kvh, G, d, q, out[i], 0}, j1 = j0;
             j1.first = 1;
             attend_heads(&j0);
             attend_heads(&j1);
+            assert_int_equal(j0.failed + j1.failed, 0);
         }
         for (int i = 1; i < 3; i++)
             assert_memory_equal(out[i], out[0], sizeof(float) * all);
@@ -953,9 +959,13 @@ static void test_bad_params(void **state)
     assert_int_equal(kvcap_freekv_step_done(NULL), KVCAP_ERR_INVALID_ARGUMENT);
     struct part pt = part_new(4, 64);
     float q[4 * 64] = {0};
-    assert_int_equal(kvcap_freekv_attend(f, 2, q, 1.0f, pt.p), 0);
+    uint64_t bytes = 1;
+    assert_int_equal(kvcap_freekv_attend(f, 2, q, 1.0f, pt.p, &bytes), KVCAP_ERR_INVALID_ARGUMENT);
+    assert_int_equal(bytes, 0);
     assert_non_null(strstr(kvcap_last_error(), "h out of range"));
-    assert_int_equal(kvcap_freekv_attend(f, 0, q, 1.0f, pt.p), 0); /* nothing stored */
+    bytes = 1;
+    assert_int_equal(kvcap_freekv_attend(f, 0, q, 1.0f, pt.p, &bytes), KVCAP_OK);
+    assert_int_equal(bytes, 0); /* nothing stored */
     assert_true(isinf(pt.p.mx[0]) && pt.p.sum[0] == 0);
     assert_int_equal(kvcap_freekv_selection(f, 5, NULL, 0), -1);
     kvcap_freekv_free(f);

@@ -350,7 +350,9 @@ static int run_config(struct kvcap_rng *r, int G, int d, int ps, enum kvcap_dtyp
         /* CPU: head by head */
         for (int h = 0; h < kvh; h++) {
             struct part cp = part_new(G, d);
-            kvcap_freekv_attend(P.c, h, q + (size_t)h * G * d, scale, cp.p);
+            assert_int_equal(kvcap_freekv_attend(P.c, h, q + (size_t)h * G * d, scale, cp.p,
+                                                 NULL),
+                             KVCAP_OK);
             kvcap_partial_finish(cp.p, G, d, want + (size_t)h * G * d, (size_t)d);
             free(cp.buf);
         }
