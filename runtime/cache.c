@@ -336,8 +336,10 @@ enum kvcap_status kvcap_segment_fill(struct kvcap_cache *c, struct kvcap_segment
     return KVCAP_OK;
 }
 
-enum kvcap_status kvcap_segment_compact(const struct kvcap_cache *c, struct kvcap_segment *seg,
-                                        const int *keep, int n_keep)
+/* Copies, for each head h, the rows keep[h][0..n_keep) (ascending) of seg into a new allocation
+ * of exactly n_keep rows. keep: [kv_heads][n_keep]. */
+static enum kvcap_status copy_kept(const struct kvcap_cache *c, const struct kvcap_segment *seg,
+                                   const int *keep, int n_keep, struct kvcap_kept_rows *out)
 {
     size_t d = (size_t)c->g.head_dim, H = (size_t)c->g.n_kv_heads;
     size_t es = kvcap_dtype_size(c->storage), row = d * es;
@@ -353,17 +355,32 @@ enum kvcap_status kvcap_segment_compact(const struct kvcap_cache *c, struct kvca
             memcpy(k + (h * cap + (size_t)i) * row, (const char *)seg->k + from, row);
             memcpy(v + (h * cap + (size_t)i) * row, (const char *)seg->v + from, row);
         }
-    free(seg->k), free(seg->v);
-    seg->k = k;
-    seg->v = v;
-    seg->cap = (int)cap;
-    seg->n_rows = n_keep;
+    *out = (struct kvcap_kept_rows){k, v, n_keep, (int)cap};
     return KVCAP_OK;
 }
 
-enum kvcap_status kvcap_segment_keep_top(const struct kvcap_cache *c, struct kvcap_segment *seg,
-                                         const float *score, size_t head_stride, int lo, int hi,
-                                         int budget)
+void kvcap_segment_commit(struct kvcap_segment *seg, struct kvcap_kept_rows *kept)
+{
+    free(seg->k), free(seg->v);
+    seg->k = kept->k;
+    seg->v = kept->v;
+    seg->cap = kept->cap;
+    seg->n_rows = kept->n_keep;
+    *kept = (struct kvcap_kept_rows){0};
+}
+
+void kvcap_kept_rows_free(struct kvcap_kept_rows *kept)
+{
+    if (!kept)
+        return;
+    free(kept->k), free(kept->v);
+    *kept = (struct kvcap_kept_rows){0};
+}
+
+enum kvcap_status kvcap_segment_keep_top(const struct kvcap_cache *c,
+                                         const struct kvcap_segment *seg, const float *score,
+                                         size_t head_stride, int lo, int hi, int budget,
+                                         struct kvcap_kept_rows *out)
 {
     int H = c->g.n_kv_heads, n = seg->n_rows;
     budget = budget < 0 ? 0 : (budget > hi - lo ? hi - lo : budget);
@@ -383,7 +400,7 @@ enum kvcap_status kvcap_segment_keep_top(const struct kvcap_cache *c, struct kvc
         for (int j = hi; j < n; j++)
             kh[at++] = j;
     }
-    enum kvcap_status st = kvcap_segment_compact(c, seg, keep, kept);
+    enum kvcap_status st = copy_kept(c, seg, keep, kept, out);
     free(keep);
     return st;
 }

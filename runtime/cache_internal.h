@@ -132,18 +132,29 @@ enum kvcap_status kvcap_segment_fill(struct kvcap_cache *c, struct kvcap_segment
                                      const struct kvcap_tensor_view *k,
                                      const struct kvcap_tensor_view *v, const int *tokens, int n);
 
-/* Keeps, for each head h, the rows keep[h][0..n_keep) (ascending) and frees the rest for real:
- * the rows move into a new allocation of exactly n_keep rows. keep: [kv_heads][n_keep]. */
-enum kvcap_status kvcap_segment_compact(const struct kvcap_cache *c, struct kvcap_segment *seg,
-                                        const int *keep, int n_keep);
+/* A span's rows after eviction, built aside while the span is unchanged: a cross-layer policy
+ * builds every layer's before it changes any (kvcap_segment_commit cannot fail), so a failure
+ * leaves all layers as they were and end_prefill can be repeated with the same outcome. */
+struct kvcap_kept_rows {
+    void *k, *v; /* [kv_heads][cap][head_dim], storage dtype */
+    int n_keep, cap;
+};
 
 /* Eviction by score, the step FlashCache and VL-Cache share: each head h keeps the protected
  * rows [0, lo) and [hi, n_rows), plus the `budget` rows of [lo, hi) with the largest scores
- * (score + h * head_stride, hi − lo floats, token lo first), and the rest is freed
- * (kvcap_segment_compact). budget is clamped to [0, hi − lo]. */
-enum kvcap_status kvcap_segment_keep_top(const struct kvcap_cache *c, struct kvcap_segment *seg,
-                                         const float *score, size_t head_stride, int lo, int hi,
-                                         int budget);
+ * (score + h * head_stride, hi − lo floats, token lo first), copied in token order into a new
+ * allocation of exactly the rows kept (*out); `seg` is not changed. budget is clamped to
+ * [0, hi − lo]. */
+enum kvcap_status kvcap_segment_keep_top(const struct kvcap_cache *c,
+                                         const struct kvcap_segment *seg, const float *score,
+                                         size_t head_stride, int lo, int hi, int budget,
+                                         struct kvcap_kept_rows *out);
+
+/* Replaces seg's rows by `kept` (taking ownership) and frees the evicted ones for real. */
+void kvcap_segment_commit(struct kvcap_segment *seg, struct kvcap_kept_rows *kept);
+
+/* Frees rows built by kvcap_segment_keep_top that were not committed (NULL-safe, idempotent). */
+void kvcap_kept_rows_free(struct kvcap_kept_rows *kept);
 
 /* The FreeKV state of a sequence-layer, created on first use with the config's parameters. */
 enum kvcap_status kvcap_cache_freekv(struct kvcap_cache *c, struct kvcap_seq_layer *sl,
@@ -191,7 +202,9 @@ enum kvcap_status kvcap_device_sync(struct kvcap_cache *c);
 enum kvcap_status kvcap_recorder_create(const struct kvcap_model_geometry *g, int n_seqs,
                                         const char *dir, struct kvcap_recorder **out);
 void kvcap_recorder_free(struct kvcap_recorder *r); /* writes pending spans first */
-enum kvcap_status kvcap_recorder_span(struct kvcap_recorder *r, int seq, int layer,
+/* Span number `index` of `seq` (its position among the sequence's spans, as the cache counts
+ * them) at `layer`. Refuses a grid the dataset format cannot hold (kvcap_dataset_check_grid). */
+enum kvcap_status kvcap_recorder_span(struct kvcap_recorder *r, int seq, int layer, int index,
                                       const struct kvcap_span_desc *span,
                                       const struct kvcap_tensor_view *k,
                                       const struct kvcap_tensor_view *v);
@@ -199,6 +212,10 @@ enum kvcap_status kvcap_recorder_post_queries(struct kvcap_recorder *r, int seq,
                                               const float *q, int n);
 enum kvcap_status kvcap_recorder_decode_queries(struct kvcap_recorder *r, int layer,
                                                 const float *q);
+/* The prefill of `seq` ended (kvcap_cache_end_prefill succeeded): its spans are complete and
+ * may be written. */
+void kvcap_recorder_end_prefill(struct kvcap_recorder *r, int seq);
+/* Writes the spans of every sequence whose prefill has ended; keeps the others. */
 enum kvcap_status kvcap_recorder_flush(struct kvcap_recorder *r);
 
 #endif

@@ -109,8 +109,9 @@ static enum kvcap_status flashcache_finish(struct kvcap_cache *c, int seq, int s
     double t0 = kvcap_seconds();
     double *w = malloc(sizeof(double) * (size_t)L);
     int *cap = malloc(sizeof(int) * (size_t)L), *budget = malloc(sizeof(int) * (size_t)L);
+    struct kvcap_kept_rows *kept = calloc((size_t)L, sizeof *kept);
     enum kvcap_status st = KVCAP_OK;
-    if (!w || !cap || !budget)
+    if (!w || !cap || !budget || !kept)
         st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "flashcache: out of memory");
     for (int l = 0; st == KVCAP_OK && l < L; l++) {
         const struct kvcap_segment *seg = &kvcap_cache_seq_layer(c, seq, l)->segs[span];
@@ -125,19 +126,26 @@ static enum kvcap_status flashcache_finish(struct kvcap_cache *c, int seq, int s
         st = kvcap_budget_allocate(w, cap, L, c->cfg.flashcache.min_tokens,
                                    total > 0 ? total : 0, budget);
     }
+    /* each KV head keeps sinks, its own top budget[l] tokens and the window: every layer's
+     * rows are built first, then all committed, so a failure changes no layer */
+    for (int l = 0; st == KVCAP_OK && l < L; l++) {
+        const struct kvcap_segment *seg = &kvcap_cache_seq_layer(c, seq, l)->segs[span];
+        if (seg->pending)
+            st = kvcap_segment_keep_top(c, seg, seg->score, (size_t)(hi - lo), lo, hi,
+                                        budget[l], &kept[l]);
+    }
     for (int l = 0; st == KVCAP_OK && l < L; l++) {
         struct kvcap_segment *seg = &kvcap_cache_seq_layer(c, seq, l)->segs[span];
         if (!seg->pending)
             continue;
-        /* each KV head keeps sinks, its own top budget[l] tokens and the window */
-        st = kvcap_segment_keep_top(c, seg, seg->score, (size_t)(hi - lo), lo, hi, budget[l]);
-        if (st == KVCAP_OK) {
-            free(seg->score);
-            seg->score = NULL;
-            seg->pending = 0;
-        }
+        kvcap_segment_commit(seg, &kept[l]);
+        free(seg->score);
+        seg->score = NULL;
+        seg->pending = 0;
     }
-    free(w), free(cap), free(budget);
+    for (int l = 0; kept && l < L; l++)
+        kvcap_kept_rows_free(&kept[l]);
+    free(w), free(cap), free(budget), free(kept);
     c->compress_seconds += kvcap_seconds() - t0;
     return st;
 }

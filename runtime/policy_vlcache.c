@@ -150,8 +150,9 @@ static enum kvcap_status vlcache_finish(struct kvcap_cache *c, int seq, int span
     double t0 = kvcap_seconds();
     double *gamma = malloc(sizeof(double) * (size_t)L * 2);
     int *post = malloc(sizeof(int) * (size_t)L * 2), *after = post ? post + L : NULL;
+    struct kvcap_kept_rows *kept = calloc((size_t)L, sizeof *kept);
     enum kvcap_status st = KVCAP_OK;
-    if (!gamma || !post)
+    if (!gamma || !post || !kept)
         st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "vlcache: out of memory");
     for (int l = 0; st == KVCAP_OK && l < L; l++)
         st = score_layer(c, seq, l, span, &gamma[l], &post[l], &after[l]);
@@ -160,29 +161,35 @@ static enum kvcap_status vlcache_finish(struct kvcap_cache *c, int seq, int span
         st = kvcap_vlcache_budgets(gamma, L, c->cfg.vlcache.budget, c->cfg.vlcache.min_fraction,
                                    beta);
         for (int l = 0; st == KVCAP_OK && l < L; l++) {
-            struct kvcap_segment *seg = &kvcap_cache_seq_layer(c, seq, l)->segs[span];
+            const struct kvcap_segment *seg = &kvcap_cache_seq_layer(c, seq, l)->segs[span];
             /* protected: sinks, then at the end of the span its window, the post-vision tokens
              * and the part of the prompt's recent window that reaches into the span */
             const struct kvcap_vlcache_config *vc = &c->cfg.vlcache;
-            const int kept = (int)llround(beta[l] * n);
-            const int recent = (int)ceil(vc->recent_fraction * kept - 1e-9) - after[l];
+            const int keep = (int)llround(beta[l] * n);
+            const int recent = (int)ceil(vc->recent_fraction * keep - 1e-9) - after[l];
             int sinks = vc->sinks < n ? vc->sinks : n;
             int tail = vc->window > post[l] ? vc->window : post[l];
             tail = recent > tail ? recent : tail;
             tail = tail < n - sinks ? tail : n - sinks;
-            int budget = kept - sinks - tail;
+            int budget = keep - sinks - tail;
             st = kvcap_segment_keep_top(c, seg, seg->score + sinks, (size_t)n, sinks, n - tail,
-                                        budget);
-            if (st == KVCAP_OK)
-                seg->pending = 0;
+                                        budget, &kept[l]);
         }
+    }
+    /* every layer's rows were built before any changes: all are committed, or none */
+    for (int l = 0; st == KVCAP_OK && l < L; l++) {
+        struct kvcap_segment *seg = &kvcap_cache_seq_layer(c, seq, l)->segs[span];
+        kvcap_segment_commit(seg, &kept[l]);
+        seg->pending = 0;
     }
     for (int l = 0; l < L; l++) {
         struct kvcap_segment *seg = &kvcap_cache_seq_layer(c, seq, l)->segs[span];
         free(seg->score);
         seg->score = NULL;
+        if (kept)
+            kvcap_kept_rows_free(&kept[l]);
     }
-    free(gamma), free(post);
+    free(gamma), free(post), free(kept);
     c->compress_seconds += kvcap_seconds() - t0;
     return st;
 }
