@@ -2,6 +2,7 @@
 #include <dirent.h>
 #include <libgen.h>
 #include <limits.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -23,10 +24,38 @@ static void log_to_stderr(enum kvcap_log_level level, const char *message, void 
     fprintf(stderr, "%s: %s%s\n", tool_name, tag, message);
 }
 
+/* Ctrl-C, kill, a closed terminal, a file-size limit or a closed pipe end the tool as they
+ * would without a handler, after removing the temporary files of the outputs being written (an
+ * interrupted 256 MiB shard would otherwise leave 256 MiB beside its destination). */
+static void on_fatal_signal(int sig)
+{
+    kvcap_temp_remove_all();
+    raise(sig); /* SA_RESETHAND: the default action, once this handler returns */
+}
+
+static void install_signal_cleanup(void)
+{
+    static const int sigs[] = {SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGXFSZ, SIGPIPE};
+    for (size_t i = 0; i < sizeof sigs / sizeof sigs[0]; i++) {
+        struct sigaction old;
+        if (sigaction(sigs[i], NULL, &old) == 0 && old.sa_handler == SIG_IGN)
+            continue; /* ignored by whoever started us (nohup, a shell's background job): keep */
+        struct sigaction sa;
+        memset(&sa, 0, sizeof sa);
+        sa.sa_handler = on_fatal_signal;
+        sa.sa_flags = SA_RESETHAND;
+        sigemptyset(&sa.sa_mask);
+        sigaction(sigs[i], &sa, NULL);
+    }
+}
+
 void cli_init(const char *tool, int verbose)
 {
+    static int handlers;
     tool_name = tool;
     kvcap_log_set(log_to_stderr, NULL, verbose ? KVCAP_LOG_INFO : KVCAP_LOG_WARN);
+    if (!handlers++)
+        install_signal_cleanup();
 }
 
 int cli_fail(enum kvcap_status status)

@@ -9,7 +9,9 @@
 #include "kvcap.h"
 
 /* Routes library log messages to stderr as "TOOL: warning: ...". Errors are not logged
- * here (they are printed once by cli_fail). `verbose` also shows info messages. */
+ * here (they are printed once by cli_fail). `verbose` also shows info messages. The first call
+ * also makes SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGXFSZ and SIGPIPE remove the temporary files of
+ * outputs being written before the tool ends as the signal would end it. */
 void cli_init(const char *tool, int verbose);
 
 /* Prints "TOOL: error: <kvcap_last_error() or status text>" to stderr; returns exit code 1. */

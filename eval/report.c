@@ -2756,10 +2756,17 @@ enum kvcap_status kvcap_report_write(const char *metrics_path, const char *html_
     if (st == KVCAP_OK && (html.failed || csv.failed))
         st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "%s: out of memory rendering the report",
                         metrics_path);
-    if (st == KVCAP_OK && csv_path)
-        st = kvcap_write_file_atomic(csv_path, csv.p ? csv.p : "", csv.len);
-    if (st == KVCAP_OK && html_path)
-        st = kvcap_write_file_atomic(html_path, html.p ? html.p : "", html.len);
+    /* both or neither: a report whose CSV was replaced while its HTML was not is two runs' */
+    const char *paths[2];
+    const void *data[2];
+    size_t lens[2];
+    int n = 0;
+    if (csv_path)
+        paths[n] = csv_path, data[n] = csv.p ? csv.p : "", lens[n++] = csv.len;
+    if (html_path)
+        paths[n] = html_path, data[n] = html.p ? html.p : "", lens[n++] = html.len;
+    if (st == KVCAP_OK)
+        st = kvcap_write_files_atomic(n, paths, data, lens);
     free(html.p);
     free(csv.p);
     report_free(&r);

@@ -1054,7 +1054,7 @@ enum kvcap_status kvst_writer_commit(struct kvst_writer *w, const char *path)
     uint64_t *begin = malloc((w->n ? w->n : 1) * sizeof *begin);
     struct sbuf hb = {0};
     char *tmp = NULL;
-    int fd = -1;
+    int fd = -1, slot = -1;
     enum kvcap_status st = KVCAP_OK;
     if (!order || !begin) {
         st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "%s: out of memory laying out %zu tensors",
@@ -1147,6 +1147,7 @@ enum kvcap_status kvst_writer_commit(struct kvst_writer *w, const char *path)
         tmp = NULL; /* nothing to remove */
         goto out;
     }
+    slot = kvcap_temp_register(tmp); /* removed by a tool's signal handler if one comes */
     const char *what = "write";
     if (write_all(fd, hb.p, hb.len) != 0)
         goto io_fail;
@@ -1166,6 +1167,7 @@ enum kvcap_status kvst_writer_commit(struct kvst_writer *w, const char *path)
     what = "rename";
     if (rename(tmp, path) != 0)
         goto io_fail;
+    kvcap_temp_unregister(slot);
     free(tmp);
     tmp = NULL; /* renamed: it is the file now */
     if (kvcap_fsync_parent(path) != 0) {
@@ -1183,6 +1185,7 @@ out:
         close(fd);
     if (tmp) {
         unlink(tmp);
+        kvcap_temp_unregister(slot);
         free(tmp);
     }
     free(hb.p);

@@ -283,20 +283,79 @@ int kvcap_fsync_parent(const char *path)
     return rc;
 }
 
-enum kvcap_status kvcap_write_file_atomic(const char *path, const void *data, size_t len)
+/* ---- Temporary files in progress ------------------------------------------------------------
+ * A fixed table, so that a signal handler can walk it: a slot is claimed (FREE -> CLAIMED) by
+ * compare-and-swap, its path copied, then published (LIVE); kvcap_temp_remove_all reads LIVE
+ * slots only. Lock-free atomics and unlink are async-signal-safe. */
+enum { TEMP_SLOTS = 64, TEMP_FREE = 0, TEMP_CLAIMED = 1, TEMP_LIVE = 2 };
+static struct {
+    atomic_int state;
+    char path[4096];
+} temps[TEMP_SLOTS];
+
+int kvcap_temp_register(const char *path)
 {
-    KVCAP_TRY(kvcap_check_replaceable(path));
+    size_t n = strlen(path);
+    if (n >= sizeof temps[0].path)
+        return -1;
+    for (int i = 0; i < TEMP_SLOTS; i++) {
+        int expected = TEMP_FREE;
+        if (atomic_compare_exchange_strong(&temps[i].state, &expected, TEMP_CLAIMED)) {
+            memcpy(temps[i].path, path, n + 1);
+            atomic_store(&temps[i].state, TEMP_LIVE);
+            return i;
+        }
+    }
+    return -1;
+}
+
+void kvcap_temp_unregister(int slot)
+{
+    if (slot >= 0 && slot < TEMP_SLOTS)
+        atomic_store(&temps[slot].state, TEMP_FREE);
+}
+
+void kvcap_temp_remove_all(void)
+{
+    for (int i = 0; i < TEMP_SLOTS; i++)
+        if (atomic_load(&temps[i].state) == TEMP_LIVE)
+            unlink(temps[i].path);
+}
+
+/* One output of kvcap_write_files_atomic on its way: PATH.tmp-XXXXXX written and synced. */
+struct pending_file {
+    char *tmp;
+    int slot; /* in the temporary-file table, -1 when it could not be entered */
+};
+
+static void pending_drop(struct pending_file *f)
+{
+    if (!f->tmp)
+        return;
+    unlink(f->tmp);
+    kvcap_temp_unregister(f->slot);
+    free(f->tmp);
+    f->tmp = NULL;
+}
+
+/* Writes data to a new temporary file beside `path` and syncs it; on failure nothing is left. */
+static enum kvcap_status pending_write(const char *path, const void *data, size_t len,
+                                       struct pending_file *f)
+{
     size_t n = strlen(path) + sizeof ".tmp-XXXXXX";
-    char *tmp = malloc(n);
-    KVCAP_RETURN_IF(!tmp, KVCAP_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
-    snprintf(tmp, n, "%s.tmp-XXXXXX", path);
-    int fd = mkstemp(tmp);
+    f->tmp = malloc(n);
+    f->slot = -1;
+    KVCAP_RETURN_IF(!f->tmp, KVCAP_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
+    snprintf(f->tmp, n, "%s.tmp-XXXXXX", path);
+    int fd = mkstemp(f->tmp);
     if (fd < 0) {
         enum kvcap_status st = kvcap_fail(KVCAP_ERR_IO, "%s: cannot create a temporary file: %s",
                                           path, strerror(errno));
-        free(tmp);
+        free(f->tmp);
+        f->tmp = NULL;
         return st;
     }
+    f->slot = kvcap_temp_register(f->tmp);
     /* mkstemp makes the file private; outputs are for sharing. */
     const char *what = "fchmod";
     if (fchmod(fd, 0644) != 0)
@@ -321,23 +380,52 @@ enum kvcap_status kvcap_write_file_atomic(const char *path, const void *data, si
     fd = -1;
     if (rc != 0)
         goto fail;
-    what = "rename";
-    if (rename(tmp, path) != 0)
-        goto fail;
-    free(tmp);
-    if (kvcap_fsync_parent(path) != 0)
-        return kvcap_fail(KVCAP_ERR_IO, "%s: written, but fsync of its directory failed: %s",
-                          path, strerror(errno));
     return KVCAP_OK;
 fail:;
     int e = errno;
     if (fd >= 0)
         close(fd);
-    unlink(tmp);
     enum kvcap_status st = kvcap_fail(KVCAP_ERR_IO, "%s: %s of temporary file %s failed: %s",
-                                      path, what, tmp, strerror(e));
-    free(tmp);
+                                      path, what, f->tmp, strerror(e));
+    pending_drop(f);
     return st;
+}
+
+enum kvcap_status kvcap_write_files_atomic(int n, const char *const *paths,
+                                           const void *const *data, const size_t *lens)
+{
+    KVCAP_RETURN_IF(n < 0 || n > 8, KVCAP_ERR_INVALID_ARGUMENT,
+                    "write_files_atomic: %d files (0..8)", n);
+    for (int i = 0; i < n; i++)
+        KVCAP_TRY(kvcap_check_replaceable(paths[i]));
+    struct pending_file f[8] = {{0}};
+    enum kvcap_status st = KVCAP_OK;
+    for (int i = 0; st == KVCAP_OK && i < n; i++)
+        st = pending_write(paths[i], data[i], lens[i], &f[i]);
+    /* every file is written and synced: only renames remain, which fail for reasons (a folder
+     * replaced meanwhile, a read-only remount) the files before would have hit too */
+    for (int i = 0; st == KVCAP_OK && i < n; i++) {
+        if (rename(f[i].tmp, paths[i]) != 0) {
+            st = kvcap_fail(KVCAP_ERR_IO, "%s: rename of temporary file %s failed: %s%s",
+                            paths[i], f[i].tmp, strerror(errno),
+                            i > 0 ? " (the outputs before it were written)" : "");
+            break;
+        }
+        kvcap_temp_unregister(f[i].slot);
+        free(f[i].tmp);
+        f[i].tmp = NULL;
+        if (kvcap_fsync_parent(paths[i]) != 0)
+            st = kvcap_fail(KVCAP_ERR_IO, "%s: written, but fsync of its directory failed: %s",
+                            paths[i], strerror(errno));
+    }
+    for (int i = 0; i < n; i++)
+        pending_drop(&f[i]);
+    return st;
+}
+
+enum kvcap_status kvcap_write_file_atomic(const char *path, const void *data, size_t len)
+{
+    return kvcap_write_files_atomic(1, &path, &data, &len);
 }
 
 size_t kvcap_utf8_seq_len(const unsigned char *s, size_t n)

@@ -64,6 +64,20 @@ int kvcap_fsync_parent(const char *path);
  * and `path` is untouched. */
 enum kvcap_status kvcap_write_file_atomic(const char *path, const void *data, size_t len);
 
+/* kvcap_write_file_atomic for n (<= 8) outputs that belong together (a report's HTML and CSV):
+ * every destination is checked and every temporary file written and synced before the first
+ * rename, so a failure to write any of them leaves all n destinations untouched. */
+enum kvcap_status kvcap_write_files_atomic(int n, const char *const *paths,
+                                           const void *const *data, const size_t *lens);
+
+/* Temporary files being written, for the tools' signal handlers: the writers enter each one
+ * (kvcap_temp_register returns its slot, -1 when the table of 64 is full: then it is not
+ * removed on a signal) and take it out once renamed or removed. kvcap_temp_remove_all unlinks
+ * every one entered and is async-signal-safe; the library never installs a handler itself. */
+int kvcap_temp_register(const char *path);
+void kvcap_temp_unregister(int slot);
+void kvcap_temp_remove_all(void);
+
 /* Reads the whole file `path` into a heap buffer with a NUL after its *len bytes. Open and
  * read failures are KVCAP_ERR_IO; a file of more than max_bytes fails with `too_big` and
  * "PATH: larger than MAX bytes<too_big_suffix>". */

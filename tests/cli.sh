@@ -109,6 +109,16 @@ report="$bin/kvcap-report"
 expect report_same_in 2 "--html $work/./metrics.json is the same file as the input" "$report" "$work/metrics.json" --html "$work/./metrics.json"
 expect report_same_out 2 "name the same file" "$report" "$work/metrics.json" --html "$work/r.html" --csv "$work/./r.html"
 cmp -s "$data/eval/metrics-sample.json" "$work/metrics.json" || fail "a refused report changed its input"
+# outputs that belong together: the HTML cannot be written, so the CSV is not written either
+expect report_half 1 "$work/no/such/dir/r.html" "$report" "$work/metrics.json" --csv "$work/half.csv" --html "$work/no/such/dir/r.html"
+[ -e "$work/half.csv" ] && fail "a report that failed on its HTML wrote its CSV"
+# A signal in the middle of a write (here a file-size limit, SIGXFSZ, as deterministic as a
+# Ctrl-C at that write) ends the tool as it would, without leaving the temporary file.
+mkdir -p "$work/limited"
+(ulimit -f 2048 && exec "$synth" --out "$work/limited" --spans 6 --grid 16x16 --seed 5) >"$work/xfsz.out" 2>&1
+rc=$?
+[ "$rc" -gt 128 ] || fail "xfsz: exit $rc, expected the death by SIGXFSZ ($(head -c 300 "$work/xfsz.out"))"
+[ -z "$(ls -A "$work/limited")" ] || fail "an interrupted write left $(ls -A "$work/limited")"
 expect conv_bad_sched 2 "--keys: 'pyramid:0.5'" "$convert" "$work/s.kvcs" --out "$work/b.kvcap" --keys pyramid:0.5
 expect conv_missing 1 "no_such.kvcs" "$convert" "$work/no_such.kvcs" --out "$work/b.kvcap"
 expect conv_wrong_kind 1 "kvcap.kind: 'artifact', expected 'calib'" "$convert" "$work/a.kvcap" --out "$work/b.kvcap"

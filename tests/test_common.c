@@ -8,6 +8,8 @@
 #include <stddef.h>
 #include <stdio.h>
 #include <string.h>
+#include <stdlib.h>
+#include <unistd.h>
 
 #include <cmocka.h>
 
@@ -248,6 +250,38 @@ static void test_pool_runs_each_task_once(void **state)
     assert_int_equal(kvcap_pool_create(0, &pool), KVCAP_ERR_INVALID_ARGUMENT);
 }
 
+/* The table the tools' signal handlers empty: entered files are removed, files taken out are
+ * not, and a full table says so instead of dropping an entry silently. */
+static void test_temp_files(void **state)
+{
+    (void)state;
+    const char *dir = getenv("TMPDIR");
+    char a[512], b[512];
+    snprintf(a, sizeof a, "%s/temp-a-%d", dir && *dir ? dir : "/tmp", (int)getpid());
+    snprintf(b, sizeof b, "%s/temp-b-%d", dir && *dir ? dir : "/tmp", (int)getpid());
+    FILE *f = fopen(a, "w");
+    assert_non_null(f);
+    fclose(f);
+    assert_non_null(f = fopen(b, "w"));
+    fclose(f);
+    int sa = kvcap_temp_register(a), sb = kvcap_temp_register(b);
+    assert_true(sa >= 0 && sb >= 0 && sa != sb);
+    kvcap_temp_unregister(sb); /* renamed into place: no longer temporary */
+    kvcap_temp_remove_all();
+    assert_int_equal(access(a, F_OK), -1);
+    assert_int_equal(access(b, F_OK), 0);
+    kvcap_temp_unregister(sa);
+    unlink(b);
+    int slots[65], n = 0;
+    while (n < 65 && (slots[n] = kvcap_temp_register("/nonexistent/x")) >= 0)
+        n++;
+    assert_int_equal(n, 64);
+    while (n > 0)
+        kvcap_temp_unregister(slots[--n]);
+    assert_true((slots[0] = kvcap_temp_register("/nonexistent/x")) >= 0);
+    kvcap_temp_unregister(slots[0]);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -259,6 +293,7 @@ int main(void)
         cmocka_unit_test(test_bucket_validate),
         cmocka_unit_test(test_names_round_trip),
         cmocka_unit_test(test_pool_runs_each_task_once),
+        cmocka_unit_test(test_temp_files),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

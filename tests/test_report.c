@@ -959,6 +959,11 @@ static void test_unwritable_output(void **state)
     assert_error_names(path, "temporary file");
     assert_int_equal(dir_entries(d.out), 0);
 
+    /* Outputs that belong together: the HTML cannot be written, so the CSV is not either. */
+    assert_int_equal(kvcap_report_write(SAMPLE, path, d.csv), KVCAP_ERR_IO);
+    assert_error_names(path, "temporary file");
+    assert_int_equal(dir_entries(d.out), 0);
+
     /* A folder (or device, FIFO) is never replaced: refused before a temporary file exists. */
     snprintf(sub, sizeof sub, "%s/report.html", d.out);
     assert_int_equal(mkdir(sub, 0755), 0);
