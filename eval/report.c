@@ -2294,19 +2294,70 @@ static void shade_color(int k, int heads, char out[8])
     snprintf(out, 8, "#%02x%02x%02x", c[0], c[1], c[2]);
 }
 
+/* A panel draws at most this many columns (one pixel each at the narrowest) and rows: longer
+ * spans and deeper models are binned, each cell showing the mean over its tokens and layers, so
+ * the work and the page stay bounded whatever the metrics file says (rendering is
+ * O(layers · tokens) once, plus O(columns · rows)). */
+enum { MASK_MAX_COLUMNS = 1192, MASK_MAX_ROWS = 160, MASK_MAX_SHADES = 32 };
+
+/* Shade level of a cell whose tokens are kept by `mean` heads on average (of `heads`), in
+ * 0 (no head keeps any of its tokens) .. levels. With one token per cell and at most
+ * MASK_MAX_SHADES heads the level is the count itself. */
+static int mask_level(double mean, int heads, int levels)
+{
+    if (mean <= 0)
+        return 0;
+    int k = (int)lround(mean / heads * levels);
+    return k < 1 ? 1 : k > levels ? levels : k;
+}
+
 static void render_mask(struct buf *b, const struct report *r, const struct mask *m)
 {
-    const double W = 1256, lm = 64, top = 40, rh = 7;
+    const double W = 1256, lm = 64, top = 40;
     int n = m->n_tokens, L = r->n_layers;
-    double cw = fmin(8, (W - lm - 20) / n);
+    int cols = n < MASK_MAX_COLUMNS ? n : MASK_MAX_COLUMNS;
+    int rows = L < MASK_MAX_ROWS ? L : MASK_MAX_ROWS;
+    int levels = m->heads < MASK_MAX_SHADES ? m->heads : MASK_MAX_SHADES;
+    double rh = rows == L ? 7 : fmax(2, 7.0 * MASK_MAX_ROWS / 2 / rows);
+    double cw = fmin(8, (W - lm - 20) / cols);
     if (cw >= 1)
         cw = floor(cw * 4) / 4; /* whole quarter pixels keep the columns crisp */
-    double gw = cw * n, gh = rh * L;
+    double gw = cw * cols, gh = rh * rows;
     double H = top + gh + 62;
     double kept = 0;
     for (size_t i = 0; i < (size_t)L * (size_t)n; i++)
         kept += m->count[i];
     double per_head = kept / ((double)L * m->heads);
+
+    /* the cells: mean count over the tokens [c·n/cols, (c+1)·n/cols) of layers
+     * [y·L/rows, (y+1)·L/rows); one pass over the counts */
+    unsigned char *level = malloc((size_t)rows * cols);
+    double *sum = calloc((size_t)cols, sizeof *sum);
+    if (!level || !sum) {
+        free(level), free(sum);
+        b->failed = 1;
+        return;
+    }
+    for (int y = 0; y < rows; y++) {
+        int l0 = (int)((int64_t)y * L / rows), l1 = (int)((int64_t)(y + 1) * L / rows);
+        for (int c = 0; c < cols; c++)
+            sum[c] = 0;
+        for (int l = l0; l < l1; l++) {
+            const uint16_t *row = m->count + (size_t)l * (size_t)n;
+            for (int c = 0; c < cols; c++) {
+                int t0 = (int)((int64_t)c * n / cols), t1 = (int)((int64_t)(c + 1) * n / cols);
+                for (int t = t0; t < t1; t++)
+                    sum[c] += row[t];
+            }
+        }
+        for (int c = 0; c < cols; c++) {
+            int t0 = (int)((int64_t)c * n / cols), t1 = (int)((int64_t)(c + 1) * n / cols);
+            double cells = (double)(t1 - t0) * (l1 - l0);
+            level[(size_t)y * cols + c] = (unsigned char)mask_level(sum[c] / cells, m->heads,
+                                                                    levels);
+        }
+    }
+    free(sum);
 
     bputs(b, "<figure class=\"mask-panel\">\n<h3>");
     besc(b, m->bucket);
@@ -2321,44 +2372,50 @@ static void render_mask(struct buf *b, const struct report *r, const struct mask
     bprintf(b, "<text class=\"alabel\" x=\"%.1f\" y=\"14\" text-anchor=\"middle\">token index"
                "</text>\n",
             lm + gw / 2);
+    double tw = gw / n; /* width of one token */
     int step = 1;
-    while (n / step > 16 || step * cw < 28)
+    while (n / step > 16 || step * tw < 28)
         step *= 2;
     for (int t = 0; t <= n; t += step)
         bprintf(b, "<line class=\"grid\" x1=\"%.1f\" x2=\"%.1f\" y1=\"%.1f\" y2=\"%.1f\"/>"
                    "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%d</text>",
-                lm + t * cw, lm + t * cw, top - 4, top + gh, lm + t * cw, top - 8, t);
+                lm + t * tw, lm + t * tw, top - 4, top + gh, lm + t * tw, top - 8, t);
     bprintf(b, "\n<text class=\"alabel\" transform=\"translate(14 %.1f) rotate(-90)\" "
                "text-anchor=\"middle\">layer</text>\n",
             top + gh / 2);
-    for (int l = 0; l < L; l += 5)
+    int lstep = 5;
+    while (L / lstep > 32)
+        lstep *= 2;
+    for (int l = 0; l < L; l += lstep)
         bprintf(b, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\" text-anchor=\"end\">%d</text>",
-                lm - 6, top + (l + 0.5) * rh + 4, l);
+                lm - 6, top + ((double)l / L * rows + 0.5) * rh + 4, l);
     bprintf(b, "\n<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"#fff\" "
                "stroke=\"#9aa3b0\" stroke-width=\"0.8\"/>\n",
             lm, top, gw, gh);
-    /* One path per shade; a run of equal shades along a layer is one rectangle. */
-    for (int k = 1; k <= m->heads; k++) {
+    /* One path per shade; a run of equal shades along a row is one rectangle. */
+    double gap = rh > 3 ? 1 : 0;
+    for (int k = 1; k <= levels; k++) {
         char col[8];
-        shade_color(k, m->heads, col);
+        shade_color(k, levels, col);
         bprintf(b, "<path fill=\"%s\" d=\"", col);
-        for (int l = 0; l < L; l++) {
-            const uint16_t *row = m->count + (size_t)l * (size_t)n;
-            for (int t = 0; t < n;) {
-                if (row[t] != k) {
-                    t++;
+        for (int y = 0; y < rows; y++) {
+            const unsigned char *row = level + (size_t)y * cols;
+            for (int c = 0; c < cols;) {
+                if (row[c] != k) {
+                    c++;
                     continue;
                 }
-                int e = t;
-                while (e < n && row[e] == k)
+                int e = c;
+                while (e < cols && row[e] == k)
                     e++;
-                bprintf(b, "M%.2f %.1fh%.2fv%.1fh%.2fz", lm + t * cw, top + l * rh, (e - t) * cw,
-                        rh - 1, -(e - t) * cw);
-                t = e;
+                bprintf(b, "M%.2f %.1fh%.2fv%.1fh%.2fz", lm + c * cw, top + y * rh, (e - c) * cw,
+                        rh - gap, -(e - c) * cw);
+                c = e;
             }
         }
         bputs(b, "\"/>\n");
     }
+    free(level);
     /* Shade key below the grid. */
     double kx = lm, ky = top + gh + 22;
     bprintf(b, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\">kept by:</text>", kx, ky + 11);
@@ -2370,14 +2427,19 @@ static void render_mask(struct buf *b, const struct report *r, const struct mask
         if (k == 0)
             snprintf(col, sizeof col, "#ffffff");
         else
-            shade_color(k, m->heads, col);
+            shade_color(mask_level(k, m->heads, levels), levels, col);
         bprintf(b, "<rect x=\"%.1f\" y=\"%.1f\" width=\"16\" height=\"14\" fill=\"%s\" "
                    "stroke=\"#9aa3b0\" stroke-width=\"0.8\"/><text class=\"tick\" x=\"%.1f\" "
                    "y=\"%.1f\">%d of %d head%s</text>",
                 kx, ky, col, kx + 22, ky + 11, k, m->heads,
                 m->heads == 1 ? "" : "s");
-        kx += 130;
+        kx += m->heads < 100 ? 130 : 170; /* room for "4096 of 4096 heads" */
     }
+    if (cols < n || rows < L)
+        bprintf(b, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\">each cell: the mean over about "
+                   "%.0f token%s &times; %.0f layer%s</text>",
+                kx + 8, ky + 11, (double)n / cols, cols < n ? "s" : "", (double)L / rows,
+                rows < L ? "s" : "");
     bprintf(b, "\n</svg>\n<figcaption>Rows are layers, columns the %d token positions of the "
                "bucket in order (row-major over the grid); the shade is the fraction of the %d "
                "KV heads whose learned key mask keeps that token &mdash; white: dropped by every "

@@ -944,6 +944,54 @@ static void test_bad_arguments(void **state)
     dirs_remove(&d);
 }
 
+/* ---- Cost of hostile inputs ------------------------------------------------------------------ */
+
+/* A metrics file within every bound whose mask panel is as large as they allow (4096 heads and
+ * 2^20 tokens on 30 layers: 0.4 MB of JSON) renders in one pass over its cells: the drawing is
+ * binned to the panel's pixels and 32 shades, so the page stays small. Drawn cell by cell and
+ * shade by shade it took hours (heads x layers x tokens) and a page of gigabytes. */
+static void test_bounded_rendering(void **state)
+{
+    (void)state;
+    enum { LAYERS = 30, HEADS = 4096, TOKENS = 1 << 20 }; /* the sample's 30 layers */
+    cJSON *doc = load_sample();
+    cJSON_ReplaceItemInObject(cJSON_GetObjectItem(doc, "model"), "layers",
+                              cJSON_CreateNumber(LAYERS));
+    cJSON *mask = cJSON_CreateObject(), *kept = cJSON_CreateArray();
+    cJSON_AddStringToObject(mask, "bucket", "1x1048576 dense");
+    cJSON_AddNumberToObject(mask, "n_tokens", TOKENS);
+    cJSON_AddNumberToObject(mask, "heads", HEADS);
+    for (int l = 0; l < LAYERS; l++) {
+        cJSON *layer = cJSON_CreateArray();
+        for (int h = 0; h < HEADS; h++) {
+            cJSON *head = cJSON_CreateArray();
+            if (l % 8 == 0)
+                cJSON_AddItemToArray(head, cJSON_CreateNumber((double)h * (TOKENS / HEADS)));
+            cJSON_AddItemToArray(layer, head);
+        }
+        cJSON_AddItemToArray(kept, layer);
+    }
+    cJSON_AddItemToObject(mask, "kept", kept);
+    cJSON *masks = cJSON_CreateArray();
+    cJSON_AddItemToArray(masks, mask);
+    cJSON_ReplaceItemInObject(doc, "masks", masks);
+    struct dirs d;
+    dirs_make(&d);
+    char *text = cJSON_PrintUnformatted(doc);
+    assert_non_null(text);
+    write_text(d.metrics, text);
+    cJSON_free(text);
+    cJSON_Delete(doc);
+    if (kvcap_report_write(d.metrics, d.html, NULL) != KVCAP_OK)
+        fail_msg("%s", kvcap_last_error());
+    char *html = slurp(d.html);
+    assert_non_null(html);
+    assert_true(strlen(html) < 8u << 20);
+    assert_non_null(strstr(html, "each cell: the mean over about 880 tokens &times; 1 layer"));
+    free(html);
+    dirs_remove(&d);
+}
+
 /* ---- Write failures ------------------------------------------------------------------------- */
 
 static void test_unwritable_output(void **state)
@@ -1009,6 +1057,7 @@ int main(void)
         cmocka_unit_test(test_html_escaping),     cmocka_unit_test(test_malformed_inputs),
         cmocka_unit_test(test_missing_input),     cmocka_unit_test(test_bad_arguments),
         cmocka_unit_test(test_unwritable_output),
+        cmocka_unit_test(test_bounded_rendering),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
