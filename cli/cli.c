@@ -223,3 +223,52 @@ int cli_check_outputs(const struct cli_path *outputs, int n_out, const struct cl
     }
     return 0;
 }
+
+int cli_check_output_dir(const char *option, const char *dir, const struct cli_path *inputs,
+                         int n_in)
+{
+    struct stat sd;
+    if (!dir || stat(dir, &sd) != 0)
+        return 0; /* made by the tool: it holds no input */
+    if (!S_ISDIR(sd.st_mode))
+        return cli_usage_error("%s %s exists and is not a folder", option, dir);
+    for (int j = 0; j < n_in; j++) {
+        struct stat si;
+        if (!inputs[j].path || stat(inputs[j].path, &si) != 0)
+            continue;
+        if (S_ISDIR(si.st_mode) && same_inode(&sd, &si))
+            return cli_usage_error("%s %s is the input folder %s %s: refusing to write into it",
+                                   option, dir, inputs[j].option, inputs[j].path);
+        if (S_ISREG(si.st_mode) && output_is_input(&si, dir) == 2)
+            return cli_usage_error("the input %s %s is a file inside the output folder %s %s: "
+                                   "refusing to write beside it",
+                                   inputs[j].option, inputs[j].path, option, dir);
+    }
+    return 0;
+}
+
+int cli_check_inputs(const struct cli_path *inputs, int n)
+{
+    for (int i = 0; i < n; i++) {
+        struct stat si;
+        if (!inputs[i].path || stat(inputs[i].path, &si) != 0)
+            continue; /* a missing input is named by the tool when it opens it */
+        for (int j = 0; j < n; j++) {
+            struct stat sj;
+            if (j == i || !inputs[j].path || stat(inputs[j].path, &sj) != 0)
+                continue;
+            if (j < i && same_inode(&si, &sj))
+                return cli_usage_error("%s %s and %s %s name the same %s: it would be read "
+                                       "twice and its statistics counted twice",
+                                       inputs[j].option, inputs[j].path, inputs[i].option,
+                                       inputs[i].path, S_ISDIR(si.st_mode) ? "folder" : "file");
+            if (S_ISREG(si.st_mode) && S_ISDIR(sj.st_mode) &&
+                output_is_input(&si, inputs[j].path) == 2)
+                return cli_usage_error("%s %s is a file inside %s %s: it would be read twice and "
+                                       "its statistics counted twice",
+                                       inputs[i].option, inputs[i].path, inputs[j].option,
+                                       inputs[j].path);
+        }
+    }
+    return 0;
+}

@@ -50,6 +50,18 @@ struct cli_path {
 int cli_check_outputs(const struct cli_path *outputs, int n_out, const struct cli_path *inputs,
                       int n_in);
 
+/* cli_check_outputs for a tool that writes files of its own naming into the folder `dir`
+ * (created when missing): refuses a `dir` that exists and is not a folder, is an input folder,
+ * or holds an input file directly. Prints a usage error naming both and returns 2, else 0. */
+int cli_check_output_dir(const char *option, const char *dir, const struct cli_path *inputs,
+                         int n_in);
+
+/* Refuses, before any work, inputs whose statistics would be added twice: two naming the same
+ * file or folder (device and inode, as above), or a file directly inside a folder also given.
+ * Prints a usage error naming both and returns 2; 0 when every input is distinct. Inputs that
+ * do not exist are left to the tool to name when it opens them. */
+int cli_check_inputs(const struct cli_path *inputs, int n);
+
 /* The same as a library progress callback (user = struct cli_progress *); never stops. */
 int cli_progress_callback(int64_t done, int64_t total, void *user);
 

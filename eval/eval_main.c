@@ -21,6 +21,7 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#include <sys/stat.h>
 
 #include <cjson/cJSON.h>
 
@@ -1689,11 +1690,39 @@ static int cmd_run(const struct options *o, int argc, char **argv)
     return 0;
 }
 
+/* Refuses, before any work, an --out whose files would replace an input: `run` writes
+ * metrics.json, report.html and metrics.csv there (artifacts may lie beside them), `record`
+ * writes its shards into the folder, which must hold no input. */
+static int check_outputs(const struct options *o)
+{
+    struct cli_path in[2 + MAX_ARTIFACTS];
+    int n = 0;
+    in[n++] = (struct cli_path){"--model", o->model};
+    in[n++] = (struct cli_path){"--corpus", o->corpus};
+    for (int i = 0; i < o->n_artifacts; i++)
+        in[n++] = (struct cli_path){"--kvcapsule", o->artifacts[i].path};
+    if (o->record)
+        return cli_check_output_dir("--out", o->out, in, n);
+    struct stat so;
+    if (stat(o->out, &so) == 0 && !S_ISDIR(so.st_mode))
+        return cli_usage_error("--out %s exists and is not a folder", o->out);
+    static const char *const names[3] = {"metrics.json", "report.html", "metrics.csv"};
+    char paths[3][4200];
+    struct cli_path out[3];
+    for (int i = 0; i < 3; i++) {
+        snprintf(paths[i], sizeof paths[i], "%s/%s", o->out, names[i]);
+        out[i] = (struct cli_path){"--out", paths[i]};
+    }
+    return cli_check_outputs(out, 3, in, n);
+}
+
 int main(int argc, char **argv)
 {
     struct options o;
     cli_init("kvcap-eval", 0); /* first: usage errors name the tool */
     int rc = parse_options(argc, argv, &o);
+    if (rc == 0)
+        rc = check_outputs(&o);
     if (rc)
         return rc;
     return o.record ? cmd_record(&o) : cmd_run(&o, argc, argv);

@@ -23,6 +23,20 @@ eval_bin="$bin/kvcap-eval"
 [ "$rc" -eq 2 ] && grep -q "VARIANT:RETENTION:FILE" "$work/badart.out" || fail "bad --kvcapsule: exit $rc"
 "$eval_bin" record --out "$work/x" --model "$work/missing.gguf" >"$work/nomodel.out" 2>&1; rc=$?
 [ "$rc" -eq 1 ] && grep -q "missing.gguf" "$work/nomodel.out" || fail "missing model: exit $rc"
+# --out must not replace or mix with an input: an input folder, a folder holding the model for
+# record's shards, a file where a folder is needed, metrics.json that is an artifact
+mkdir -p "$work/in" && : >"$work/in/m.gguf" && : >"$work/in/metrics.json"
+"$eval_bin" record --out "$work/in" --model "$work/in/m.gguf" >"$work/outin.out" 2>&1; rc=$?
+[ "$rc" -eq 2 ] && grep -q "input --model $work/in/m.gguf is a file inside the output folder --out" "$work/outin.out" ||
+  fail "record into the model's folder: exit $rc ($(cat "$work/outin.out"))"
+"$eval_bin" record --out "$work/in" --corpus "$work/./in" >"$work/outcorpus.out" 2>&1; rc=$?
+[ "$rc" -eq 2 ] && grep -q "is the input folder --corpus" "$work/outcorpus.out" ||
+  fail "record into the corpus: exit $rc ($(cat "$work/outcorpus.out"))"
+"$eval_bin" run --out "$work/in/m.gguf" >"$work/outfile.out" 2>&1; rc=$?
+[ "$rc" -eq 2 ] && grep -q "exists and is not a folder" "$work/outfile.out" || fail "--out a file: exit $rc"
+"$eval_bin" run --out "$work/in" --kvcapsule "t:0.4:$work/in/metrics.json" >"$work/outart.out" 2>&1; rc=$?
+[ "$rc" -eq 2 ] && grep -q "is the same file as the input --kvcapsule" "$work/outart.out" ||
+  fail "run over its artifact: exit $rc ($(cat "$work/outart.out"))"
 
 model="${KVCAP_SMOLLM2_GGUF:-$HOME/.cache/kvcap/models/SmolLM2-135M-Instruct.Q4_1.gguf}"
 if [ ! -f "$model" ]; then
