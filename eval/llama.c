@@ -353,8 +353,24 @@ static void causal_attention(const struct kvllama_hparams *hp, const float *q, c
 enum kvcap_status kvllama_prefill(const struct kvllama_model *m, const int32_t *ids, int n,
                                   struct kvllama_prefill_out *out)
 {
+    return kvllama_prefill_embd(m, ids, n, NULL, out);
+}
+
+const float *kvllama_token_embeddings(const struct kvllama_model *m)
+{
+    return m ? m->tok_embd : NULL;
+}
+
+enum kvcap_status kvllama_prefill_embd(const struct kvllama_model *m, const int32_t *ids, int n,
+                                       const struct kvllama_embd_span *span,
+                                       struct kvllama_prefill_out *out)
+{
     KVCAP_RETURN_IF(!m || !ids || !out || n < 1, KVCAP_ERR_INVALID_ARGUMENT,
                     "kvllama_prefill: NULL argument or n < 1");
+    KVCAP_RETURN_IF(span && (!span->embd || span->at < 0 || span->n < 1 || span->at > n - span->n),
+                    KVCAP_ERR_INVALID_ARGUMENT,
+                    "kvllama_prefill: embedding span [%d, %d) not inside the %d tokens",
+                    span->at, span->at + span->n, n);
     const struct kvllama_hparams *hp = &m->hp;
     KVCAP_RETURN_IF(n > hp->n_ctx, KVCAP_ERR_INVALID_ARGUMENT,
                     "kvllama_prefill: %d tokens exceed the context length %d", n, hp->n_ctx);
@@ -364,7 +380,9 @@ enum kvcap_status kvllama_prefill(const struct kvllama_model *m, const int32_t *
     KVCAP_RETURN_IF(out->logits && (out->n_logits < 1 || out->n_logits > n),
                     KVCAP_ERR_INVALID_ARGUMENT, "kvllama_prefill: n_logits %d not in [1, %d]",
                     out->n_logits, n);
-    KVCAP_TRY(check_ids(m, ids, n));
+    KVCAP_TRY(check_ids(m, ids, span ? span->at : n));
+    if (span)
+        KVCAP_TRY(check_ids(m, ids + span->at + span->n, n - span->at - span->n));
     const int E = hp->n_embd, F = hp->n_ff, d = hp->head_dim, H = hp->n_heads;
     const int KV = hp->n_kv_heads, QD = H * d, KD = KV * d;
     const size_t N = (size_t)n;
@@ -378,7 +396,21 @@ enum kvcap_status kvllama_prefill(const struct kvllama_model *m, const int32_t *
         s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "llama: no memory to prefill %d tokens", n);
         goto done;
     }
-    embed(m, ids, n, x);
+    if (!span) {
+        embed(m, ids, n, x);
+    } else { /* tokens, the span's embeddings, tokens */
+        const int end = span->at + span->n;
+        embed(m, ids, span->at, x);
+        memcpy(x + (size_t)span->at * E, span->embd, (size_t)span->n * E * sizeof *x);
+        embed(m, ids + end, n - end, x + (size_t)end * E);
+        for (size_t i = (size_t)span->at * E; i < (size_t)end * E; i++)
+            if (!isfinite(x[i])) {
+                s = kvcap_fail(KVCAP_ERR_NUMERIC,
+                               "kvllama_prefill: embedding span: non-finite value at token %d, "
+                               "channel %d", (int)(i / E) - span->at, (int)(i % E));
+                goto done;
+            }
+    }
     for (int l = 0; l < hp->n_layers; l++) {
         const struct llama_layer *ly = &m->layers[l];
         rms_norm(x, ly->attn_norm, h, n, E, hp->rms_eps);

@@ -54,6 +54,22 @@ struct kvllama_prefill_out {
 enum kvcap_status kvllama_prefill(const struct kvllama_model *m, const int32_t *ids, int n,
                                   struct kvllama_prefill_out *out);
 
+/* Rows [at, at + n) of a prefill that enter as embeddings ([n][n_embd] f32, finite) instead of
+ * token ids: an image span whose features were projected into the embedding space. */
+struct kvllama_embd_span {
+    int at, n;
+    const float *embd;
+};
+
+/* kvllama_prefill with the rows of `span` (NULL: none) taken from its embeddings; the ids
+ * there are not read. Given the token embeddings of those ids it equals kvllama_prefill. */
+enum kvcap_status kvllama_prefill_embd(const struct kvllama_model *m, const int32_t *ids, int n,
+                                       const struct kvllama_embd_span *span,
+                                       struct kvllama_prefill_out *out);
+
+/* The token-embedding table, [n_vocab][n_embd] f32 (dequantised). */
+const float *kvllama_token_embeddings(const struct kvllama_model *m);
+
 /* ---- Decode -------------------------------------------------------------------------------- */
 /* Decode rows are grouped by cache: group g owns rows [first, first + cache's n_seqs) of the
  * batch, row first + s being sequence s of that cache. */

@@ -299,6 +299,48 @@ static void test_tiny_prefill_matches_naive(void **state)
     tiny_free(&m);
 }
 
+/* A prefill whose middle rows enter as embeddings equals the token prefill, to the bit, when
+ * those embeddings are the tokens' own; the ids under the span are not read. */
+static void test_embedding_span_prefill(void **state)
+{
+    (void)state;
+    struct tiny m;
+    tiny_make(&m);
+    struct kvllama_model *model = load_ok(m.path);
+    enum { N = 19, AT = 5, SPAN = 9 };
+    int32_t ids[N], masked[N];
+    for (int i = 0; i < N; i++)
+        ids[i] = masked[i] = (i * 7 + 1) % T_V;
+    const float *table = kvllama_token_embeddings(model);
+    assert_non_null(table);
+    float *embd = alloc_f((size_t)SPAN * T_E);
+    for (int i = 0; i < SPAN; i++) {
+        memcpy(embd + (size_t)i * T_E, table + (size_t)ids[AT + i] * T_E, sizeof(float) * T_E);
+        masked[AT + i] = -1; /* never read */
+    }
+    size_t kv = (size_t)T_L * N * T_KV * T_D;
+    float *k0 = alloc_f(kv), *v0 = alloc_f(kv), *l0 = alloc_f((size_t)N * T_V);
+    float *k1 = alloc_f(kv), *v1 = alloc_f(kv), *l1 = alloc_f((size_t)N * T_V);
+    struct kvllama_prefill_out a = {.k = k0, .v = v0, .logits = l0, .n_logits = N};
+    struct kvllama_prefill_out b = {.k = k1, .v = v1, .logits = l1, .n_logits = N};
+    assert_int_equal(kvllama_prefill(model, ids, N, &a), KVCAP_OK);
+    struct kvllama_embd_span span = {AT, SPAN, embd};
+    assert_int_equal(kvllama_prefill_embd(model, masked, N, &span, &b), KVCAP_OK);
+    assert_memory_equal(k0, k1, sizeof(float) * kv);
+    assert_memory_equal(v0, v1, sizeof(float) * kv);
+    assert_memory_equal(l0, l1, sizeof(float) * N * T_V);
+    /* a span past the end, or a poisoned embedding, is refused */
+    struct kvllama_embd_span past = {N - 2, 3, embd};
+    assert_int_equal(kvllama_prefill_embd(model, masked, N, &past, &b),
+                     KVCAP_ERR_INVALID_ARGUMENT);
+    embd[T_E + 2] = NAN;
+    assert_int_equal(kvllama_prefill_embd(model, masked, N, &span, &b), KVCAP_ERR_NUMERIC);
+    assert_non_null(strstr(kvcap_last_error(), "token 1, channel 2"));
+    free(embd), free(k0), free(v0), free(l0), free(k1), free(v1), free(l1);
+    kvllama_free(model);
+    tiny_free(&m);
+}
+
 /* Prefill a prompt into caches, then decode teacher-forced through them: every step's logits
  * equal the naive forward pass at that position. Two caches (2 and 1 sequences) share a step. */
 static void test_tiny_decode_through_cache(void **state)
@@ -559,6 +601,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_tiny_prefill_matches_naive),
+        cmocka_unit_test(test_embedding_span_prefill),
         cmocka_unit_test(test_tiny_decode_through_cache),
         cmocka_unit_test(test_load_errors),
         cmocka_unit_test(test_smollm2_matches_llamacpp),
