@@ -33,6 +33,7 @@
 #include "report.h"
 #include "rng.h"
 #include "tokenizer.h"
+#include "vision.h"
 
 #define DEFAULT_MODEL_FILE "SmolLM2-135M-Instruct.Q4_1.gguf"
 #define DEFAULT_CORPUS "/usr/share/common-licenses"
@@ -83,8 +84,17 @@ static void usage(FILE *out)
             "                           (record default: " DEFAULT_CALIB_DOCS ";\n"
             "                           run default: " DEFAULT_HELDOUT_DOCS ")\n"
             "  -o, --out DIR            output folder (created)\n"
+            "      --track T            text (default): the span is text; image: the span is a\n"
+            "                           photo's patch features projected into the model's\n"
+            "                           embedding space, on its real grid (scripts/fetch-vision.sh\n"
+            "                           and scripts/vision_features.py make them); calibration\n"
+            "                           and evaluation use different photos. The projector is\n"
+            "                           fitted in closed form, not a trained connector\n"
+            "      --features FILE      image track: the feature file (default\n"
+            "                           $HOME/.cache/kvcap/vision/features-g16.safetensors)\n"
             "      --head N             tokens before the span, kept in full (default 16)\n"
-            "      --span N             tokens of the compressible span (default 256)\n"
+            "      --span N             tokens of the compressible text span (default 256; the\n"
+            "                           image track takes the grid's)\n"
             "      --tail N             tokens after it, kept in full (default 16)\n"
             "      --decode N           record: teacher-forced decode steps per chunk (default 16)\n"
             "      --max-chunks N       record: at most N chunks (default: all)\n"
@@ -119,8 +129,12 @@ struct artifact_arg {
     const char *path;
 };
 
+enum track { TRACK_TEXT, TRACK_IMAGE };
+
 struct options {
     int record;
+    enum track track;
+    const char *features;
     const char *model, *corpus, *docs, *calib_docs, *out, *command;
     int head, span, tail, decode, max_chunks, prompts, generate, continuation, fidelity_steps;
     int task_queries, threads, quiet;
@@ -130,6 +144,7 @@ struct options {
     struct artifact_arg artifacts[MAX_ARTIFACTS];
     int n_artifacts;
     char model_default[4096];
+    char features_default[4096];
 };
 
 static int parse_int(const char *arg, const char *name, long lo, long hi, int *out)
@@ -202,7 +217,8 @@ static int parse_options(int argc, char **argv, struct options *o)
         return cli_usage_error("expected a command, record or run (see --help)");
     o->record = !strcmp(argv[1], "record");
     enum { O_SPAN = 256, O_HEAD, O_TAIL, O_DECODE, O_MAXCH, O_ART, O_RET, O_PROMPTS, O_GEN,
-           O_STORAGE, O_THREADS, O_COMMAND, O_CALIB_DOCS, O_CONT, O_FID, O_TASK };
+           O_STORAGE, O_THREADS, O_COMMAND, O_CALIB_DOCS, O_CONT, O_FID, O_TASK, O_TRACK,
+           O_FEATURES };
     static const struct option longopts[] = {
         {"model", required_argument, 0, 'm'},   {"corpus", required_argument, 0, 'C'},
         {"docs", required_argument, 0, 'D'},    {"out", required_argument, 0, 'o'},
@@ -220,6 +236,8 @@ static int parse_options(int argc, char **argv, struct options *o)
         {"threads", required_argument, 0, O_THREADS},
         {"command", required_argument, 0, O_COMMAND},
         {"calibration-docs", required_argument, 0, O_CALIB_DOCS},
+        {"track", required_argument, 0, O_TRACK},
+        {"features", required_argument, 0, O_FEATURES},
         {"quiet", no_argument, 0, 'q'},         {"version", no_argument, 0, 'V'},
         {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
     int c, rc = 0;
@@ -245,6 +263,12 @@ static int parse_options(int argc, char **argv, struct options *o)
         case O_THREADS: rc = parse_int(optarg, "--threads", 0, 1024, &o->threads); break;
         case O_COMMAND: o->command = optarg; break;
         case O_CALIB_DOCS: o->calib_docs = optarg; break;
+        case O_FEATURES: o->features = optarg; break;
+        case O_TRACK:
+            if (!strcmp(optarg, "text")) o->track = TRACK_TEXT;
+            else if (!strcmp(optarg, "image")) o->track = TRACK_IMAGE;
+            else rc = cli_usage_error("--track: '%s' is not text or image", optarg);
+            break;
         case O_STORAGE:
             if (!strcmp(optarg, "f32")) o->storage = KVCAP_DTYPE_F32;
             else if (!strcmp(optarg, "f16")) o->storage = KVCAP_DTYPE_F16;
@@ -265,6 +289,16 @@ static int parse_options(int argc, char **argv, struct options *o)
         return cli_usage_error("--out is required");
     if (!o->docs)
         o->docs = o->record ? DEFAULT_CALIB_DOCS : DEFAULT_HELDOUT_DOCS;
+    if (o->features && o->track != TRACK_IMAGE)
+        return cli_usage_error("--features is for --track image");
+    if (o->track == TRACK_IMAGE && !o->features) {
+        const char *home = getenv("HOME");
+        snprintf(o->features_default, sizeof o->features_default,
+                 "%s/.cache/kvcap/vision/features-g16.safetensors", home ? home : ".");
+        o->features = o->features_default;
+    }
+    if (o->track == TRACK_IMAGE)
+        o->task_queries = 0; /* the retrieval task is text inside the span */
     if (!o->model) {
         const char *env = getenv("KVCAP_MODEL"), *home = getenv("HOME");
         if (env && *env)
@@ -395,6 +429,8 @@ static enum kvcap_status model_open(const char *path, struct model_ctx *mc, int 
 struct prompt {
     const int32_t *ids;    /* head + span + tail (+ what follows: continuation or answer) */
     int head, span, tail;  /* the layout */
+    int rows;              /* the span's grid: rows x (span / rows); 1 for text */
+    const float *embd;     /* image track: the span's embeddings [span][n_embd], else NULL */
     int n_fid;             /* tokens after the prompt prefilled too (their K/V and queries) */
     float *k, *v;          /* [layers][head + span + tail + n_fid][kv_heads * head_dim] */
     float *q_post;         /* [layers][q_heads][tail][head_dim]: the tail's queries */
@@ -412,15 +448,17 @@ static void prompt_free(struct prompt *p)
 /* Tokens of a prompt: head + span + tail. */
 static int prompt_tokens(const struct prompt *p) { return p->head + p->span + p->tail; }
 
-/* Prefills ids[0 .. head + span + tail + n_fid) with the model. */
-static enum kvcap_status prompt_prefill(const struct model_ctx *mc, const int32_t *ids, int head,
-                                        int span, int tail, int n_fid, struct prompt *p)
+/* Prefills ids[0 .. head + span + tail + n_fid) with the model; with `embd` the span enters as
+ * those embeddings (an image on a rows x span/rows grid) instead of its token ids. */
+static enum kvcap_status prompt_prefill_image(const struct model_ctx *mc, const int32_t *ids,
+                                              int head, int span, int tail, int n_fid, int rows,
+                                              const float *embd, struct prompt *p)
 {
     const struct kvllama_hparams *hp = mc->hp;
     const int P = head + span + tail, n = P + n_fid, nq = tail + n_fid;
     const size_t L = (size_t)hp->n_layers, H = (size_t)hp->n_heads, d = (size_t)hp->head_dim;
     const size_t kd = (size_t)hp->n_kv_heads * d, V = (size_t)hp->n_vocab;
-    *p = (struct prompt){ids, head, span, tail, n_fid, NULL, NULL, NULL, NULL, NULL};
+    *p = (struct prompt){ids, head, span, tail, rows, embd, n_fid, NULL, NULL, NULL, NULL, NULL};
     p->k = malloc(L * n * kd * sizeof(float));
     p->v = malloc(L * n * kd * sizeof(float));
     p->q_post = malloc(L * H * (size_t)tail * d * sizeof(float));
@@ -432,8 +470,9 @@ static enum kvcap_status prompt_prefill(const struct model_ctx *mc, const int32_
     if (!p->k || !p->v || !p->q_post || !p->q_dec || !p->logits || !q || !logits)
         s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "no memory for a prompt's K/V");
     struct kvllama_prefill_out out = {p->k, p->v, q, nq, logits, n_fid + 1};
+    const struct kvllama_embd_span image = {head, span, embd};
     if (s == KVCAP_OK)
-        s = kvllama_prefill(mc->model, ids, n, &out);
+        s = kvllama_prefill_embd(mc->model, ids, n, embd ? &image : NULL, &out);
     if (s == KVCAP_OK) {
         memcpy(p->logits, logits, V * sizeof(float)); /* the first of the last n_fid + 1 */
         for (size_t lh = 0; lh < L * H; lh++) {
@@ -448,9 +487,16 @@ static enum kvcap_status prompt_prefill(const struct model_ctx *mc, const int32_
     return s;
 }
 
+/* A text prompt: the span is a 1 x span grid of the text's own tokens. */
+static enum kvcap_status prompt_prefill(const struct model_ctx *mc, const int32_t *ids, int head,
+                                        int span, int tail, int n_fid, struct prompt *p)
+{
+    return prompt_prefill_image(mc, ids, head, span, tail, n_fid, 1, NULL, p);
+}
+
 /* Hands a prefilled prompt to sequence `seq` of a cache: the head (text, if any), the span
- * (vision, a 1 x span grid), the tail (text), then the tail's queries as the post-vision
- * queries. */
+ * (vision: the image's grid, or a 1 x span grid of text), the tail (text), then the tail's
+ * queries as the post-vision queries. */
 static enum kvcap_status prompt_to_cache(const struct model_ctx *mc, const struct prompt *p,
                                          struct kvcap_cache *cache, int seq)
 {
@@ -459,7 +505,7 @@ static enum kvcap_status prompt_to_cache(const struct model_ctx *mc, const struc
     const size_t kd = (size_t)hp->n_kv_heads * hp->head_dim;
     const struct kvcap_span_desc parts[3] = {
         {KVCAP_SPAN_TEXT, p->head, 0, 0, 0},
-        {KVCAP_SPAN_VISION, p->span, 1, p->span, p->head},
+        {KVCAP_SPAN_VISION, p->span, p->rows, p->span / p->rows, p->head},
         {KVCAP_SPAN_TEXT, p->tail, 0, 0, p->head + p->span}};
     for (int l = 0; l < hp->n_layers; l++) {
         const float *k = p->k + (size_t)l * n * kd, *v = p->v + (size_t)l * n * kd;
@@ -530,33 +576,84 @@ static enum kvcap_status create_cache(const struct model_ctx *mc, const char *ya
 /* Tokens of a prompt in the fixed layout of --head, --span and --tail. */
 static int prompt_len(const struct options *o) { return o->head + o->span + o->tail; }
 
+/* ---- Image track ------------------------------------------------------------------------- */
+/* Photo features, the projector fitted on the calibration photos, and one split's crops. */
+struct image_set {
+    struct kvvision_features f;
+    struct kvvision_projector proj;
+    int *crops, n;
+};
+
+static void image_set_free(struct image_set *im)
+{
+    kvvision_close(&im->f);
+    kvvision_projector_free(&im->proj);
+    free(im->crops);
+    memset(im, 0, sizeof *im);
+}
+
+/* Opens --features, fits the projector and lists the crops of the held-out photos (heldout 1)
+ * or of the calibration photos (0). */
+static enum kvcap_status image_set_open(const struct options *o, const struct model_ctx *mc,
+                                        int heldout, struct image_set *im)
+{
+    memset(im, 0, sizeof *im);
+    KVCAP_TRY(kvvision_open(o->features, &im->f));
+    enum kvcap_status s = kvvision_projector_fit(&im->f, kvllama_token_embeddings(mc->model),
+                                                 mc->hp->n_vocab, mc->hp->n_embd, &im->proj);
+    if (s == KVCAP_OK && !(im->crops = malloc(sizeof *im->crops * (size_t)im->f.n_crops)))
+        s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "no memory");
+    for (int c = 0; s == KVCAP_OK && c < im->f.n_crops; c++)
+        if (kvvision_heldout(&im->f, c) == heldout)
+            im->crops[im->n++] = c;
+    if (s == KVCAP_OK && im->n == 0)
+        s = kvcap_fail(KVCAP_ERR_INVALID_ARGUMENT, "%s: no crop of a %s photo", o->features,
+                       heldout ? "held-out" : "calibration");
+    if (s != KVCAP_OK)
+        image_set_free(im);
+    return s;
+}
+
 static const char *const k_full_yaml =
     "policies: {vision: full, text: full, generated: full}\nfallback: none\n";
 
-static int cmd_record(const struct options *o)
+static int cmd_record(const struct options *opt)
 {
     struct model_ctx mc;
-    enum kvcap_status s = model_open(o->model, &mc, o->quiet);
+    enum kvcap_status s = model_open(opt->model, &mc, opt->quiet);
     if (s != KVCAP_OK)
         return cli_fail(s);
+    /* the image track: one span per calibration crop, on its grid, in the text's place */
+    struct options eo = *opt;
+    const struct options *o = &eo;
+    struct image_set im = {0};
+    if (opt->track == TRACK_IMAGE) {
+        s = image_set_open(opt, &mc, 0, &im);
+        if (s != KVCAP_OK) {
+            model_close(&mc);
+            return cli_fail(s);
+        }
+        eo.span = im.f.n_tokens;
+    }
     struct corpus corpus;
     const int chunk_len = prompt_len(o) + o->decode;
     s = corpus_load(mc.tok, o->corpus, o->docs, chunk_len, &corpus);
     if (s != KVCAP_OK) {
+        image_set_free(&im);
         model_close(&mc);
         return cli_fail(s);
     }
-    int n_chunks = corpus.n_chunks;
+    int n_chunks = opt->track == TRACK_IMAGE && corpus.n_chunks > 0 ? im.n : corpus.n_chunks;
     if (o->max_chunks && o->max_chunks < n_chunks)
         n_chunks = o->max_chunks;
     if (n_chunks == 0) {
-        corpus_free(&corpus), model_close(&mc);
+        corpus_free(&corpus), model_close(&mc), image_set_free(&im);
         return cli_usage_error("%s: the documents (%lld tokens) hold no chunk of %d tokens",
                                o->docs, (long long)corpus.total_tokens, chunk_len);
     }
     s = kvcap_make_dirs(o->out);
     if (s != KVCAP_OK) {
-        corpus_free(&corpus), model_close(&mc);
+        corpus_free(&corpus), model_close(&mc), image_set_free(&im);
         return cli_fail(s);
     }
     if (!o->quiet)
@@ -565,7 +662,10 @@ static int cmd_record(const struct options *o)
                 (long long)corpus.total_tokens, n_chunks, o->head, o->span, o->tail, o->decode);
     const int batch = 8;
     struct kvllama_decoder *dec = NULL;
-    float *logits = NULL;
+    float *logits = NULL, *embd = NULL;
+    if (opt->track == TRACK_IMAGE &&
+        !(embd = malloc(sizeof *embd * (size_t)im.f.n_tokens * mc.hp->n_embd)))
+        s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "no memory for an image's embeddings");
     int32_t ids[8];
     int pos[8];
     s = kvllama_decoder_create(mc.model, batch, &dec);
@@ -580,8 +680,12 @@ static int cmd_record(const struct options *o)
         s = create_cache(&mc, k_full_yaml, NULL, nb, o->storage, o->threads, o->out, &cache);
         for (int i = 0; s == KVCAP_OK && i < nb; i++) {
             struct prompt p;
-            s = prompt_prefill(&mc, corpus.chunks[first + i].ids, o->head, o->span, o->tail, 0,
-                               &p);
+            const int32_t *text = corpus.chunks[(first + i) % corpus.n_chunks].ids;
+            if (embd)
+                s = kvvision_embed(&im.f, &im.proj, im.crops[first + i], embd);
+            if (s == KVCAP_OK)
+                s = prompt_prefill_image(&mc, text, o->head, o->span, o->tail, 0,
+                                         embd ? im.f.grid : 1, embd, &p);
             if (s == KVCAP_OK) {
                 s = prompt_to_cache(&mc, &p, cache, i);
                 prompt_free(&p);
@@ -589,7 +693,7 @@ static int cmd_record(const struct options *o)
         }
         for (int t = 0; s == KVCAP_OK && t < o->decode; t++) {
             for (int i = 0; i < nb; i++) {
-                ids[i] = corpus.chunks[first + i].ids[prompt_len(o) + t];
+                ids[i] = corpus.chunks[(first + i) % corpus.n_chunks].ids[prompt_len(o) + t];
                 pos[i] = prompt_len(o) + t;
             }
             struct kvllama_group grp = {.cache = cache, .n_seqs = nb};
@@ -601,14 +705,15 @@ static int cmd_record(const struct options *o)
         cli_progress_update(&bar, first + nb, n_chunks);
     }
     kvllama_decoder_free(dec);
-    free(logits);
+    free(logits), free(embd);
     corpus_free(&corpus);
     model_close(&mc);
+    image_set_free(&im);
     if (s != KVCAP_OK)
         return cli_fail(s);
     if (!o->quiet)
-        fprintf(stderr, "kvcap-eval: recorded %d spans into %s in %.1f s\n", n_chunks, o->out,
-                kvcap_seconds() - t0);
+        fprintf(stderr, "kvcap-eval: recorded %d %s spans into %s in %.1f s\n", n_chunks,
+                opt->track == TRACK_IMAGE ? "image" : "text", o->out, kvcap_seconds() - t0);
     return 0;
 }
 
@@ -1332,7 +1437,7 @@ static enum kvcap_status write_metrics(const struct options *o, const struct mod
                                        const struct corpus *corpus, struct run *runs,
                                        int n_runs, int n_prompts, const struct task *task,
                                        double bandwidth_gbs, const char *command,
-                                       const char *path)
+                                       const struct image_set *im, const char *path)
 {
     /* The end of the first prompt: what the samples continue. */
     char prompt_tail_text[1024] = "";
@@ -1386,6 +1491,26 @@ static enum kvcap_status write_metrics(const struct options *o, const struct mod
         c += n + (e ? 1 : 0);
     }
     cJSON_AddNumberToObject(cj, "heldout_tokens", (double)corpus->total_tokens);
+    cJSON *track = cJSON_AddObjectToObject(root, "track");
+    cJSON_AddStringToObject(track, "kind", im ? "image" : "text");
+    if (im) {
+        int held_photos = 0, calib_crops = 0;
+        for (int p = 0; p < im->f.n_photos; p++)
+            held_photos += kvvision_photo_heldout(p);
+        for (int c = 0; c < im->f.n_crops; c++)
+            calib_crops += !kvvision_heldout(&im->f, c);
+        cJSON_AddStringToObject(track, "features", o->features);
+        cJSON_AddNumberToObject(track, "rows", im->f.grid);
+        cJSON_AddNumberToObject(track, "cols", im->f.grid);
+        cJSON_AddNumberToObject(track, "photos", im->f.n_photos);
+        cJSON_AddNumberToObject(track, "heldout_photos", held_photos);
+        cJSON_AddNumberToObject(track, "calibration_crops", calib_crops);
+        cJSON_AddNumberToObject(track, "heldout_crops", im->n);
+        cJSON_AddStringToObject(track, "projector",
+                                "closed form: the features' principal directions mapped onto "
+                                "the token-embedding table's, variances matched; not a trained "
+                                "connector");
+    }
     cJSON *setup = cJSON_AddObjectToObject(root, "setup");
     cJSON_AddNumberToObject(setup, "head_tokens", o->head);
     cJSON_AddNumberToObject(setup, "span_tokens", o->span);
@@ -1577,8 +1702,10 @@ static double measure_bandwidth_gbs(void)
     return best;
 }
 
-static int cmd_run(const struct options *o, int argc, char **argv)
+static int cmd_run(const struct options *opt, int argc, char **argv)
 {
+    struct options eo = *opt;
+    const struct options *o = &eo;
     char command[8192] = "";
     if (o->command)
         snprintf(command, sizeof command, "%s", o->command);
@@ -1591,6 +1718,13 @@ static int cmd_run(const struct options *o, int argc, char **argv)
     enum kvcap_status s = model_open(o->model, &mc, o->quiet);
     if (s != KVCAP_OK)
         return cli_fail(s);
+    /* the image track: held-out photos' crops on their grid in the text span's place */
+    struct image_set im = {0};
+    if (opt->track == TRACK_IMAGE) {
+        s = image_set_open(opt, &mc, 1, &im);
+        if (s == KVCAP_OK)
+            eo.span = im.f.n_tokens;
+    }
     struct kvcap_artifact *arts[MAX_ARTIFACTS] = {0};
     for (int a = 0; s == KVCAP_OK && a < o->n_artifacts; a++)
         s = kvcap_artifact_open(o->artifacts[a].path, &arts[a]);
@@ -1603,8 +1737,24 @@ static int cmd_run(const struct options *o, int argc, char **argv)
     if (s == KVCAP_OK && corpus.n_chunks < 1)
         s = kvcap_fail(KVCAP_ERR_INVALID_ARGUMENT, "%s: no chunk of %d tokens in the documents",
                        o->docs, prompt_len(o) + after);
-    const int n_prompts = s == KVCAP_OK && corpus.n_chunks < o->prompts ? corpus.n_chunks
-                                                                          : o->prompts;
+    int n_prompts = s == KVCAP_OK && corpus.n_chunks < o->prompts ? corpus.n_chunks
+                                                                    : o->prompts;
+    if (opt->track == TRACK_IMAGE && im.n < n_prompts)
+        n_prompts = im.n;
+    /* image track: prompt p shows held-out crop crop_of[p], spread over the held-out photos */
+    int *crop_of = calloc((size_t)n_prompts + 1, sizeof *crop_of);
+    float *embd = NULL;
+    if (s == KVCAP_OK && !crop_of)
+        s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "no memory");
+    if (s == KVCAP_OK && opt->track == TRACK_IMAGE) {
+        const size_t per = (size_t)im.f.n_tokens * mc.hp->n_embd;
+        if (!(embd = malloc(sizeof *embd * per * (size_t)n_prompts)))
+            s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "no memory for the images' embeddings");
+        for (int p = 0; s == KVCAP_OK && p < n_prompts; p++) {
+            crop_of[p] = im.crops[(size_t)p * im.n / n_prompts];
+            s = kvvision_embed(&im.f, &im.proj, crop_of[p], embd + per * p);
+        }
+    }
     static struct run runs[MAX_RUNS];
     const int n_runs = build_runs(o, arts, runs);
     struct prompt *prompts = calloc((size_t)n_prompts, sizeof *prompts);
@@ -1630,8 +1780,10 @@ static int cmd_run(const struct options *o, int argc, char **argv)
                 "teacher-forced, %d generated, %d retrieval queries\n", n_runs, n_prompts,
                 o->head, o->span, o->tail, o->continuation, o->generate, o->task_queries);
     for (int p = 0; s == KVCAP_OK && p < n_prompts; p++)
-        s = prompt_prefill(&mc, corpus.chunks[p].ids, o->head, o->span, o->tail, n_fid,
-                           &prompts[p]);
+        s = prompt_prefill_image(&mc, corpus.chunks[p].ids, o->head, o->span, o->tail, n_fid,
+                                 embd ? im.f.grid : 1,
+                                 embd ? embd + (size_t)p * im.f.n_tokens * mc.hp->n_embd : NULL,
+                                 &prompts[p]);
     /* Equal budgets: VL-Cache's nominal budget is searched against full's span bytes. */
     double full_span = 0;
     if (s == KVCAP_OK) {
@@ -1668,7 +1820,8 @@ static int cmd_run(const struct options *o, int argc, char **argv)
     snprintf(html, sizeof html, "%s/report.html", o->out);
     snprintf(csv, sizeof csv, "%s/metrics.csv", o->out);
     if (s == KVCAP_OK)
-        s = write_metrics(o, &mc, &corpus, runs, n_runs, n_prompts, &task, bw, command, metrics);
+        s = write_metrics(o, &mc, &corpus, runs, n_runs, n_prompts, &task, bw, command,
+                          opt->track == TRACK_IMAGE ? &im : NULL, metrics);
     if (s == KVCAP_OK)
         s = kvcap_report_write(metrics, html, csv);
     for (int p = 0; prompts && p < n_prompts; p++)
@@ -1682,6 +1835,8 @@ static int cmd_run(const struct options *o, int argc, char **argv)
         kvcap_artifact_free(arts[a]);
     corpus_free(&corpus);
     model_close(&mc);
+    image_set_free(&im);
+    free(crop_of), free(embd);
     if (s != KVCAP_OK)
         return cli_fail(s);
     if (!o->quiet)
@@ -1695,12 +1850,14 @@ static int cmd_run(const struct options *o, int argc, char **argv)
  * writes its shards into the folder, which must hold no input. */
 static int check_outputs(const struct options *o)
 {
-    struct cli_path in[2 + MAX_ARTIFACTS];
+    struct cli_path in[3 + MAX_ARTIFACTS];
     int n = 0;
     in[n++] = (struct cli_path){"--model", o->model};
     in[n++] = (struct cli_path){"--corpus", o->corpus};
     for (int i = 0; i < o->n_artifacts; i++)
         in[n++] = (struct cli_path){"--kvcapsule", o->artifacts[i].path};
+    if (o->features)
+        in[n++] = (struct cli_path){"--features", o->features};
     if (o->record)
         return cli_check_output_dir("--out", o->out, in, n);
     struct stat so;

@@ -1,0 +1,275 @@
+/* vision.c — photo features and the closed-form projector (see vision.h). */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cblas.h>
+#include <lapacke.h>
+
+#include "internal.h"
+#include "safetensors.h"
+#include "vision.h"
+
+void kvvision_close(struct kvvision_features *f)
+{
+    if (!f)
+        return;
+    kvst_close(f->file);
+    memset(f, 0, sizeof *f);
+}
+
+/* The tensor `name` of f with dtype `dt` and ndim dimensions, or a format error naming both. */
+static enum kvcap_status tensor(const struct kvst_file *f, const char *name, enum kvcap_dtype dt,
+                                int ndim, const struct kvst_tensor **out)
+{
+    const struct kvst_tensor *t = kvst_find(f, name);
+    KVCAP_RETURN_IF(!t, KVCAP_ERR_FORMAT, "%s: missing tensor '%s' (not a feature file of "
+                    "scripts/vision_features.py?)", kvst_path(f), name);
+    KVCAP_RETURN_IF(t->dtype != dt || t->ndim != ndim, KVCAP_ERR_FORMAT,
+                    "%s: tensor '%s': %s with %d dimensions, expected %s with %d", kvst_path(f),
+                    name, kvcap_dtype_name(t->dtype), t->ndim, kvcap_dtype_name(dt), ndim);
+    *out = t;
+    return KVCAP_OK;
+}
+
+static enum kvcap_status open_checked(struct kvvision_features *f)
+{
+    const struct kvst_tensor *ft, *pt, *tt;
+    const char *path = kvst_path(f->file);
+    KVCAP_TRY(tensor(f->file, "features", KVCAP_DTYPE_F16, 3, &ft));
+    KVCAP_TRY(tensor(f->file, "photo", KVCAP_DTYPE_I32, 1, &pt));
+    KVCAP_RETURN_IF(ft->shape[0] < 1 || ft->shape[0] > (1 << 20) || ft->shape[2] < 1 ||
+                        ft->shape[2] > 4096,
+                    KVCAP_ERR_FORMAT, "%s: tensor 'features': shape [%lld, %lld, %lld] out of "
+                    "range", path, (long long)ft->shape[0], (long long)ft->shape[1],
+                    (long long)ft->shape[2]);
+    f->n_crops = (int)ft->shape[0];
+    f->n_tokens = (int)ft->shape[1];
+    f->dim = (int)ft->shape[2];
+    f->grid = (int)lround(sqrt((double)f->n_tokens));
+    KVCAP_RETURN_IF(f->grid < 1 || f->grid > 128 || f->grid * f->grid != f->n_tokens,
+                    KVCAP_ERR_FORMAT, "%s: tensor 'features': %d tokens per crop is not a "
+                    "square grid of at most 128 x 128", path, f->n_tokens);
+    KVCAP_RETURN_IF(pt->shape[0] != f->n_crops, KVCAP_ERR_FORMAT,
+                    "%s: tensor 'photo': %lld entries for %d crops", path,
+                    (long long)pt->shape[0], f->n_crops);
+    f->features = ft->data;
+    f->photo = pt->data;
+    for (int c = 0; c < f->n_crops; c++) {
+        KVCAP_RETURN_IF(f->photo[c] < 0 || f->photo[c] >= (1 << 20), KVCAP_ERR_FORMAT,
+                        "%s: tensor 'photo': entry %d is %d", path, c, (int)f->photo[c]);
+        f->n_photos = f->photo[c] + 1 > f->n_photos ? f->photo[c] + 1 : f->n_photos;
+    }
+    if (kvst_find(f->file, "thumb")) {
+        KVCAP_TRY(tensor(f->file, "thumb", KVCAP_DTYPE_U8, 4, &tt));
+        KVCAP_RETURN_IF(tt->shape[0] != f->n_crops || tt->shape[1] != tt->shape[2] ||
+                            tt->shape[3] != 3 || tt->shape[1] < 1 || tt->shape[1] > 512,
+                        KVCAP_ERR_FORMAT, "%s: tensor 'thumb': expected [%d, S, S, 3]", path,
+                        f->n_crops);
+        f->thumb_size = (int)tt->shape[1];
+        f->thumbs = tt->data;
+    }
+    /* poison never reaches the model: every feature must be finite */
+    const size_t n = (size_t)f->n_crops * f->n_tokens * f->dim;
+    for (size_t i = 0; i < n; i++)
+        KVCAP_RETURN_IF((f->features[i] & 0x7c00) == 0x7c00, KVCAP_ERR_NUMERIC,
+                        "%s: tensor 'features': non-finite value at crop %d, token %d, channel "
+                        "%d", path, (int)(i / ((size_t)f->n_tokens * f->dim)),
+                        (int)(i / f->dim % f->n_tokens), (int)(i % f->dim));
+    return KVCAP_OK;
+}
+
+enum kvcap_status kvvision_open(const char *path, struct kvvision_features *out)
+{
+    KVCAP_RETURN_IF(!path || !out, KVCAP_ERR_INVALID_ARGUMENT, "kvvision_open: NULL argument");
+    memset(out, 0, sizeof *out);
+    KVCAP_TRY(kvst_open(path, &out->file));
+    enum kvcap_status s = open_checked(out);
+    if (s != KVCAP_OK)
+        kvvision_close(out);
+    return s;
+}
+
+void kvvision_crop(const struct kvvision_features *f, int crop, float *out)
+{
+    const size_t n = (size_t)f->n_tokens * f->dim;
+    kvcap_convert_to_f32(KVCAP_DTYPE_F16, f->features + (size_t)crop * n, n, out);
+}
+
+int kvvision_photo_heldout(int photo)
+{
+    return photo % 4 == 3;
+}
+
+int kvvision_heldout(const struct kvvision_features *f, int crop)
+{
+    return kvvision_photo_heldout(f->photo[crop]);
+}
+
+/* ---- Projector ----------------------------------------------------------------------------- */
+
+/* Covariance eigenpairs of the rows seen by the accumulator, in descending order of variance. */
+struct moments {
+    int dim;
+    double n;
+    double *sum;  /* [dim] */
+    double *gram; /* [dim][dim], upper triangle */
+    double *buf;  /* [rows][dim] conversion block */
+    int rows;
+};
+
+static enum kvcap_status moments_init(struct moments *m, int dim, int rows)
+{
+    memset(m, 0, sizeof *m);
+    m->dim = dim, m->rows = rows;
+    m->sum = calloc((size_t)dim, sizeof *m->sum);
+    m->gram = calloc((size_t)dim * dim, sizeof *m->gram);
+    m->buf = malloc(sizeof *m->buf * (size_t)rows * dim);
+    KVCAP_RETURN_IF(!m->sum || !m->gram || !m->buf, KVCAP_ERR_OUT_OF_MEMORY,
+                    "projector: no memory for %d x %d moments", dim, dim);
+    return KVCAP_OK;
+}
+
+static void moments_free(struct moments *m)
+{
+    free(m->sum), free(m->gram), free(m->buf);
+}
+
+/* Adds n rows (n <= m->rows) of x [n][dim] f32. */
+static void moments_add(struct moments *m, const float *x, int n)
+{
+    const size_t k = (size_t)n * m->dim;
+    for (size_t i = 0; i < k; i++) {
+        m->buf[i] = x[i];
+        m->sum[i % m->dim] += x[i];
+    }
+    cblas_dsyrk(CblasRowMajor, CblasUpper, CblasTrans, m->dim, n, 1.0, m->buf, m->dim, 1.0,
+                m->gram, m->dim);
+    m->n += n;
+}
+
+/* mean[dim]; vec [dim][dim] with eigenvector i in column i, sd[i] its standard deviation,
+ * descending. */
+static enum kvcap_status moments_eigen(struct moments *m, const char *what, float *mean,
+                                       double *vec, double *sd)
+{
+    const int D = m->dim;
+    KVCAP_RETURN_IF(m->n < 2, KVCAP_ERR_INVALID_ARGUMENT, "projector: no %s rows to fit on",
+                    what);
+    for (int i = 0; i < D; i++)
+        mean[i] = (float)(m->sum[i] / m->n);
+    for (int i = 0; i < D; i++)
+        for (int j = i; j < D; j++)
+            vec[(size_t)i * D + j] = (m->gram[(size_t)i * D + j] -
+                                      m->sum[i] * m->sum[j] / m->n) / m->n;
+    double *w = malloc(sizeof *w * (size_t)D);
+    KVCAP_RETURN_IF(!w, KVCAP_ERR_OUT_OF_MEMORY, "projector: no memory");
+    lapack_int info = LAPACKE_dsyevd(LAPACK_ROW_MAJOR, 'V', 'U', D, vec, D, w);
+    if (info != 0) {
+        free(w);
+        return kvcap_fail(KVCAP_ERR_NUMERIC, "projector: the %s covariance's eigen-decomposition "
+                          "failed (LAPACK info %d)", what, (int)info);
+    }
+    /* ascending from LAPACK: reverse the columns; fix each sign by its largest component */
+    for (int i = 0; i < D / 2; i++)
+        for (int r = 0; r < D; r++) {
+            double t = vec[(size_t)r * D + i];
+            vec[(size_t)r * D + i] = vec[(size_t)r * D + (D - 1 - i)];
+            vec[(size_t)r * D + (D - 1 - i)] = t;
+        }
+    for (int i = 0; i < D; i++) {
+        sd[i] = sqrt(fmax(w[D - 1 - i], 0.0));
+        int big = 0;
+        for (int r = 1; r < D; r++)
+            if (fabs(vec[(size_t)r * D + i]) > fabs(vec[(size_t)big * D + i]))
+                big = r;
+        if (vec[(size_t)big * D + i] < 0)
+            for (int r = 0; r < D; r++)
+                vec[(size_t)r * D + i] = -vec[(size_t)r * D + i];
+    }
+    free(w);
+    return KVCAP_OK;
+}
+
+void kvvision_projector_free(struct kvvision_projector *p)
+{
+    if (!p)
+        return;
+    free(p->mu_f), free(p->mu_e), free(p->a);
+    memset(p, 0, sizeof *p);
+}
+
+enum kvcap_status kvvision_projector_fit(const struct kvvision_features *f, const float *table,
+                                         int n_vocab, int n_embd, struct kvvision_projector *out)
+{
+    KVCAP_RETURN_IF(!f || !table || !out || n_vocab < 2 || n_embd < 1, KVCAP_ERR_INVALID_ARGUMENT,
+                    "projector: bad argument");
+    memset(out, 0, sizeof *out);
+    const int D = f->dim, E = n_embd, K = D < E ? D : E;
+    enum { TABLE_BLOCK = 2048 };
+    struct moments mf, me;
+    float *crop = malloc(sizeof *crop * (size_t)f->n_tokens * D);
+    double *vf = malloc(sizeof *vf * (size_t)D * D), *sf = malloc(sizeof *sf * (size_t)D);
+    double *ve = malloc(sizeof *ve * (size_t)E * E), *se = malloc(sizeof *se * (size_t)E);
+    out->dim = D, out->n_embd = E;
+    out->mu_f = malloc(sizeof *out->mu_f * (size_t)D);
+    out->mu_e = malloc(sizeof *out->mu_e * (size_t)E);
+    out->a = calloc((size_t)E * D, sizeof *out->a);
+    enum kvcap_status s = moments_init(&mf, D, f->n_tokens);
+    if (s == KVCAP_OK)
+        s = moments_init(&me, E, TABLE_BLOCK);
+    else
+        memset(&me, 0, sizeof me);
+    if (s == KVCAP_OK && (!crop || !vf || !sf || !ve || !se || !out->mu_f || !out->mu_e || !out->a))
+        s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "projector: no memory");
+    for (int c = 0; s == KVCAP_OK && c < f->n_crops; c++)
+        if (!kvvision_heldout(f, c)) {
+            kvvision_crop(f, c, crop);
+            moments_add(&mf, crop, f->n_tokens);
+        }
+    for (int r = 0; s == KVCAP_OK && r < n_vocab; r += TABLE_BLOCK)
+        moments_add(&me, table + (size_t)r * E, n_vocab - r < TABLE_BLOCK ? n_vocab - r : TABLE_BLOCK);
+    if (s == KVCAP_OK)
+        s = moments_eigen(&mf, "feature", out->mu_f, vf, sf);
+    if (s == KVCAP_OK)
+        s = moments_eigen(&me, "embedding", out->mu_e, ve, se);
+    /* a = Σ_i (τ_i / σ_i) w_i v_iᵀ over the directions the features vary along */
+    for (int i = 0; s == KVCAP_OK && i < K; i++) {
+        if (!(sf[i] > 1e-6 * sf[0]))
+            break;
+        const double g = se[i] / sf[i];
+        for (int e = 0; e < E; e++) {
+            const double we = g * ve[(size_t)e * E + i];
+            float *row = out->a + (size_t)e * D;
+            for (int j = 0; j < D; j++)
+                row[j] += (float)(we * vf[(size_t)j * D + i]);
+        }
+    }
+    moments_free(&mf), moments_free(&me);
+    free(crop), free(vf), free(sf), free(ve), free(se);
+    if (s != KVCAP_OK)
+        kvvision_projector_free(out);
+    return s;
+}
+
+enum kvcap_status kvvision_embed(const struct kvvision_features *f,
+                                 const struct kvvision_projector *p, int crop, float *out)
+{
+    KVCAP_RETURN_IF(!f || !p || !out || crop < 0 || crop >= f->n_crops || p->dim != f->dim,
+                    KVCAP_ERR_INVALID_ARGUMENT, "kvvision_embed: bad argument (crop %d of %d)",
+                    crop, f ? f->n_crops : 0);
+    const int T = f->n_tokens, D = f->dim, E = p->n_embd;
+    float *x = malloc(sizeof *x * (size_t)T * D);
+    KVCAP_RETURN_IF(!x, KVCAP_ERR_OUT_OF_MEMORY, "kvvision_embed: no memory");
+    kvvision_crop(f, crop, x);
+    for (int t = 0; t < T; t++) {
+        for (int j = 0; j < D; j++)
+            x[(size_t)t * D + j] -= p->mu_f[j];
+        memcpy(out + (size_t)t * E, p->mu_e, sizeof *out * (size_t)E);
+    }
+    /* out[T][E] += x[T][D] · aᵀ */
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, E, D, 1.0f, x, D, p->a, D, 1.0f, out,
+                E);
+    free(x);
+    return KVCAP_OK;
+}

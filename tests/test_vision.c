@@ -1,0 +1,143 @@
+/* test_vision.c — photo feature files and the closed-form projector (eval/vision.c): the split
+ * by photo, the reader's refusals, and the projector's defining properties. */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <cmocka.h>
+
+#include <lapacke.h>
+
+#include "rng.h"
+#include "safetensors.h"
+#include "test_util.h"
+#include "vision.h"
+
+enum { CROPS = 12, GRID = 4, TOKENS = GRID * GRID, DIM = 6, VOCAB = 300, EMBD = 8 };
+
+/* Projected statistics vs the table's, in double over 12 x 16 rows: the fitted maps are exact
+ * up to f32 rounding of the features (F16) and of the map itself. */
+#define MOMENT_REL_TOL 1e-3
+
+/* Writes a feature file of CROPS crops from photos 0..5 (two crops each): features with one
+ * dominant direction per channel scale, so the covariance has distinct eigenvalues. */
+static void write_features(const char *path, float poison)
+{
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 3);
+    uint16_t *f = malloc(sizeof *f * CROPS * TOKENS * DIM);
+    float *x = malloc(sizeof *x * CROPS * TOKENS * DIM);
+    int32_t photo[CROPS];
+    for (int c = 0; c < CROPS; c++) {
+        photo[c] = c / 2;
+        for (int t = 0; t < TOKENS; t++)
+            for (int j = 0; j < DIM; j++)
+                x[((size_t)c * TOKENS + t) * DIM + j] =
+                    (float)((j + 1) * kvcap_rng_normal(&r) + 0.5 * j);
+    }
+    x[5] = poison;
+    assert_int_equal(kvcap_convert_from_f32(KVCAP_DTYPE_F16, x, (size_t)CROPS * TOKENS * DIM, f),
+                     KVCAP_OK);
+    struct kvst_writer *w = NULL;
+    assert_int_equal(kvst_writer_create(&w), KVCAP_OK);
+    const int64_t fs[3] = {CROPS, TOKENS, DIM}, ps[1] = {CROPS};
+    assert_int_equal(kvst_writer_add(w, "features", KVCAP_DTYPE_F16, 3, fs, f), KVCAP_OK);
+    assert_int_equal(kvst_writer_add(w, "photo", KVCAP_DTYPE_I32, 1, ps, photo), KVCAP_OK);
+    assert_int_equal(kvst_writer_commit(w, path), KVCAP_OK);
+    kvst_writer_free(w);
+    free(f), free(x);
+}
+
+static void test_split_and_projector(void **state)
+{
+    (void)state;
+    char dir[512], path[600];
+    assert_true(test_tmpdir(dir, sizeof dir, "vision"));
+    snprintf(path, sizeof path, "%s/features.safetensors", dir);
+    write_features(path, 0.25f);
+    struct kvvision_features f;
+    if (kvvision_open(path, &f) != KVCAP_OK)
+        fail_msg("%s", kvcap_last_error());
+    assert_int_equal(f.n_crops, CROPS);
+    assert_int_equal(f.grid, GRID);
+    assert_int_equal(f.n_photos, 6);
+    /* photo 3's crops (6, 7) are held out, every other photo's calibrate */
+    for (int c = 0; c < CROPS; c++)
+        assert_int_equal(kvvision_heldout(&f, c), c == 6 || c == 7);
+
+    /* a table with distinct variances along random directions */
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 4);
+    float *table = malloc(sizeof *table * VOCAB * EMBD);
+    for (int v = 0; v < VOCAB; v++)
+        for (int e = 0; e < EMBD; e++)
+            table[(size_t)v * EMBD + e] = (float)((e + 1) * 0.1 * kvcap_rng_normal(&r) - 0.2);
+    struct kvvision_projector p;
+    if (kvvision_projector_fit(&f, table, VOCAB, EMBD, &p) != KVCAP_OK)
+        fail_msg("%s", kvcap_last_error());
+    /* the calibration crops' projections have the table's mean and, along the table's
+     * principal directions, its top-DIM variances: compare total variance (trace) */
+    double mean_e[EMBD] = {0}, var_e = 0, mean_p[EMBD] = {0}, var_p = 0;
+    for (int v = 0; v < VOCAB; v++)
+        for (int e = 0; e < EMBD; e++)
+            mean_e[e] += table[(size_t)v * EMBD + e] / (double)VOCAB;
+    float *out = malloc(sizeof *out * TOKENS * EMBD);
+    int rows = 0;
+    double *all = malloc(sizeof *all * CROPS * TOKENS * EMBD);
+    for (int c = 0; c < CROPS; c++) {
+        if (kvvision_heldout(&f, c))
+            continue;
+        assert_int_equal(kvvision_embed(&f, &p, c, out), KVCAP_OK);
+        for (int i = 0; i < TOKENS * EMBD; i++)
+            all[(size_t)rows * EMBD + i] = out[i];
+        rows += TOKENS;
+    }
+    for (int i = 0; i < rows; i++)
+        for (int e = 0; e < EMBD; e++)
+            mean_p[e] += all[(size_t)i * EMBD + e] / rows;
+    for (int e = 0; e < EMBD; e++)
+        assert_true(fabs(mean_p[e] - mean_e[e]) < MOMENT_REL_TOL);
+    for (int i = 0; i < rows; i++)
+        for (int e = 0; e < EMBD; e++)
+            var_p += pow(all[(size_t)i * EMBD + e] - mean_p[e], 2) / rows;
+    /* the table's variance in its top DIM directions: all but its two smallest */
+    double cov[EMBD][EMBD] = {{0}};
+    for (int v = 0; v < VOCAB; v++)
+        for (int a = 0; a < EMBD; a++)
+            for (int b = 0; b < EMBD; b++)
+                cov[a][b] += (table[(size_t)v * EMBD + a] - mean_e[a]) *
+                             (table[(size_t)v * EMBD + b] - mean_e[b]) / VOCAB;
+    double w[EMBD];
+    assert_int_equal(LAPACKE_dsyev(LAPACK_ROW_MAJOR, 'N', 'U', EMBD, &cov[0][0], EMBD, w), 0);
+    for (int e = EMBD - DIM; e < EMBD; e++) /* ascending: the DIM largest */
+        var_e += w[e];
+    if (!(fabs(var_p - var_e) <= MOMENT_REL_TOL * var_e))
+        fail_msg("projected variance %g, the table's top %d directions hold %g", var_p, DIM,
+                 var_e);
+    /* projecting twice gives the same bits (no hidden state) */
+    float *again = malloc(sizeof *again * TOKENS * EMBD);
+    assert_int_equal(kvvision_embed(&f, &p, 0, out), KVCAP_OK);
+    assert_int_equal(kvvision_embed(&f, &p, 0, again), KVCAP_OK);
+    assert_memory_equal(out, again, sizeof *out * TOKENS * EMBD);
+    kvvision_projector_free(&p);
+    kvvision_close(&f);
+
+    /* a non-finite feature is refused, naming where */
+    write_features(path, INFINITY);
+    assert_int_equal(kvvision_open(path, &f), KVCAP_ERR_NUMERIC);
+    assert_non_null(strstr(kvcap_last_error(), "crop 0, token 0, channel 5"));
+    free(table), free(out), free(all), free(again);
+    test_rm_tree(dir);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {cmocka_unit_test(test_split_and_projector)};
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
