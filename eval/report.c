@@ -102,6 +102,12 @@ struct report {
     int n_masks;
     struct goal *goals;
     int n_goals;
+    /* "track": what the span holds; image is a photo crop's features on its grid */
+    int image;
+    double grid_rows, grid_cols, photos, heldout_photos, heldout_crops, calibration_crops;
+    const char *features;
+    /* other tracks shown side by side (kvcap_report_write_tracks), NULL-terminated */
+    const struct report *const *others;
 };
 
 static const char *const POLICIES[] = {"full",    "streaming", "kvcapsule",  "flashcache",
@@ -740,6 +746,27 @@ static enum kvcap_status report_load(struct report *r, const char *path)
                          &r->calibration_tokens));
     KVCAP_TRY(get_number(r, o, "corpus", "heldout_tokens", 0, NUM_COUNT, &r->heldout_tokens));
 
+    KVCAP_TRY(get_object(r, root, "", "track", &o));
+    r->grid_rows = r->grid_cols = r->photos = r->heldout_photos = NAN;
+    r->heldout_crops = r->calibration_crops = NAN;
+    if (o) {
+        const char *kind = NULL;
+        KVCAP_TRY(get_string(r, o, "track", "kind", 1, &kind));
+        KVCAP_RETURN_IF(strcmp(kind, "text") != 0 && strcmp(kind, "image") != 0,
+                        KVCAP_ERR_FORMAT, "%s: track.kind: '%s' is not text or image", path,
+                        kind);
+        r->image = !strcmp(kind, "image");
+        KVCAP_TRY(get_string(r, o, "track", "features", 0, &r->features));
+        KVCAP_TRY(get_number(r, o, "track", "rows", 0, NUM_POS_COUNT, &r->grid_rows));
+        KVCAP_TRY(get_number(r, o, "track", "cols", 0, NUM_POS_COUNT, &r->grid_cols));
+        KVCAP_TRY(get_number(r, o, "track", "photos", 0, NUM_COUNT, &r->photos));
+        KVCAP_TRY(get_number(r, o, "track", "heldout_photos", 0, NUM_COUNT,
+                             &r->heldout_photos));
+        KVCAP_TRY(get_number(r, o, "track", "heldout_crops", 0, NUM_COUNT, &r->heldout_crops));
+        KVCAP_TRY(get_number(r, o, "track", "calibration_crops", 0, NUM_COUNT,
+                             &r->calibration_crops));
+    }
+
     KVCAP_TRY(get_object(r, root, "", "setup", &o));
     KVCAP_TRY(get_number(r, o, "setup", "head_tokens", 0, NUM_COUNT, &r->head_tokens));
     KVCAP_TRY(get_number(r, o, "setup", "span_tokens", 0, NUM_COUNT, &r->span_tokens));
@@ -1159,8 +1186,13 @@ static void render_header(struct buf *b, const struct report *r)
         bprintf(b, " on %s held-out prompt%s", fmt_count(n1, sizeof n1, r->prompts),
                 r->prompts == 1 ? "" : "s");
     bputs(b, ": each policy compressed the cache of ");
-    if (isfinite(r->span_tokens))
-        bprintf(b, "a %s-token span", fmt_count(n1, sizeof n1, r->span_tokens));
+    if (r->image && isfinite(r->grid_rows) && isfinite(r->grid_cols))
+        bprintf(b, "an image span of %.0f&thinsp;&times;&thinsp;%.0f tokens (a held-out photo's "
+                   "patch features, projected into the embedding space in closed form: not a "
+                   "trained connector)", r->grid_rows, r->grid_cols);
+    else if (isfinite(r->span_tokens))
+        bprintf(b, "a %s-token %sspan", fmt_count(n1, sizeof n1, r->span_tokens),
+                r->image ? "image " : "text ");
     else
         bputs(b, "the prompt's compressible span");
     bputs(b, " to a target share (the memory budget)");
@@ -1249,7 +1281,12 @@ static void rank_row(struct buf *b, const struct report *r, const struct run *u,
                 100 * u->realised);
     else
         bputs(b, "</td><td class=\"na\">&mdash;</td>");
-    if (isfinite(u->task_accuracy)) {
+    if (!any_task(r)) /* no task: the attention output's fidelity in its place */
+        if (isfinite(u->cos_mean))
+            bprintf(b, "<td>%.4f</td>", u->cos_mean);
+        else
+            bputs(b, "<td class=\"na\">&mdash;</td>");
+    else if (isfinite(u->task_accuracy)) {
         bputs(b, "<td class=\"acc\">");
         accuracy_bar(b, u->task_accuracy, ceiling);
         bputs(b, "</td>");
@@ -1290,10 +1327,12 @@ static void render_ranking(struct buf *b, const struct report *r)
         bprintf(b, "<div class=\"rank-card\"><div class=\"rank-head\">Keep %.0f&nbsp;%% of the span"
                    " <span class=\"unit\">&middot; %.3g&times; smaller</span></div>\n"
                    "<table class=\"rank\"><thead><tr><th>#</th><th class=\"l\">Policy</th>"
-                   "<th>Realised<br>retention</th><th class=\"l\">Task accuracy</th>"
+                   "<th>Realised<br>retention</th>%s"
                    "<th>KL<br><span class=\"unit\">nats</span></th>"
                    "<th class=\"sec\">Greedy<br>agreement</th></tr></thead>\n<tbody>\n",
-                100 * targets[k], 1 / targets[k]);
+                100 * targets[k], 1 / targets[k],
+                task ? "<th class=\"l\">Task accuracy</th>"
+                     : "<th>Attention<br><span class=\"unit\">cosine</span></th>");
         if (full)
             rank_row(b, r, full, 0, ceiling);
         for (int i = 0; i < n; i++)
@@ -1307,7 +1346,9 @@ static void render_ranking(struct buf *b, const struct report *r)
                  "distribution (lower is better). ");
     else
         bputs(b, "No run measured the retrieval task: ranked by KL divergence from full's "
-                 "next-token distribution (lower is better). ");
+                 "next-token distribution (lower is better); the attention cosine is the mean "
+                 "over layers of the attention output's cosine with full's on replayed decode "
+                 "steps. ");
     bputs(b, "Rows at one budget hold the same share of the span: the realised retention (span "
              "bytes held over full's; for eviction the share of span tokens kept; for FreeKV the "
              "share attended per step) is within about 2&nbsp;% of the target, and shown "
@@ -1317,6 +1358,87 @@ static void render_ranking(struct buf *b, const struct report *r)
              "own variants, not the papers' methods.</p>\n</section>\n");
     free(targets);
     free(ranked);
+}
+
+/* The track a report measured, for headings: "image 16 × 16" or "text 1 × 256". */
+static void track_name(struct buf *b, const struct report *r)
+{
+    if (r->image && isfinite(r->grid_rows) && isfinite(r->grid_cols))
+        bprintf(b, "image %.0f&thinsp;&times;&thinsp;%.0f", r->grid_rows, r->grid_cols);
+    else if (r->image)
+        bputs(b, "image");
+    else if (isfinite(r->span_tokens))
+        bprintf(b, "text 1&thinsp;&times;&thinsp;%.0f", r->span_tokens);
+    else
+        bputs(b, "text");
+}
+
+static const struct run *run_by_id(const struct report *r, const char *id)
+{
+    for (int i = 0; i < r->n_runs; i++)
+        if (!strcmp(r->runs[i].id, id))
+            return &r->runs[i];
+    return NULL;
+}
+
+/* With other tracks given (kvcap_report_write_tracks): every run of this report beside the run
+ * of the same id in each other track, realised retention, KL and attention cosine. */
+static void render_tracks(struct buf *b, const struct report *r)
+{
+    if (!r->others || !r->others[0])
+        return;
+    int n_tracks = 1;
+    while (r->others[n_tracks - 1])
+        n_tracks++;
+    bputs(b, "<section>\n<h2>Tracks side by side</h2>\n<table class=\"tracks\">\n<thead><tr>"
+             "<th class=\"l\" rowspan=\"2\">Run</th>");
+    for (int t = 0; t < n_tracks; t++) {
+        const struct report *x = t ? r->others[t - 1] : r;
+        bputs(b, "<th colspan=\"3\" class=\"grp\">");
+        track_name(b, x);
+        bputs(b, "</th>");
+    }
+    bputs(b, "</tr>\n<tr>");
+    for (int t = 0; t < n_tracks; t++)
+        bputs(b, "<th class=\"grp\">Realised<br>retention</th><th>KL<br><span class=\"unit\">"
+                 "nats</span></th><th>Attention<br><span class=\"unit\">cosine</span></th>");
+    bputs(b, "</tr></thead>\n<tbody>\n");
+    char n1[32];
+    for (int i = 0; i < r->n_runs; i++) {
+        const struct run *u = r->sorted[i];
+        bputs(b, "<tr><td class=\"l\">");
+        policy_name(b, r, u);
+        if (!is_reference(r, u))
+            bprintf(b, " <span class=\"unit\">@%.2f</span>", u->retention);
+        bputs(b, "</td>");
+        for (int t = 0; t < n_tracks; t++) {
+            const struct run *v = t ? run_by_id(r->others[t - 1], u->id) : u;
+            if (!v) {
+                bputs(b, "<td class=\"na grp\">&mdash;</td><td class=\"na\">&mdash;</td>"
+                         "<td class=\"na\">&mdash;</td>");
+                continue;
+            }
+            if (isfinite(v->realised))
+                bprintf(b, "<td class=\"grp\">%.1f&nbsp;%%</td>", 100 * v->realised);
+            else
+                bputs(b, "<td class=\"na grp\">&mdash;</td>");
+            if (isfinite(v->kl))
+                bprintf(b, "<td>%s</td>", fmt_kl(n1, sizeof n1, v->kl));
+            else
+                bputs(b, "<td class=\"na\">&mdash;</td>");
+            if (isfinite(v->cos_mean))
+                bprintf(b, "<td>%.4f</td>", v->cos_mean);
+            else
+                bputs(b, "<td class=\"na\">&mdash;</td>");
+        }
+        bputs(b, "</tr>\n");
+    }
+    bputs(b, "</tbody></table>\n<p class=\"caption\">The same policies and retentions on each "
+             "track: what the span holds changes which compression keeps the model's answers. "
+             "KL: mean divergence of the teacher-forced next-token distribution from full's on "
+             "the held-out continuations (lower is better); attention cosine: the attention "
+             "output's cosine with full's on replayed decode steps, mean over layers (higher is "
+             "better). Each track's own report has its full table.</p>\n</section>\n");
 }
 
 /* Model, corpus, setup, the task, goals and the command: what a reader checks before trusting
@@ -1366,6 +1488,25 @@ static void render_facts(struct buf *b, const struct report *r)
             }
             if (isfinite(parts[k].tokens))
                 bprintf(b, " (%s tokens)", fmt_count(n1, sizeof n1, parts[k].tokens));
+        }
+        bputs(b, "</dd>\n");
+    }
+    if (r->image) {
+        bputs(b, "<dt>Images</dt><dd>");
+        if (isfinite(r->photos))
+            bprintf(b, "%.0f photos", r->photos);
+        if (isfinite(r->heldout_photos))
+            bprintf(b, " (%.0f held out, never calibrated on)", r->heldout_photos);
+        if (isfinite(r->calibration_crops) && isfinite(r->heldout_crops))
+            bprintf(b, " &middot; %.0f calibration and %.0f held-out crops", r->calibration_crops,
+                    r->heldout_crops);
+        if (isfinite(r->grid_rows) && isfinite(r->grid_cols))
+            bprintf(b, " &middot; %.0f&thinsp;&times;&thinsp;%.0f patch grid", r->grid_rows,
+                    r->grid_cols);
+        if (r->features) {
+            bputs(b, " <code>");
+            besc(b, r->features);
+            bputs(b, "</code>");
         }
         bputs(b, "</dd>\n");
     }
@@ -2747,6 +2888,8 @@ static const char CSS[] =
     ".rank-head .unit{color:#c9d0db}\n"
     "table.rank{width:100%;font-size:13px}table.rank th,table.rank td{padding:3px 6px}\n"
     "table.rank td.l{white-space:normal}\n"
+    "table.tracks{font-size:13px}table.tracks th,table.tracks td{padding:3px 8px}\n"
+    "table.tracks .grp{border-left:2px solid #c9ced6}\n"
     "table.rank tr.win td{background:#e3f4e8;font-weight:700}\n"
     "tr.ceiling td{background:#f3f4f6;color:#4a5361;font-style:italic}\n"
     ".ab{display:inline-block;position:relative;width:52px;height:9px;background:#e6e9ef;"
@@ -2781,6 +2924,7 @@ static void render_html(struct buf *b, const struct report *r)
     bprintf(b, "</title>\n<style>\n%s</style>\n</head>\n<body>\n<main>\n", CSS);
     render_header(b, r);
     render_ranking(b, r);
+    render_tracks(b, r);
     render_facts(b, r);
     render_table(b, r);
     render_fidelity(b, r);
@@ -2797,6 +2941,15 @@ static void render_html(struct buf *b, const struct report *r)
 enum kvcap_status kvcap_report_write(const char *metrics_path, const char *html_path,
                                      const char *csv_path)
 {
+    return kvcap_report_write_tracks(&metrics_path, 1, html_path, csv_path);
+}
+
+enum kvcap_status kvcap_report_write_tracks(const char *const *metrics_paths, int n_metrics,
+                                            const char *html_path, const char *csv_path)
+{
+    KVCAP_RETURN_IF(!metrics_paths || n_metrics < 1 || n_metrics > 8, KVCAP_ERR_INVALID_ARGUMENT,
+                    "kvcap_report_write: 1 to 8 metrics files, got %d", n_metrics);
+    const char *metrics_path = metrics_paths[0];
     KVCAP_RETURN_IF(!metrics_path || !*metrics_path, KVCAP_ERR_INVALID_ARGUMENT,
                     "kvcap_report_write: no metrics file given");
     KVCAP_RETURN_IF((html_path && !*html_path) || (csv_path && !*csv_path),
@@ -2808,8 +2961,22 @@ enum kvcap_status kvcap_report_write(const char *metrics_path, const char *html_
     KVCAP_RETURN_IF(html_path && csv_path && strcmp(html_path, csv_path) == 0,
                     KVCAP_ERR_INVALID_ARGUMENT, "%s: the HTML and the CSV output are the same file",
                     html_path);
-    struct report r;
+    for (int i = 1; i < n_metrics; i++)
+        KVCAP_RETURN_IF(!metrics_paths[i] || (html_path && !strcmp(html_path, metrics_paths[i])) ||
+                            (csv_path && !strcmp(csv_path, metrics_paths[i])),
+                        KVCAP_ERR_INVALID_ARGUMENT, "%s: an output would overwrite it",
+                        metrics_paths[i] ? metrics_paths[i] : "(NULL)");
+    struct report r, others[8];
+    const struct report *other_ptrs[8] = {NULL};
     enum kvcap_status st = report_load(&r, metrics_path);
+    int loaded = 0;
+    for (int i = 1; st == KVCAP_OK && i < n_metrics; i++) {
+        st = report_load(&others[i - 1], metrics_paths[i]);
+        if (st == KVCAP_OK)
+            other_ptrs[loaded++] = &others[i - 1];
+    }
+    if (st == KVCAP_OK && loaded)
+        r.others = other_ptrs;
     struct buf html = {0}, csv = {0};
     if (st == KVCAP_OK && csv_path)
         render_csv(&csv, &r);
@@ -2832,5 +2999,7 @@ enum kvcap_status kvcap_report_write(const char *metrics_path, const char *html_
     free(html.p);
     free(csv.p);
     report_free(&r);
+    for (int i = 0; i < loaded; i++)
+        report_free(&others[i]);
     return st;
 }

@@ -19,6 +19,10 @@
  *             "head_dim": int},
  *   "corpus": {"source": str, "calibration": [str...], "heldout": [str...],
  *              "calibration_tokens": int, "heldout_tokens": int},
+ *   "track": {"kind": "text" | "image",   optional (text when absent): what the span holds;
+ *             image: "features": str, "rows": int, "cols": int (the grid), "photos": int,
+ *             "heldout_photos": int, "calibration_crops": int, "heldout_crops": int,
+ *             "projector": str},
  *   "setup": {"head_tokens": int, "span_tokens": int, "tail_tokens": int,
  *             "generate_tokens": int,      greedy tokens generated per prompt
  *             "continuation_tokens": int,  teacher-forced held-out tokens scored per prompt
@@ -106,5 +110,11 @@
  * the file and the JSON field at fault (KVCAP_ERR_FORMAT) or the I/O call (KVCAP_ERR_IO). */
 enum kvcap_status kvcap_report_write(const char *metrics_path, const char *html_path,
                                      const char *csv_path);
+
+/* kvcap_report_write of metrics_paths[0] whose report also shows, side by side, every run of it
+ * beside the run of the same id in each of the other n_metrics - 1 (up to 7) files: other
+ * tracks (text and image spans) of the same evaluation. The CSV is the first file's. */
+enum kvcap_status kvcap_report_write_tracks(const char *const *metrics_paths, int n_metrics,
+                                            const char *html_path, const char *csv_path);
 
 #endif /* KVCAP_REPORT_H */

@@ -11,7 +11,7 @@
 static void usage(FILE *out)
 {
     fprintf(out,
-            "usage: kvcap-report METRICS.json [--html OUT.html] [--csv OUT.csv]\n"
+            "usage: kvcap-report METRICS.json [OTHER.json ...] [--html OUT.html] [--csv OUT.csv]\n"
             "\n"
             "Reads the metrics.json written by kvcap-eval (format 1) and writes:\n"
             "  - an HTML report, self-contained (inline CSS and SVG, no scripts, fonts or other\n"
@@ -36,6 +36,10 @@ static void usage(FILE *out)
             "    false), kl, task_accuracy, task_agreement_full, freekv_corrected,\n"
             "    freekv_reselected, freekv_hidden (empty where the metrics hold null; means are\n"
             "    over prompts or layers).\n"
+            "\n"
+            "More metrics files (other tracks of the same evaluation, e.g. the text track\n"
+            "beside the image track) add a section showing every run of the first beside the\n"
+            "run of the same id in each; the CSV is the first file's.\n"
             "\n"
             "The file is validated first: a malformed one is reported with the JSON field at\n"
             "fault (e.g. runs[3].token_agreement) and nothing is written. Each output is written\n"
@@ -90,9 +94,10 @@ int main(int argc, char **argv)
         return rc;
     if (optind >= argc)
         return cli_usage_error("no METRICS.json given");
-    if (argc - optind > 1)
-        return cli_usage_error("one METRICS.json at a time ('%s' is extra)", argv[optind + 1]);
+    if (argc - optind > 8)
+        return cli_usage_error("at most 8 metrics files ('%s' is the ninth)", argv[optind + 8]);
     const char *metrics = argv[optind];
+    const int n_metrics = argc - optind;
     if ((html && !*html) || (csv && !*csv))
         return cli_usage_error("%s: empty file name", html && !*html ? "--html" : "--csv");
     if (!html)
@@ -105,10 +110,13 @@ int main(int argc, char **argv)
         goto done;
     }
     const struct cli_path outs[2] = {{"--html", html}, {"--csv", csv}};
-    const struct cli_path in = {"METRICS.json", metrics};
-    if ((rc = cli_check_outputs(outs, 2, &in, 1)) != 0)
+    struct cli_path in[8];
+    for (int i = 0; i < n_metrics; i++)
+        in[i] = (struct cli_path){"METRICS.json", argv[optind + i]};
+    if ((rc = cli_check_outputs(outs, 2, in, n_metrics)) != 0)
         goto done;
-    enum kvcap_status st = kvcap_report_write(metrics, html, csv);
+    enum kvcap_status st =
+        kvcap_report_write_tracks((const char *const *)argv + optind, n_metrics, html, csv);
     if (st != KVCAP_OK) {
         rc = cli_fail(st);
         goto done;

@@ -944,6 +944,51 @@ static void test_bad_arguments(void **state)
     dirs_remove(&d);
 }
 
+/* Other tracks beside the first: each run next to the run of the same id; an image track's
+ * grid names its columns and the ranking shows the attention cosine where no task ran. */
+static void test_tracks_side_by_side(void **state)
+{
+    (void)state;
+    struct dirs d;
+    dirs_make(&d);
+    cJSON *doc = load_sample();
+    cJSON *track = cJSON_CreateObject();
+    cJSON_AddStringToObject(track, "kind", "image");
+    cJSON_AddNumberToObject(track, "rows", 16);
+    cJSON_AddNumberToObject(track, "cols", 16);
+    cJSON_AddNumberToObject(track, "photos", 40);
+    cJSON_AddNumberToObject(track, "heldout_photos", 10);
+    cJSON_AddItemToObject(doc, "track", track);
+    write_json(d.metrics, doc);
+    cJSON_Delete(doc);
+    const char *paths[2] = {d.metrics, SAMPLE};
+    if (kvcap_report_write_tracks(paths, 2, d.html, NULL) != KVCAP_OK)
+        fail_msg("%s", kvcap_last_error());
+    char *html = slurp(d.html);
+    assert_non_null(html);
+    assert_non_null(strstr(html, "<h2>Tracks side by side</h2>"));
+    assert_non_null(strstr(html, "image 16&thinsp;&times;&thinsp;16</th>"));
+    assert_non_null(strstr(html, "text 1&thinsp;&times;&thinsp;256</th>"));
+    assert_non_null(strstr(html, "an image span of 16&thinsp;&times;&thinsp;16 tokens"));
+    assert_non_null(strstr(html, "<dt>Images</dt><dd>40 photos (10 held out"));
+    free(html);
+    /* one track: no such section; a bad kind is named */
+    if (kvcap_report_write(SAMPLE, d.html, NULL) != KVCAP_OK)
+        fail_msg("%s", kvcap_last_error());
+    assert_non_null(html = slurp(d.html));
+    assert_null(strstr(html, "Tracks side by side"));
+    free(html);
+    doc = load_sample();
+    track = cJSON_CreateObject();
+    cJSON_AddStringToObject(track, "kind", "audio");
+    cJSON_AddItemToObject(doc, "track", track);
+    write_json(d.metrics, doc);
+    cJSON_Delete(doc);
+    assert_int_equal(kvcap_report_write(d.metrics, d.html, NULL), KVCAP_ERR_FORMAT);
+    assert_error_names(d.metrics, "track.kind: 'audio' is not text or image");
+    dirs_remove(&d);
+}
+
 /* ---- Cost of hostile inputs ------------------------------------------------------------------ */
 
 /* A metrics file within every bound whose mask panel is as large as they allow (4096 heads and
@@ -1058,6 +1103,7 @@ int main(void)
         cmocka_unit_test(test_missing_input),     cmocka_unit_test(test_bad_arguments),
         cmocka_unit_test(test_unwritable_output),
         cmocka_unit_test(test_bounded_rendering),
+        cmocka_unit_test(test_tracks_side_by_side),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
