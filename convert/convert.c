@@ -1,6 +1,7 @@
 /* convert.c — kvcap_convert(): merge calibration states, pick bases and key maps for the
  * artifact's schedule, store them in the chosen precision and write the artifact. */
 #include <stdio.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -25,8 +26,55 @@ static double mean(const double *r, int n)
     return s / n;
 }
 
+#define DCT_PI 3.14159265358979323846
+
+/* The orthonormal 2-D DCT-II basis of an R x C grid of points (row-major), [R*C][R*C], lowest
+ * frequencies first (by (u/R)^2 + (v/C)^2, then u): a value basis that needs no calibration.
+ * The constant vector (u = v = 0) comes last: a span's mean μ is stored apart, so the centred
+ * values it would reconstruct are zero. */
+static float *dct_basis(int R, int C)
+{
+    const int m = R * C;
+    float *b = malloc(sizeof *b * (size_t)m * m);
+    int *order = malloc(sizeof *order * (size_t)m);
+    if (!b || !order) {
+        free(b), free(order);
+        return NULL;
+    }
+    for (int i = 0; i < m; i++)
+        order[i] = i;
+    /* insertion sort of the m frequencies (m <= a few thousand, once per bucket) */
+    for (int i = 1; i < m; i++) {
+        int k = order[i], j = i;
+        double fk = (k / C == 0 && k % C == 0) ? 1e9
+                    : pow((double)(k / C) / R, 2) + pow((double)(k % C) / C, 2);
+        while (j > 0) {
+            int q = order[j - 1];
+            double fq = (q / C == 0 && q % C == 0) ? 1e9
+                        : pow((double)(q / C) / R, 2) + pow((double)(q % C) / C, 2);
+            if (fq < fk || (fq == fk && q < k))
+                break;
+            order[j] = q;
+            j--;
+        }
+        order[j] = k;
+    }
+    for (int i = 0; i < m; i++) {
+        const int u = order[i] / C, v = order[i] % C;
+        const double cu = sqrt((u ? 2.0 : 1.0) / R), cv = sqrt((v ? 2.0 : 1.0) / C);
+        for (int x = 0; x < R; x++)
+            for (int y = 0; y < C; y++)
+                b[(size_t)i * m + (size_t)x * C + y] =
+                    (float)(cu * cv * cos(DCT_PI * (2 * x + 1) * u / (2.0 * R)) *
+                            cos(DCT_PI * (2 * y + 1) * v / (2.0 * C)));
+    }
+    free(order);
+    return b;
+}
+
 /* The state's fitted maps as the artifact writer's units (views, nothing copied): the value
- * basis is the first R_v eigenvectors, which are the first rows of v_eigvec. */
+ * basis is the first R_v eigenvectors, which are the first rows of v_eigvec (or, with
+ * dct_values, the first R_v rows of the grid's DCT basis). */
 static enum kvcap_status write_artifact(struct kvcap_calib_state *s,
                                         const struct kvcap_convert_options *o,
                                         enum kvcap_dtype storage, const char *path)
@@ -39,17 +87,26 @@ static enum kvcap_status write_artifact(struct kvcap_calib_state *s,
         cJSON_Delete(prov);
         return kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "convert: out of memory");
     }
+    float *dct[KVCAP_MAX_BUCKETS] = {NULL};
+    enum kvcap_status st = KVCAP_OK;
+    for (int b = 0; o->dct_values && st == KVCAP_OK && b < s->n_buckets; b++) {
+        const struct kvcap_bucket *bk = &s->buckets[b];
+        const int tiled = bk->structure == KVCAP_STRUCTURE_TILED;
+        if (!(dct[b] = dct_basis(tiled ? bk->tile_rows : bk->rows, tiled ? bk->tile_cols : bk->cols)))
+            st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "convert: out of memory for a DCT basis");
+    }
     for (size_t i = 0; i < n; i++) {
         struct kvcap_calib_unit *u = &s->units[i];
         struct kvcap_key_maps *k = &u->keys;
         int l = (int)(i / ((size_t)s->model.n_kv_heads * s->n_buckets));
         units[i] = (struct kvcap_unit_maps){u->m, k->rk, k->h, kvcap_retained(s->r_values[l], u->m),
                                             k->gelu, k->mask, k->w1, k->b1, k->w2, k->b2,
-                                            u->v_eigvec};
+                                            o->dct_values ? dct[i % s->n_buckets] : u->v_eigvec};
     }
     char tool[48];
     snprintf(tool, sizeof tool, "kvcap-convert %s", kvcap_version());
     cJSON_AddStringToObject(prov, "tool", tool);
+    cJSON_AddStringToObject(prov, "value_basis", o->dct_values ? "dct" : "calibrated");
     cJSON *from = cJSON_AddArrayToObject(prov, "states");
     for (int i = 0; i < o->n_states; i++)
         cJSON_AddItemToArray(from, cJSON_CreateString(o->states[i]));
@@ -61,9 +118,12 @@ static enum kvcap_status write_artifact(struct kvcap_calib_state *s,
     struct kvcap_artifact_desc desc = {s->model, s->n_buckets, s->buckets, storage,
                                        s->activation == KVCAP_ACTIVATION_GELU, o->fallback,
                                        s->r_keys, s->r_values, (const int64_t(*)[2])spans, prov};
-    enum kvcap_status st = kvcap_artifact_write(path, &desc, units);
+    if (st == KVCAP_OK)
+        st = kvcap_artifact_write(path, &desc, units);
     cJSON_Delete(prov);
     free(units);
+    for (int b = 0; b < s->n_buckets; b++)
+        free(dct[b]);
     return st;
 }
 

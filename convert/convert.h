@@ -14,6 +14,8 @@ struct kvcap_convert_options {
     int keys_set, values_set;  /* else the schedules the states were fitted with */
     struct kvcap_schedule keys, values; /* borrowed */
     enum kvcap_policy fallback; /* for spans without a bucket, default flashcache */
+    int dct_values;             /* value bases: the 2-D DCT low-pass of each bucket's grid (its
+                                 * tile for tiled maps) instead of the calibrated eigenvectors */
 };
 
 void kvcap_convert_default_options(struct kvcap_convert_options *o);

@@ -33,6 +33,9 @@ static void usage(FILE *out)
             "                        (default: the schedule the states were fitted with)\n"
             "  -r, --values SCHED    value retention, same forms\n"
             "      --fallback P      policy for spans with no bucket (default flashcache)\n"
+            "      --value-basis B   calibrated (default): the value PCA of the states; dct: the\n"
+            "                        2-D DCT low-pass of each bucket's grid (its tile when\n"
+            "                        tiled), a basis that needs no calibration\n"
             "  -i, --inspect         inspect FILEs instead of converting\n"
             "  -a, --all-tensors     with --inspect: list every tensor (default: the first 24)\n"
             "  -v, --verbose         also print informational library messages\n"
@@ -88,11 +91,12 @@ static int parse_schedule(const char *arg, const char *option, struct kvcap_sche
 
 int main(int argc, char **argv)
 {
-    enum { FALLBACK = 1000 };
+    enum { FALLBACK = 1000, VALUE_BASIS };
     static const struct option options[] = {
         {"out", required_argument, NULL, 'o'},      {"storage", required_argument, NULL, 's'},
         {"keys", required_argument, NULL, 'k'},     {"values", required_argument, NULL, 'r'},
         {"fallback", required_argument, NULL, FALLBACK},
+        {"value-basis", required_argument, NULL, VALUE_BASIS},
         {"inspect", no_argument, NULL, 'i'},        {"all-tensors", no_argument, NULL, 'a'},
         {"verbose", no_argument, NULL, 'v'},        {"version", no_argument, NULL, 'V'},
         {"help", no_argument, NULL, 'h'},           {NULL, 0, NULL, 0}};
@@ -127,6 +131,11 @@ int main(int argc, char **argv)
                                      "streaming", optarg);
             break;
         }
+        case VALUE_BASIS:
+            if (strcmp(optarg, "dct") == 0) o.dct_values = 1;
+            else if (strcmp(optarg, "calibrated") == 0) o.dct_values = 0;
+            else rc = cli_usage_error("--value-basis: '%s' is not calibrated or dct", optarg);
+            break;
         case 'i': inspect = 1; break;
         case 'a': all_tensors = 1; break;
         case 'v': verbose = 1; break;

@@ -18,6 +18,7 @@
 #include <cblas.h>
 #include <lapacke.h>
 
+#include "artifact.h"
 #include "calibrate.h"
 #include "convert.h"
 #include "internal.h"
@@ -26,6 +27,9 @@
 #include "test_util.h"
 
 /* Data are stored in f32: exact-rank structure survives storage up to float rounding. */
+/* DCT basis rows stored in the artifact's storage dtype (F16 by default): orthonormal to
+ * about 1e-3 (f16 rounding of m values each). */
+#define DCT_TOL 4e-3
 #define EXACT_REL_TOL 1e-4
 /* Grams summed in a different order: double rounding only. */
 #define MERGE_REL_TOL 1e-12
@@ -239,6 +243,33 @@ static void test_merge_equals_one_run(void **state)
         fail_msg("%s", kvcap_last_error());
     assert_true(rep.keys_refit);
     assert_true(access(out, F_OK) == 0);
+    /* the calibration-free value basis: each unit's R_v rows are orthonormal DCT vectors of
+     * its grid, none of them the constant (the span mean is stored apart) */
+    o.dct_values = 1;
+    snprintf(out, sizeof out, "%s/dct.kvcap", da);
+    if (kvcap_convert(&o, &rep) != KVCAP_OK)
+        fail_msg("%s", kvcap_last_error());
+    struct kvcap_artifact *art = NULL;
+    if (kvcap_artifact_open(out, &art) != KVCAP_OK)
+        fail_msg("%s", kvcap_last_error());
+    for (int l = 0; l < art->model.n_layers; l++)
+        for (int bi = 0; bi < art->n_buckets; bi++) {
+            const struct kvcap_unit_maps *u = kvcap_artifact_unit(art, l, 0, bi);
+            assert_true(u->rv >= 1);
+            for (int i = 0; i < u->rv; i++) {
+                double sum = 0;
+                for (int j = 0; j < u->m; j++)
+                    sum += u->u[(size_t)i * u->m + j];
+                assert_true(fabs(sum) < DCT_TOL); /* orthogonal to the constant */
+                for (int k = 0; k <= i; k++) {
+                    double dot = 0;
+                    for (int j = 0; j < u->m; j++)
+                        dot += (double)u->u[(size_t)i * u->m + j] * u->u[(size_t)k * u->m + j];
+                    assert_true(fabs(dot - (i == k)) < DCT_TOL);
+                }
+            }
+        }
+    kvcap_artifact_free(art);
     /* a state of another model does not merge */
     struct kvcap_calib_state other;
     struct kvcap_calib_config cfg2 = cfg;
