@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates (once) the Python environment the interop test uses: a venv with the reference
-# safetensors implementation and numpy, at ${KVCAP_VENV:-<repo>/.venv}.
+# safetensors implementation and numpy, at ${KVCAP_VENV:-<repo>/.venv}. With --vision it also
+# installs what scripts/vision_features.py needs (onnxruntime, pillow, onnx).
 # Prints the venv's python path on stdout and nothing else. When the venv cannot be made
 # (no python3-venv, no network), prints nothing on stdout, warns on stderr and exits 0, so
 # the build goes on and the interop test reports itself as skipped.
@@ -8,25 +9,37 @@ set -u
 
 NUMPY_PIN="numpy==2.4.6"
 SAFETENSORS_PIN="safetensors==0.8.0"
+VISION_PINS=("onnxruntime==1.32.0" "pillow==13.0.0" "onnx==1.23.2")
+
+pins=("$NUMPY_PIN" "$SAFETENSORS_PIN")
+pins_text="$NUMPY_PIN and $SAFETENSORS_PIN"
+imports="import numpy, safetensors.numpy"
+skipped="the interop test"
+if [ "${1:-}" = "--vision" ]; then
+  pins+=("${VISION_PINS[@]}")
+  pins_text="${pins[*]}"
+  imports="$imports, onnxruntime, PIL.Image, onnx"
+  skipped="the interop and vision tests"
+fi
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${KVCAP_VENV:-$repo/.venv}"
 py="$venv/bin/python"
 
 warn() {
-  echo "setup-python: $*; the interop test will be skipped" >&2
+  echo "setup-python: $*; $skipped will be skipped" >&2
   exit 0
 }
 
 have_pins() {
-  "$py" - "$NUMPY_PIN" "$SAFETENSORS_PIN" <<'EOF' >/dev/null 2>&1
+  "$py" - "$imports" "${pins[@]}" <<'EOF' >/dev/null 2>&1
 import sys
 from importlib.metadata import version
-for pin in sys.argv[1:]:
+for pin in sys.argv[2:]:
     name, want = pin.split("==")
     if version(name) != want:
         sys.exit(1)
-import numpy, safetensors.numpy  # noqa: E401,F401  (importable, not just installed)
+exec(sys.argv[1])  # importable, not just installed
 EOF
 }
 
@@ -42,8 +55,8 @@ if [ ! -x "$py" ]; then
 fi
 
 "$py" -m pip install --quiet --disable-pip-version-check --no-input --retries 2 --timeout 30 \
-  "$NUMPY_PIN" "$SAFETENSORS_PIN" >/dev/null 2>&1 ||
-  warn "pip install $NUMPY_PIN $SAFETENSORS_PIN into $venv failed"
+  "${pins[@]}" >/dev/null 2>&1 ||
+  warn "pip install ${pins[*]} into $venv failed"
 
-have_pins || warn "$venv has no working $NUMPY_PIN and $SAFETENSORS_PIN after install"
+have_pins || warn "$venv has no working $pins_text after install"
 echo "$py"
