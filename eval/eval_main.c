@@ -1394,8 +1394,50 @@ static enum kvcap_status task_run(const struct options *o, const struct model_ct
 /* ---- metrics.json --------------------------------------------------------------------------- */
 static cJSON *num_or_null(double x) { return isfinite(x) ? cJSON_CreateNumber(x) : cJSON_CreateNull(); }
 
-static void add_masks(cJSON *root, const struct options *o)
+/* A thumbnail [size][size][3] RGB as a data: URI of a 24-bit BMP (every browser shows one; no
+ * image library needed), or NULL. */
+static char *bmp_data_uri(const uint8_t *rgb, int size)
 {
+    const int row = (size * 3 + 3) & ~3;
+    const size_t bytes = 54 + (size_t)row * size;
+    unsigned char *bmp = calloc(bytes, 1);
+    char *uri = malloc(sizeof "data:image/bmp;base64," + (bytes + 2) / 3 * 4);
+    if (!bmp || !uri) {
+        free(bmp), free(uri);
+        return NULL;
+    }
+    const uint32_t fields[] = {(uint32_t)bytes, 0, 54, 40, (uint32_t)size, (uint32_t)size};
+    bmp[0] = 'B', bmp[1] = 'M';
+    for (int f = 0; f < 6; f++)
+        for (int k = 0; k < 4; k++)
+            bmp[2 + 4 * f + k] = (unsigned char)(fields[f] >> (8 * k));
+    bmp[26] = 1, bmp[28] = 24; /* one plane, 24 bits per pixel, no compression */
+    for (int y = 0; y < size; y++) /* bottom-up rows, BGR */
+        for (int x = 0; x < size; x++)
+            for (int c = 0; c < 3; c++)
+                bmp[54 + (size_t)(size - 1 - y) * row + (size_t)x * 3 + c] =
+                    rgb[((size_t)y * size + x) * 3 + (2 - c)];
+    static const char b64[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    char *w = uri + sprintf(uri, "data:image/bmp;base64,");
+    for (size_t i = 0; i < bytes; i += 3) {
+        uint32_t v = (uint32_t)bmp[i] << 16 | (i + 1 < bytes ? (uint32_t)bmp[i + 1] << 8 : 0) |
+                     (i + 2 < bytes ? bmp[i + 2] : 0);
+        *w++ = b64[v >> 18 & 63], *w++ = b64[v >> 12 & 63];
+        *w++ = i + 1 < bytes ? b64[v >> 6 & 63] : '=';
+        *w++ = i + 2 < bytes ? b64[v & 63] : '=';
+    }
+    *w = '\0';
+    free(bmp);
+    return uri;
+}
+
+/* Key masks of each KVCapsule variant (at the retention nearest 0.4) over the span's grid: token
+ * j is kept by a head when its point (j itself for dense maps; its place inside its tile for
+ * tiled ones) is in that head's mask. The image track adds the grid and a held-out photo's
+ * thumbnail to draw the masks over. */
+static void add_masks(cJSON *root, const struct options *o, int rows, const char *thumb)
+{
+    const int cols = o->span / rows;
     cJSON *masks = cJSON_AddArrayToObject(root, "masks");
     /* One panel per variant, at the retention closest to 0.4. */
     for (int a = 0; a < o->n_artifacts; a++) {
@@ -1409,30 +1451,39 @@ static void add_masks(cJSON *root, const struct options *o)
         struct kvcap_artifact *art = NULL;
         if (kvcap_artifact_open(o->artifacts[a].path, &art) != KVCAP_OK)
             continue;
-        int b = kvcap_artifact_find_bucket(art, 1, o->span);
+        int b = kvcap_artifact_find_bucket(art, rows, cols);
         if (b >= 0) {
             const struct kvcap_bucket *bk = &art->buckets[b];
+            const int tiled = bk->structure == KVCAP_STRUCTURE_TILED;
             cJSON *m = cJSON_CreateObject();
             char name[96];
-            snprintf(name, sizeof name, "1x%d %s (retention %.2f)", o->span,
+            snprintf(name, sizeof name, "%dx%d %s (retention %.2f)", rows, cols,
                      o->artifacts[a].variant, o->artifacts[a].retention);
             cJSON_AddStringToObject(m, "bucket", name);
             cJSON_AddNumberToObject(m, "n_tokens", o->span);
             cJSON_AddNumberToObject(m, "heads", art->model.n_kv_heads);
+            if (thumb) {
+                cJSON_AddNumberToObject(m, "rows", rows);
+                cJSON_AddNumberToObject(m, "cols", cols);
+                cJSON_AddStringToObject(m, "thumb", thumb);
+            }
             cJSON *kept = cJSON_AddArrayToObject(m, "kept");
             for (int l = 0; l < art->model.n_layers; l++) {
                 cJSON *layer = cJSON_CreateArray();
                 for (int h = 0; h < art->model.n_kv_heads; h++) {
                     const struct kvcap_unit_maps *u = kvcap_artifact_unit(art, l, h, b);
                     cJSON *head = cJSON_CreateArray();
-                    const int tile = bk->structure == KVCAP_STRUCTURE_TILED ? bk->tile_cols
-                                                                            : o->span;
-                    for (int j = 0; j < o->span; j++)
+                    for (int j = 0; j < o->span; j++) {
+                        const int r = j / cols, c = j % cols;
+                        const int point = !tiled ? j
+                                                 : (r % bk->tile_rows) * bk->tile_cols +
+                                                       c % bk->tile_cols;
                         for (int i = 0; i < u->rk; i++)
-                            if (u->mask[i] == j % tile) {
+                            if (u->mask[i] == point) {
                                 cJSON_AddItemToArray(head, cJSON_CreateNumber(j));
                                 break;
                             }
+                    }
                     cJSON_AddItemToArray(layer, head);
                 }
                 cJSON_AddItemToArray(kept, layer);
@@ -1457,7 +1508,7 @@ static enum kvcap_status write_metrics(const struct options *o, const struct mod
                                        const struct corpus *corpus, struct run *runs,
                                        int n_runs, int n_prompts, const struct task *task,
                                        double bandwidth_gbs, const char *command,
-                                       const struct image_set *im, const char *path)
+                                       const struct image_set *im, int crop0, const char *path)
 {
     /* The end of the first prompt: what the samples continue. */
     char prompt_tail_text[1024] = "";
@@ -1649,7 +1700,13 @@ static enum kvcap_status write_metrics(const struct options *o, const struct mod
         }
         cJSON_AddItemToArray(jr, j);
     }
-    add_masks(root, o);
+    char *thumb = im && im->f.thumbs && crop0 >= 0
+                      ? bmp_data_uri(im->f.thumbs + (size_t)crop0 * im->f.thumb_size *
+                                                        im->f.thumb_size * 3,
+                                     im->f.thumb_size)
+                      : NULL;
+    add_masks(root, o, im ? im->f.grid : 1, thumb);
+    free(thumb);
     cJSON *notes = cJSON_AddArrayToObject(root, "notes");
     if (im) {
         char line[1024];
@@ -1856,7 +1913,7 @@ static int cmd_run(const struct options *opt, int argc, char **argv)
     snprintf(csv, sizeof csv, "%s/metrics.csv", o->out);
     if (s == KVCAP_OK)
         s = write_metrics(o, &mc, &corpus, runs, n_runs, n_prompts, &task, bw, command,
-                          opt->track == TRACK_IMAGE ? &im : NULL, metrics);
+                          opt->track == TRACK_IMAGE ? &im : NULL, crop_of[0], metrics);
     const char *tracks[8] = {metrics};
     for (int i = 0; i < o->n_compare; i++)
         tracks[1 + i] = o->compare[i];

@@ -65,6 +65,8 @@ struct mask {
     const char *bucket;
     int n_tokens, heads;
     uint16_t *count;
+    int rows, cols;    /* the image's grid (rows * cols == n_tokens), 0 without a thumbnail */
+    const char *thumb; /* data:image/bmp;base64,... of a held-out photo crop, or NULL */
 };
 
 struct goal {
@@ -463,6 +465,25 @@ static enum kvcap_status parse_mask(struct report *r, const cJSON *o, int i)
                     MAX_MASK_HEADS);
     m->n_tokens = (int)n_tokens;
     m->heads = (int)heads;
+    KVCAP_TRY(get_string(r, o, where, "thumb", 0, &m->thumb));
+    if (m->thumb) {
+        double rows, cols;
+        static const char prefix[] = "data:image/bmp;base64,";
+        const size_t len = strlen(m->thumb);
+        KVCAP_RETURN_IF(strncmp(m->thumb, prefix, sizeof prefix - 1) != 0 || len > (1u << 20) ||
+                            strspn(m->thumb + sizeof prefix - 1,
+                                   "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+                                   "0123456789+/=") != len - (sizeof prefix - 1),
+                        KVCAP_ERR_FORMAT, "%s: %s.thumb: not a base64 BMP data URI of at most 1 MiB",
+                        r->path, where);
+        KVCAP_TRY(get_number(r, o, where, "rows", 1, NUM_POS_COUNT, &rows));
+        KVCAP_TRY(get_number(r, o, where, "cols", 1, NUM_POS_COUNT, &cols));
+        KVCAP_RETURN_IF(rows * cols != n_tokens, KVCAP_ERR_FORMAT,
+                        "%s: %s: rows x cols (%g x %g) is not n_tokens (%g)", r->path, where,
+                        rows, cols, n_tokens);
+        m->rows = (int)rows;
+        m->cols = (int)cols;
+    }
 
     const cJSON *kept = member(o, "kept");
     KVCAP_RETURN_IF(!kept, KVCAP_ERR_FORMAT, "%s: %s.kept: missing (expected an array per layer)",
@@ -2589,6 +2610,47 @@ static void render_mask(struct buf *b, const struct report *r, const struct mask
             n, m->heads);
 }
 
+/* The share of (layer, head) pairs keeping each token, over the photo it came from: tokens
+ * dropped by most heads are darkened, so the reader sees whether retention follows the image. */
+static void render_mask_on_image(struct buf *b, const struct report *r, const struct mask *m)
+{
+    const int R = m->rows, C = m->cols, L = r->n_layers;
+    const double side = 320, cell = side / (C > R ? C : R);
+    bputs(b, "<figure class=\"mask-image\">\n");
+    bprintf(b, "<svg class=\"fig\" width=\"%.0f\" height=\"%.0f\" viewBox=\"0 0 %.0f %.0f\" "
+               "role=\"img\" aria-label=\"key masks over the photo\">\n",
+            cell * C, cell * R, cell * C, cell * R);
+    bputs(b, "<image x=\"0\" y=\"0\" preserveAspectRatio=\"none\" ");
+    bprintf(b, "width=\"%.1f\" height=\"%.1f\" href=\"", cell * C, cell * R);
+    besc(b, m->thumb);
+    bputs(b, "\"/>\n");
+    double most = 0; /* the most-kept token's share: shown clear */
+    for (int j = 0; j < m->n_tokens; j++) {
+        double kept = 0;
+        for (int l = 0; l < L; l++)
+            kept += m->count[(size_t)l * m->n_tokens + j];
+        most = fmax(most, kept / ((double)L * m->heads));
+    }
+    for (int y = 0; y < R; y++)
+        for (int x = 0; x < C; x++) {
+            double kept = 0;
+            for (int l = 0; l < L; l++)
+                kept += m->count[(size_t)l * m->n_tokens + (size_t)y * C + x];
+            kept /= (double)L * m->heads;
+            bprintf(b, "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" "
+                       "fill=\"#0b1a33\" fill-opacity=\"%.2f\" stroke=\"#ffffff\" "
+                       "stroke-opacity=\"0.25\" stroke-width=\"0.5\"><title>token (%d, %d): kept "
+                       "by %.0f%% of layer-heads</title></rect>",
+                    x * cell, y * cell, cell, cell, most > 0 ? 0.8 * (1 - kept / most) : 0.8,
+                    y, x, 100 * kept);
+        }
+    bprintf(b, "\n</svg>\n<figcaption>The %d&thinsp;&times;&thinsp;%d tokens of a held-out photo "
+               "crop: the darker a cell, the fewer of the %d layers &times; %d KV heads keep that "
+               "token's key (clear: the most-kept token, %.0f&nbsp;%% of them).</figcaption>\n"
+               "</figure>\n",
+            R, C, L, m->heads, 100 * most);
+}
+
 static void render_masks(struct buf *b, const struct report *r)
 {
     if (!r->n_masks)
@@ -2597,8 +2659,11 @@ static void render_masks(struct buf *b, const struct report *r)
              "tokens of a span KVCapsule's key masks keep, per bucket: each panel overlays the "
              "heads of every layer, so a reader can see whether retention follows the image "
              "structure or is spread evenly.</p>\n");
-    for (int i = 0; i < r->n_masks; i++)
+    for (int i = 0; i < r->n_masks; i++) {
         render_mask(b, r, &r->masks[i]);
+        if (r->masks[i].thumb)
+            render_mask_on_image(b, r, &r->masks[i]);
+    }
     bputs(b, "</section>\n");
 }
 

