@@ -408,42 +408,6 @@ enum kvcap_status kvcap_calib_state_write(const struct kvcap_calib_state *s, con
     return st;
 }
 
-static enum kvcap_status read_ratios(const cJSON *sched, const char *key, const char *path,
-                                     int n, double *out)
-{
-    const cJSON *arr = cJSON_GetObjectItemCaseSensitive(sched, key);
-    KVCAP_RETURN_IF(!cJSON_IsArray(arr) || cJSON_GetArraySize(arr) != n, KVCAP_ERR_FORMAT,
-                    "%s: calib.fit.schedule.%s: expected %d ratios", path, key, n);
-    for (int i = 0; i < n; i++) {
-        double r = cJSON_GetNumberValue(cJSON_GetArrayItem(arr, i));
-        KVCAP_RETURN_IF(!(r > 0 && r <= 1), KVCAP_ERR_FORMAT,
-                        "%s: calib.fit.schedule.%s[%d]: expected a ratio in (0, 1]", path, key, i);
-        out[i] = r;
-    }
-    return KVCAP_OK;
-}
-
-static enum kvcap_status read_fit(const cJSON *fit, const char *path, struct kvcap_calib_state *s)
-{
-    KVCAP_RETURN_IF(!cJSON_IsObject(fit), KVCAP_ERR_FORMAT, "%s: calib.fit: missing", path);
-    const char *method = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(fit, "keys_method"));
-    const char *act = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(fit, "activation"));
-    const char *storage = cJSON_GetStringValue(cJSON_GetObjectItemCaseSensitive(fit, "storage"));
-    KVCAP_RETURN_IF(!method || !kvcap_key_method_parse(method, &s->key_method), KVCAP_ERR_FORMAT,
-                    "%s: calib.fit.keys_method: missing or unknown", path);
-    KVCAP_RETURN_IF(!act || !kvcap_activation_parse(act, &s->activation), KVCAP_ERR_FORMAT,
-                    "%s: calib.fit.activation: missing or unknown", path);
-    KVCAP_RETURN_IF(!storage || !kvcap_dtype_parse(storage, &s->storage), KVCAP_ERR_FORMAT,
-                    "%s: calib.fit.storage: missing or unknown", path);
-    s->hidden = (int)cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(fit, "hidden"));
-    s->ridge = cJSON_GetNumberValue(cJSON_GetObjectItemCaseSensitive(fit, "ridge"));
-    KVCAP_RETURN_IF(s->hidden < 0 || !(s->ridge >= 0), KVCAP_ERR_FORMAT,
-                    "%s: calib.fit.hidden/ridge: out of range", path);
-    const cJSON *sched = cJSON_GetObjectItemCaseSensitive(fit, "schedule");
-    KVCAP_TRY(read_ratios(sched, "keys", path, s->model.n_layers, s->r_keys));
-    return read_ratios(sched, "values", path, s->model.n_layers, s->r_values);
-}
-
 static const struct kvst_tensor *find(const struct kvst_file *f, int l, int h, int b,
                                       const char *suffix)
 {
@@ -458,6 +422,8 @@ enum kvcap_status kvcap_calib_state_read(const char *path, struct kvcap_calib_st
     struct kvst_file *f = NULL;
     KVCAP_TRY(kvst_open(path, &f));
     struct kvcap_file_info info;
+    /* The schema check is the whole validation (kvcap-convert --inspect runs the same one):
+     * below, values are only copied. */
     enum kvcap_status st = kvcap_schema_check(f, KVCAP_KIND_CALIB, &info);
     if (st == KVCAP_OK) {
         s->model = info.model;
@@ -465,24 +431,19 @@ enum kvcap_status kvcap_calib_state_read(const char *path, struct kvcap_calib_st
         memcpy(s->buckets, info.buckets, sizeof info.buckets);
         st = state_alloc(s);
     }
-    const cJSON *calib = cJSON_GetObjectItemCaseSensitive(info.config, "calib");
     if (st == KVCAP_OK) {
-        const cJSON *spans = cJSON_GetObjectItemCaseSensitive(calib, "spans");
         for (int b = 0; b < s->n_buckets; b++) {
-            const cJSON *pair = cJSON_GetArrayItem(spans, b);
-            double tr = cJSON_GetNumberValue(cJSON_GetArrayItem(pair, 0));
-            double va = cJSON_GetNumberValue(cJSON_GetArrayItem(pair, 1));
-            if (!(tr >= 0 && va >= 0 && tr < 9e15 && va < 9e15)) {
-                st = kvcap_fail(KVCAP_ERR_FORMAT, "%s: calib.spans[%d]: expected two counts",
-                                path, b);
-                break;
-            }
-            s->train_spans[b] = (int64_t)tr;
-            s->val_spans[b] = (int64_t)va;
+            s->train_spans[b] = info.calib_spans[b][0];
+            s->val_spans[b] = info.calib_spans[b][1];
         }
+        s->key_method = info.fit.key_method;
+        s->activation = info.fit.activation;
+        s->hidden = info.fit.hidden;
+        s->ridge = info.fit.ridge;
+        s->storage = info.storage;
+        memcpy(s->r_keys, info.schedule_keys, sizeof(double) * (size_t)s->model.n_layers);
+        memcpy(s->r_values, info.schedule_values, sizeof(double) * (size_t)s->model.n_layers);
     }
-    if (st == KVCAP_OK)
-        st = read_fit(cJSON_GetObjectItemCaseSensitive(calib, "fit"), path, s);
     for (int l = 0; st == KVCAP_OK && l < s->model.n_layers; l++)
         for (int h = 0; st == KVCAP_OK && h < s->model.n_kv_heads; h++)
             for (int b = 0; st == KVCAP_OK && b < s->n_buckets; b++) {

@@ -1,5 +1,6 @@
 /* inspect.c — `kvcap-convert --inspect`: a human-readable account of any kvcap file (kind,
- * version, geometry, buckets, schedule, tensors) that also validates it. */
+ * version, geometry, buckets, schedule, tensors) that also validates it, with the validator
+ * the readers use (kvcap_schema_check), so a file it passes opens everywhere. */
 #include <stdio.h>
 #include <string.h>
 
@@ -99,19 +100,19 @@ static void print_kind_details(const struct kvst_file *f, const struct kvcap_fil
     case KVCAP_KIND_DATASET:
         print_dataset(f, info);
         break;
-    case KVCAP_KIND_CALIB: {
+    case KVCAP_KIND_CALIB:
         print_buckets(info);
-        const cJSON *spans = cJSON_GetObjectItemCaseSensitive(
-            cJSON_GetObjectItemCaseSensitive(info->config, "calib"), "spans");
-        for (int b = 0; b < info->n_buckets; b++) {
-            const cJSON *pair = cJSON_GetArrayItem(spans, b);
-            printf("%sbucket %d: %d training, %d validation spans\n",
-                   b ? "           " : "samples    ", b,
-                   (int)cJSON_GetNumberValue(cJSON_GetArrayItem(pair, 0)),
-                   (int)cJSON_GetNumberValue(cJSON_GetArrayItem(pair, 1)));
-        }
+        for (int b = 0; b < info->n_buckets; b++)
+            printf("%sbucket %d: %lld training, %lld validation spans\n",
+                   b ? "           " : "samples    ", b, (long long)info->calib_spans[b][0],
+                   (long long)info->calib_spans[b][1]);
+        printf("fit        keys %s, activation %s, hidden %d, ridge %g, storage %s\n",
+               kvcap_key_method_name(info->fit.key_method),
+               kvcap_activation_name(info->fit.activation), info->fit.hidden, info->fit.ridge,
+               kvcap_dtype_name(info->storage));
+        schedule_summary("keys      ", info->schedule_keys, info->model.n_layers);
+        schedule_summary("values    ", info->schedule_values, info->model.n_layers);
         break;
-    }
     case KVCAP_KIND_ARTIFACT:
         print_buckets(info);
         printf("maps       storage %s, activation %s, fallback %s\n",

@@ -1,6 +1,7 @@
 /* schema.c — checks that a safetensors file is a well-formed kvcap dataset, calibration state
  * or artifact (formats/SPEC.md §2–6), and converts the shared config JSON to and from structs. */
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -48,12 +49,11 @@ static enum kvcap_status json_int(const cJSON *obj, const char *key, int require
         KVCAP_RETURN_IF(required, KVCAP_ERR_FORMAT, "%s: %s.%s: missing", where, field, key);
         return KVCAP_OK;
     }
-    double v = it->valuedouble;
-    KVCAP_RETURN_IF(!cJSON_IsNumber(it) || v != floor(v), KVCAP_ERR_FORMAT,
-                    "%s: %s.%s: expected an integer", where, field, key);
-    KVCAP_RETURN_IF(v < (double)lo || v > (double)hi, KVCAP_ERR_FORMAT,
-                    "%s: %s.%s: %.0f is outside %ld..%ld", where, field, key, v, lo, hi);
-    *out = (int)v;
+    KVCAP_RETURN_IF(!cJSON_IsNumber(it), KVCAP_ERR_FORMAT, "%s: %s.%s: expected an integer",
+                    where, field, key);
+    KVCAP_RETURN_IF(!kvcap_int_from_double(it->valuedouble, lo, hi, out), KVCAP_ERR_FORMAT,
+                    "%s: %s.%s: %g is not an integer in %ld..%ld", where, field, key,
+                    it->valuedouble, lo, hi);
     return KVCAP_OK;
 }
 
@@ -135,12 +135,13 @@ enum kvcap_status kvcap_geometry_from_json(const cJSON *model, const char *where
             const cJSON *s;
             cJSON_ArrayForEach(s, sections)
             {
-                KVCAP_RETURN_IF(!cJSON_IsNumber(s) || s->valuedouble != floor(s->valuedouble) ||
-                                    fabs(s->valuedouble) > 4096,
+                KVCAP_RETURN_IF(!cJSON_IsNumber(s) ||
+                                    !kvcap_int_from_double(s->valuedouble, -4096, 4096,
+                                                           &g->rope_sections[g->n_rope_sections]),
                                 KVCAP_ERR_FORMAT,
                                 "%s: model.rope.sections[%d]: expected a small integer", where,
                                 g->n_rope_sections);
-                g->rope_sections[g->n_rope_sections++] = (int)s->valuedouble;
+                g->n_rope_sections++;
             }
         }
     }
@@ -206,14 +207,12 @@ enum kvcap_status kvcap_buckets_from_json(const cJSON *arr, const char *where,
                                 !cJSON_IsNumber(cJSON_GetArrayItem(tile, 0)) ||
                                 !cJSON_IsNumber(cJSON_GetArrayItem(tile, 1)),
                             KVCAP_ERR_FORMAT, "%s: %s.tile: expected [rows, cols]", where, field);
-            double tr = cJSON_GetArrayItem(tile, 0)->valuedouble;
-            double tc = cJSON_GetArrayItem(tile, 1)->valuedouble;
-            KVCAP_RETURN_IF(tr != floor(tr) || tc != floor(tc) || tr < 1 || tc < 1 ||
-                                tr > 4096 || tc > 4096,
-                            KVCAP_ERR_FORMAT, "%s: %s.tile: expected two integers in 1..4096",
-                            where, field);
-            bk->tile_rows = (int)tr;
-            bk->tile_cols = (int)tc;
+            KVCAP_RETURN_IF(
+                !kvcap_int_from_double(cJSON_GetArrayItem(tile, 0)->valuedouble, 1, 4096,
+                                       &bk->tile_rows) ||
+                    !kvcap_int_from_double(cJSON_GetArrayItem(tile, 1)->valuedouble, 1, 4096,
+                                           &bk->tile_cols),
+                KVCAP_ERR_FORMAT, "%s: %s.tile: expected two integers in 1..4096", where, field);
         }
         enum kvcap_status st = kvcap_bucket_check(bk, field);
         KVCAP_RETURN_IF(st != KVCAP_OK, KVCAP_ERR_FORMAT, "%s: %s", where, kvcap_last_error());
@@ -297,6 +296,42 @@ static enum kvcap_status expect(const struct kvst_file *f, const char *name, int
     return KVCAP_OK;
 }
 
+/* Every value of float tensor `t` (F32, F16, BF16 or F64) is finite: one NaN in a map or a
+ * sum would turn every output it touches into NaN with status OK. KVCAP_ERR_NUMERIC naming
+ * the tensor and the first bad element. */
+static enum kvcap_status expect_finite(const struct kvst_file *f, const struct kvst_tensor *t)
+{
+    enum { CHUNK = 1024 };
+    const unsigned char *data = t->data;
+    size_t es = kvcap_dtype_size(t->dtype);
+    double v[CHUNK];
+    float x[CHUNK];
+    for (size_t i0 = 0; i0 < t->n_elements; i0 += CHUNK) {
+        size_t n = t->n_elements - i0 < CHUNK ? t->n_elements - i0 : CHUNK;
+        if (t->dtype == KVCAP_DTYPE_F64) { /* as doubles: a large finite F64 is no F32 */
+            memcpy(v, data + i0 * es, n * es);
+        } else {
+            KVCAP_TRY(kvcap_convert_to_f32(t->dtype, data + i0 * es, n, x));
+            for (size_t i = 0; i < n; i++)
+                v[i] = x[i];
+        }
+        for (size_t i = 0; i < n; i++)
+            KVCAP_RETURN_IF(!isfinite(v[i]), KVCAP_ERR_NUMERIC,
+                            "%s: tensor '%s': non-finite value %g at element %zu", kvst_path(f),
+                            t->name, v[i], i0 + i);
+    }
+    return KVCAP_OK;
+}
+
+/* expect() for a float tensor whose values must also be finite. */
+static enum kvcap_status expect_values(const struct kvst_file *f, const char *name, int required,
+                                       int dtype, int ndim, const int64_t *expected,
+                                       const struct kvst_tensor **out)
+{
+    KVCAP_TRY(expect(f, name, required, dtype, ndim, expected, out));
+    return *out ? expect_finite(f, *out) : KVCAP_OK;
+}
+
 /* Parses a leading "s<digits>." span index; -1 if the name does not start like that. */
 static long span_index(const char *name)
 {
@@ -369,15 +404,20 @@ static enum kvcap_status read_buckets(const struct kvst_file *f, struct kvcap_fi
                                    kvst_path(f), info->buckets, &info->n_buckets);
 }
 
-/* The six maps of SPEC §4.3 under `prefix`; `dtype` is the float storage type. */
+/* The six maps of SPEC §4.3 under `prefix`; `dtype` is the float storage type. Their values
+ * must be finite. sizes[0] = R_v and sizes[1] = h, 0 for a map that is absent (only where
+ * `required` is 0). */
 static enum kvcap_status check_maps(const struct kvst_file *f, const char *prefix, int m,
-                                    int dtype, int required)
+                                    int dtype, int required, int64_t sizes[2])
 {
     char name[NAME_CAP];
     const struct kvst_tensor *u, *mask, *w1, *t;
     const int64_t u_shape[2] = {-1, m};
+    sizes[0] = sizes[1] = 0;
     snprintf(name, sizeof name, "%s.U", prefix);
-    KVCAP_TRY(expect(f, name, required, dtype, 2, u_shape, &u));
+    KVCAP_TRY(expect_values(f, name, required, dtype, 2, u_shape, &u));
+    if (u)
+        sizes[0] = u->shape[0];
     KVCAP_RETURN_IF(u && u->shape[0] > m, KVCAP_ERR_FORMAT,
                     "%s: tensor '%s': R_v = %lld exceeds the %d points of the bucket",
                     kvst_path(f), name, (long long)u->shape[0], m);
@@ -398,15 +438,16 @@ static enum kvcap_status check_maps(const struct kvst_file *f, const char *prefi
                         kvst_path(f), name, (long long)i, idx[i], m);
     const int64_t w1_shape[2] = {rk, -1};
     snprintf(name, sizeof name, "%s.k_w1", prefix);
-    KVCAP_TRY(expect(f, name, 1, dtype, 2, w1_shape, &w1));
+    KVCAP_TRY(expect_values(f, name, 1, dtype, 2, w1_shape, &w1));
     int64_t h = w1->shape[1];
+    sizes[1] = h;
     const int64_t b1_shape[1] = {h}, w2_shape[2] = {h, m}, b2_shape[1] = {m};
     snprintf(name, sizeof name, "%s.k_b1", prefix);
-    KVCAP_TRY(expect(f, name, 1, dtype, 1, b1_shape, &t));
+    KVCAP_TRY(expect_values(f, name, 1, dtype, 1, b1_shape, &t));
     snprintf(name, sizeof name, "%s.k_w2", prefix);
-    KVCAP_TRY(expect(f, name, 1, dtype, 2, w2_shape, &t));
+    KVCAP_TRY(expect_values(f, name, 1, dtype, 2, w2_shape, &t));
     snprintf(name, sizeof name, "%s.k_b2", prefix);
-    KVCAP_TRY(expect(f, name, 1, dtype, 1, b2_shape, &t));
+    KVCAP_TRY(expect_values(f, name, 1, dtype, 1, b2_shape, &t));
     const int64_t act_shape[1] = {1};
     snprintf(name, sizeof name, "%s.k_act", prefix);
     KVCAP_TRY(expect(f, name, 0, KVCAP_DTYPE_U8, 1, act_shape, &t));
@@ -416,17 +457,99 @@ static enum kvcap_status check_maps(const struct kvst_file *f, const char *prefi
     return KVCAP_OK;
 }
 
+/* `layers` retention ratios in (0, 1] from sched[key]; `field` names sched in messages. */
+static enum kvcap_status read_schedule(const cJSON *sched, const char *field, const char *key,
+                                       const char *path, int layers, double **out)
+{
+    const cJSON *arr = cJSON_GetObjectItemCaseSensitive(sched, key);
+    KVCAP_RETURN_IF(!cJSON_IsArray(arr) || cJSON_GetArraySize(arr) != layers, KVCAP_ERR_FORMAT,
+                    "%s: %s.%s: expected %d ratios (one per layer)", path, field, key, layers);
+    *out = malloc(sizeof(double) * (size_t)layers);
+    KVCAP_RETURN_IF(!*out, KVCAP_ERR_OUT_OF_MEMORY, "%s: schedule: out of memory", path);
+    int i = 0;
+    const cJSON *r;
+    cJSON_ArrayForEach(r, arr)
+    {
+        KVCAP_RETURN_IF(!cJSON_IsNumber(r) || !(r->valuedouble > 0.0 && r->valuedouble <= 1.0),
+                        KVCAP_ERR_FORMAT, "%s: %s.%s[%d]: expected a ratio in (0, 1]", path,
+                        field, key, i);
+        (*out)[i++] = r->valuedouble;
+    }
+    return KVCAP_OK;
+}
+
+/* calib.spans: one [training, validation] pair of span counts per bucket. */
+static enum kvcap_status read_calib_spans(const cJSON *calib, const char *path,
+                                          struct kvcap_file_info *info)
+{
+    const cJSON *spans = cJSON_GetObjectItemCaseSensitive(calib, "spans");
+    KVCAP_RETURN_IF(!cJSON_IsArray(spans) || cJSON_GetArraySize(spans) != info->n_buckets,
+                    KVCAP_ERR_FORMAT,
+                    "%s: calib.spans: expected one [train, validation] pair per bucket (%d)",
+                    path, info->n_buckets);
+    for (int b = 0; b < info->n_buckets; b++) {
+        const cJSON *pair = cJSON_GetArrayItem(spans, b);
+        const cJSON *tr = cJSON_GetArrayItem(pair, 0), *va = cJSON_GetArrayItem(pair, 1);
+        /* counts are exact in a double up to 2^53 */
+        KVCAP_RETURN_IF(!cJSON_IsArray(pair) || cJSON_GetArraySize(pair) != 2 ||
+                            !cJSON_IsNumber(tr) || !cJSON_IsNumber(va) ||
+                            !kvcap_int64_from_double(tr->valuedouble, 0, INT64_C(1) << 53,
+                                                     &info->calib_spans[b][0]) ||
+                            !kvcap_int64_from_double(va->valuedouble, 0, INT64_C(1) << 53,
+                                                     &info->calib_spans[b][1]),
+                        KVCAP_ERR_FORMAT,
+                        "%s: calib.spans[%d]: expected [training, validation] as two whole "
+                        "numbers >= 0",
+                        path, b);
+    }
+    return KVCAP_OK;
+}
+
+/* calib.fit: how the state's key maps were fitted, and the schedule and storage of the
+ * artifact kvcap-convert makes from it by default; the limits are the calibration config's. */
+static enum kvcap_status read_calib_fit(const cJSON *calib, const char *path,
+                                        struct kvcap_file_info *info)
+{
+    struct kvcap_calib_fit_info *fit = &info->fit;
+    const cJSON *obj = json_obj(calib, "fit");
+    KVCAP_RETURN_IF(!obj, KVCAP_ERR_FORMAT, "%s: calib.fit: missing or not an object", path);
+    const char *method = json_str(obj, "keys_method");
+    KVCAP_RETURN_IF(!method || !kvcap_key_method_parse(method, &fit->key_method),
+                    KVCAP_ERR_FORMAT,
+                    "%s: calib.fit.keys_method: '%s' is not closed_form or trained", path,
+                    method ? method : "(missing)");
+    const char *act = json_str(obj, "activation");
+    KVCAP_RETURN_IF(!act || !kvcap_activation_parse(act, &fit->activation), KVCAP_ERR_FORMAT,
+                    "%s: calib.fit.activation: '%s' is not gelu or linear", path,
+                    act ? act : "(missing)");
+    const char *storage = json_str(obj, "storage");
+    KVCAP_RETURN_IF(!storage || !kvcap_dtype_parse(storage, &info->storage) ||
+                        !is_float_dtype(info->storage),
+                    KVCAP_ERR_FORMAT, "%s: calib.fit.storage: '%s' is not f32, f16 or bf16", path,
+                    storage ? storage : "(missing)");
+    KVCAP_TRY(json_int(obj, "hidden", 1, 0, 65536, path, "calib.fit", &fit->hidden));
+    const cJSON *ridge = cJSON_GetObjectItemCaseSensitive(obj, "ridge");
+    KVCAP_RETURN_IF(!cJSON_IsNumber(ridge) || !isfinite(ridge->valuedouble) ||
+                        !(ridge->valuedouble >= 0.0),
+                    KVCAP_ERR_FORMAT, "%s: calib.fit.ridge: expected a finite number >= 0",
+                    path);
+    fit->ridge = ridge->valuedouble;
+    const cJSON *sched = json_obj(obj, "schedule");
+    KVCAP_RETURN_IF(!sched, KVCAP_ERR_FORMAT, "%s: calib.fit.schedule: missing", path);
+    KVCAP_TRY(read_schedule(sched, "calib.fit.schedule", "keys", path, info->model.n_layers,
+                            &info->schedule_keys));
+    return read_schedule(sched, "calib.fit.schedule", "values", path, info->model.n_layers,
+                         &info->schedule_values);
+}
+
 static enum kvcap_status check_calib(const struct kvst_file *f, struct kvcap_file_info *info)
 {
     const char *path = kvst_path(f);
     KVCAP_TRY(read_buckets(f, info));
     const cJSON *calib = json_obj(info->config, "calib");
     KVCAP_RETURN_IF(!calib, KVCAP_ERR_FORMAT, "%s: kvcap.config: 'calib' missing", path);
-    const cJSON *spans = cJSON_GetObjectItemCaseSensitive(calib, "spans");
-    KVCAP_RETURN_IF(!cJSON_IsArray(spans) || cJSON_GetArraySize(spans) != info->n_buckets,
-                    KVCAP_ERR_FORMAT,
-                    "%s: calib.spans: expected one [train, validation] pair per bucket (%d)",
-                    path, info->n_buckets);
+    KVCAP_TRY(read_calib_spans(calib, path, info));
+    KVCAP_TRY(read_calib_fit(calib, path, info));
     const cJSON *metrics = cJSON_GetObjectItemCaseSensitive(calib, "metrics");
     int n_metrics = cJSON_IsArray(metrics) ? cJSON_GetArraySize(metrics) : 0;
     char prefix[NAME_CAP], name[NAME_CAP + 16];
@@ -437,42 +560,23 @@ static enum kvcap_status check_calib(const struct kvst_file *f, struct kvcap_fil
                 int m = kvcap_bucket_points(&info->buckets[b]);
                 const struct kvst_tensor *t;
                 const int64_t gram[2] = {m, m}, vec[1] = {m};
+                int64_t sizes[2];
                 snprintf(prefix, sizeof prefix, "l%d.h%d.b%d", l, h, b);
                 snprintf(name, sizeof name, "%s.v_gram", prefix);
-                KVCAP_TRY(expect(f, name, 1, KVCAP_DTYPE_F64, 2, gram, &t));
+                KVCAP_TRY(expect_values(f, name, 1, KVCAP_DTYPE_F64, 2, gram, &t));
                 snprintf(name, sizeof name, "%s.k_gram", prefix);
-                KVCAP_TRY(expect(f, name, 1, KVCAP_DTYPE_F64, 2, gram, &t));
+                KVCAP_TRY(expect_values(f, name, 1, KVCAP_DTYPE_F64, 2, gram, &t));
                 snprintf(name, sizeof name, "%s.v_eigval", prefix);
-                KVCAP_TRY(expect(f, name, 0, KVCAP_DTYPE_F64, 1, vec, &t));
+                KVCAP_TRY(expect_values(f, name, 0, KVCAP_DTYPE_F64, 1, vec, &t));
                 snprintf(name, sizeof name, "%s.v_eigvec", prefix);
-                KVCAP_TRY(expect(f, name, 0, KVCAP_DTYPE_F32, 2, gram, &t));
+                KVCAP_TRY(expect_values(f, name, 0, KVCAP_DTYPE_F32, 2, gram, &t));
+                /* metrics of units never evaluated are NaN by design */
                 const int64_t metric_shape[1] = {n_metrics};
                 snprintf(name, sizeof name, "%s.metrics", prefix);
                 KVCAP_TRY(expect(f, name, 0, KVCAP_DTYPE_F64, 1, metric_shape, &t));
-                KVCAP_TRY(check_maps(f, prefix, m, KVCAP_DTYPE_F32, 0));
+                KVCAP_TRY(check_maps(f, prefix, m, KVCAP_DTYPE_F32, 0, sizes));
             }
         }
-    }
-    return KVCAP_OK;
-}
-
-static enum kvcap_status read_schedule(const cJSON *sched, const char *key, const char *path,
-                                       int layers, double **out)
-{
-    const cJSON *arr = cJSON_GetObjectItemCaseSensitive(sched, key);
-    KVCAP_RETURN_IF(!cJSON_IsArray(arr) || cJSON_GetArraySize(arr) != layers, KVCAP_ERR_FORMAT,
-                    "%s: artifact.schedule.%s: expected %d ratios (one per layer)", path, key,
-                    layers);
-    *out = malloc(sizeof(double) * (size_t)layers);
-    KVCAP_RETURN_IF(!*out, KVCAP_ERR_OUT_OF_MEMORY, "%s: schedule: out of memory", path);
-    int i = 0;
-    const cJSON *r;
-    cJSON_ArrayForEach(r, arr)
-    {
-        KVCAP_RETURN_IF(!cJSON_IsNumber(r) || !(r->valuedouble > 0.0 && r->valuedouble <= 1.0),
-                        KVCAP_ERR_FORMAT,
-                        "%s: artifact.schedule.%s[%d]: expected a ratio in (0, 1]", path, key, i);
-        (*out)[i++] = r->valuedouble;
     }
     return KVCAP_OK;
 }
@@ -502,17 +606,36 @@ static enum kvcap_status check_artifact(const struct kvst_file *f, struct kvcap_
                     fallback);
     const cJSON *sched = json_obj(art, "schedule");
     KVCAP_RETURN_IF(!sched, KVCAP_ERR_FORMAT, "%s: artifact.schedule: missing", path);
-    KVCAP_TRY(read_schedule(sched, "keys", path, info->model.n_layers, &info->schedule_keys));
-    KVCAP_TRY(read_schedule(sched, "values", path, info->model.n_layers,
+    KVCAP_TRY(read_schedule(sched, "artifact.schedule", "keys", path, info->model.n_layers,
+                            &info->schedule_keys));
+    KVCAP_TRY(read_schedule(sched, "artifact.schedule", "values", path, info->model.n_layers,
                             &info->schedule_values));
     char prefix[NAME_CAP];
     for (int l = 0; l < info->model.n_layers; l++)
-        for (int h = 0; h < info->model.n_kv_heads; h++)
-            for (int b = 0; b < info->n_buckets; b++) {
+        for (int b = 0; b < info->n_buckets; b++) {
+            int64_t head0[2] = {0, 0};
+            for (int h = 0; h < info->model.n_kv_heads; h++) {
+                int64_t sizes[2];
                 snprintf(prefix, sizeof prefix, "l%d.h%d.b%d", l, h, b);
                 KVCAP_TRY(check_maps(f, prefix, kvcap_bucket_points(&info->buckets[b]),
-                                     (int)info->storage, 1));
+                                     (int)info->storage, 1, sizes));
+                if (h == 0) {
+                    memcpy(head0, sizes, sizeof head0);
+                    continue;
+                }
+                /* A span keeps one block of H (h x d) and Ṽ (R_v x d) per KV head, sized
+                 * once for all heads of its layer: the heads of a layer and bucket share h
+                 * and R_v (R_k may differ). */
+                KVCAP_RETURN_IF(sizes[0] != head0[0], KVCAP_ERR_FORMAT,
+                                "%s: tensor '%s.U': R_v = %lld differs from %lld in "
+                                "'l%d.h0.b%d.U' (the KV heads of a layer share R_v)",
+                                path, prefix, (long long)sizes[0], (long long)head0[0], l, b);
+                KVCAP_RETURN_IF(sizes[1] != head0[1], KVCAP_ERR_FORMAT,
+                                "%s: tensor '%s.k_w1': h = %lld differs from %lld in "
+                                "'l%d.h0.b%d.k_w1' (the KV heads of a layer share h)",
+                                path, prefix, (long long)sizes[1], (long long)head0[1], l, b);
             }
+        }
     return KVCAP_OK;
 }
 

@@ -6,6 +6,7 @@
 
 #include <cjson/cJSON.h>
 
+#include "config.h"
 #include "kvcap.h"
 #include "safetensors.h"
 
@@ -25,6 +26,14 @@ enum kvcap_file_kind {
 
 const char *kvcap_file_kind_name(enum kvcap_file_kind kind); /* "dataset", ... */
 
+/* calib.fit of a calibration state (SPEC §4.2): how its key maps were fitted. */
+struct kvcap_calib_fit_info {
+    enum kvcap_key_method key_method;
+    enum kvcap_activation activation;
+    int hidden;   /* reconstructor width h, 0..65536; 0 means h = R_k */
+    double ridge; /* finite, >= 0 */
+};
+
 /* What the schema check learnt about a file. Owns `config` and the schedule arrays; release
  * with kvcap_file_info_free. */
 struct kvcap_file_info {
@@ -35,16 +44,24 @@ struct kvcap_file_info {
     int n_buckets;            /* calib, artifact */
     struct kvcap_bucket buckets[KVCAP_MAX_BUCKETS];
     int n_spans;              /* dataset: spans in this shard */
-    enum kvcap_dtype storage; /* artifact: dtype of the float maps */
+    enum kvcap_dtype storage; /* artifact: dtype of the float maps; calib: calib.fit.storage,
+                               * the dtype kvcap-convert stores them in by default */
     int activation_gelu;      /* artifact: 1 = GELU, 0 = linear */
     enum kvcap_policy fallback;
-    double *schedule_keys;    /* artifact: n_layers ratios */
-    double *schedule_values;  /* artifact: n_layers ratios */
+    double *schedule_keys;    /* artifact: n_layers ratios; calib: calib.fit.schedule.keys */
+    double *schedule_values;  /* artifact: n_layers ratios; calib: calib.fit.schedule.values */
+    int64_t calib_spans[KVCAP_MAX_BUCKETS][2]; /* calib: [training, validation] per bucket */
+    struct kvcap_calib_fit_info fit;           /* calib */
 };
 
 /* Validates `f` against the schema of `expected` (or of the kind it declares, for
  * KVCAP_KIND_ANY) and fills `info` (zeroed first; freed by the caller also on failure).
- * Errors: KVCAP_ERR_FORMAT / KVCAP_ERR_VERSION / KVCAP_ERR_GEOMETRY naming file and field. */
+ * This is the one validator of kvcap files: everything a later consumer of the file (the
+ * runtime, kvcap-convert) would refuse is refused here, so kvcap_artifact_open, the state
+ * reader and `kvcap-convert --inspect` accept exactly the same files.
+ * Errors: KVCAP_ERR_FORMAT / KVCAP_ERR_VERSION / KVCAP_ERR_GEOMETRY naming file and field;
+ * KVCAP_ERR_NUMERIC naming the tensor and element for a NaN or infinity in an artifact's maps
+ * or a calibration state's sums and fitted maps. */
 enum kvcap_status kvcap_schema_check(const struct kvst_file *f, enum kvcap_file_kind expected,
                                      struct kvcap_file_info *info);
 

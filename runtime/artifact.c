@@ -1,5 +1,6 @@
-/* artifact.c — opening a compressor artifact: validation (formats/schema.c), then every map
- * converted once to f32 so decode never converts parameters. */
+/* artifact.c — opening a compressor artifact: validation (formats/schema.c, the same check
+ * `kvcap-convert --inspect` runs), then every map converted once to f32 so decode never
+ * converts parameters. */
 #include <stdio.h>
 #include <math.h>
 #include <stdlib.h>
@@ -31,7 +32,8 @@ const struct kvcap_model_geometry *kvcap_artifact_geometry(const struct kvcap_ar
     return a ? &a->model : NULL;
 }
 
-/* Copies tensor `suffix` of unit (l, h, b) as f32 into a new array. */
+/* Copies tensor `suffix` of unit (l, h, b) as f32 into a new array. The schema check has
+ * refused non-finite values, and F16/BF16 widen to F32 exactly. */
 static enum kvcap_status load_floats(const struct kvst_file *f, const char *prefix,
                                      const char *suffix, float **out, size_t *count)
 {
@@ -43,13 +45,7 @@ static enum kvcap_status load_floats(const struct kvst_file *f, const char *pref
     KVCAP_RETURN_IF(!*out, KVCAP_ERR_OUT_OF_MEMORY, "%s: out of memory for '%s'", kvst_path(f),
                     name);
     *count = t->n_elements;
-    KVCAP_TRY(kvcap_convert_to_f32(t->dtype, t->data, t->n_elements, *out));
-    /* A NaN in a map would turn every decode output of its spans into NaN, with status OK. */
-    for (size_t i = 0; i < t->n_elements; i++)
-        KVCAP_RETURN_IF(!isfinite((*out)[i]), KVCAP_ERR_NUMERIC,
-                        "%s: tensor '%s': non-finite value %g at element %zu", kvst_path(f), name,
-                        (double)(*out)[i], i);
-    return KVCAP_OK;
+    return kvcap_convert_to_f32(t->dtype, t->data, t->n_elements, *out);
 }
 
 enum kvcap_status kvcap_artifact_open(const char *path, struct kvcap_artifact **out)
@@ -59,6 +55,8 @@ enum kvcap_status kvcap_artifact_open(const char *path, struct kvcap_artifact **
     struct kvst_file *f = NULL;
     KVCAP_TRY(kvst_open(path, &f));
     struct kvcap_file_info info;
+    /* Everything the runtime relies on (shapes, masks, finite values, heads of a layer sharing
+     * h and R_v) is checked here, naming the file; prefill and decode check nothing again. */
     enum kvcap_status st = kvcap_schema_check(f, KVCAP_KIND_ARTIFACT, &info);
     struct kvcap_artifact *a = calloc(1, sizeof *a);
     if (st == KVCAP_OK && !a)

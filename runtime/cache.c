@@ -466,8 +466,9 @@ static enum kvcap_status check_span(const struct kvcap_cache *c, int seq, int la
     KVCAP_RETURN_IF(s->n_tokens < 1 || s->n_tokens > (1 << 24) || s->p0 < 0,
                     KVCAP_ERR_INVALID_ARGUMENT, "span: n_tokens %d, p0 %d out of range",
                     s->n_tokens, s->p0);
+    /* rows * cols in 64 bits: an int product could wrap around to n_tokens */
     KVCAP_RETURN_IF(s->kind == KVCAP_SPAN_VISION &&
-                        (s->rows < 1 || s->cols < 1 || s->rows * s->cols != s->n_tokens),
+                        (s->rows < 1 || s->cols < 1 || (int64_t)s->rows * s->cols != s->n_tokens),
                     KVCAP_ERR_INVALID_ARGUMENT, "span: grid %dx%d does not hold n_tokens %d",
                     s->rows, s->cols, s->n_tokens);
     /* layer l > 0 must follow layer 0's sequence of spans */

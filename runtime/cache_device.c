@@ -331,16 +331,12 @@ enum kvcap_status kvcap_device_capsule_prefill(struct kvcap_cache *c, int layer,
 {
     const struct kvcap_artifact *a = c->artifact;
     const struct kvcap_bucket *bk = &a->buckets[seg->bucket];
+    /* Every KV head of a layer and bucket has head 0's h and R_v (kvcap_artifact_open). */
     const struct kvcap_dev_unit *u0 = dev_unit(c, layer, 0, seg->bucket);
     int n = seg->n_tokens, d = c->g.head_dim, H = c->g.n_kv_heads;
     seg->tiles = n / u0->m;
     seg->h = u0->h;
     seg->rv = u0->rv;
-    for (int h = 1; h < H; h++) {
-        const struct kvcap_dev_unit *u = dev_unit(c, layer, h, seg->bucket);
-        KVCAP_RETURN_IF(u->h != seg->h || u->rv != seg->rv, KVCAP_ERR_FORMAT,
-                        "kvcapsule: l%d heads have different map sizes", layer);
-    }
     size_t es = kvcap_dtype_size(c->storage);
     size_t per_h = (size_t)seg->tiles * seg->h * d, per_v = (size_t)seg->tiles * seg->rv * d;
     seg->dev = 1 + c->dev->ctx.device;

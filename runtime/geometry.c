@@ -1,7 +1,31 @@
-/* geometry.c — validation of the model geometry shared by configs, file headers and caches. */
+/* geometry.c — validation shared by configs, file headers and caches: the model geometry,
+ * buckets, and the whole numbers their readers take from JSON and YAML. */
+#include <limits.h>
+#include <math.h>
 #include <string.h>
 
 #include "internal.h"
+
+int kvcap_int64_from_double(double v, int64_t lo, int64_t hi, int64_t *out)
+{
+    /* [-2^63, 2^63) first: (double)INT64_MAX rounds up to 2^63, which no int64_t holds. */
+    if (!isfinite(v) || v != floor(v) || !(v >= -0x1p63 && v < 0x1p63))
+        return 0;
+    int64_t i = (int64_t)v;
+    if (i < lo || i > hi)
+        return 0;
+    *out = i;
+    return 1;
+}
+
+int kvcap_int_from_double(double v, long lo, long hi, int *out)
+{
+    int64_t i;
+    if (!kvcap_int64_from_double(v, lo < INT_MIN ? INT_MIN : lo, hi > INT_MAX ? INT_MAX : hi, &i))
+        return 0;
+    *out = (int)i;
+    return 1;
+}
 
 enum kvcap_status kvcap_geometry_validate(const struct kvcap_model_geometry *g)
 {
@@ -28,21 +52,24 @@ enum kvcap_status kvcap_geometry_validate(const struct kvcap_model_geometry *g)
     int rd = g->rope_dim ? g->rope_dim : d;
     KVCAP_RETURN_IF(rd < 2 || rd > d || rd % 2 != 0, KVCAP_ERR_GEOMETRY,
                     "model.rope.dim: %d must be even and in 2..head_dim (%d)", g->rope_dim, d);
-    KVCAP_RETURN_IF(!(g->rope_theta > 0.0), KVCAP_ERR_GEOMETRY,
-                    "model.rope.theta: %g must be > 0", g->rope_theta);
+    /* An infinite base makes every frequency but the first 0 (and a NaN every angle NaN):
+     * refused here, so the API, file headers and YAML configs agree. */
+    KVCAP_RETURN_IF(!isfinite(g->rope_theta) || !(g->rope_theta > 0.0), KVCAP_ERR_GEOMETRY,
+                    "model.rope.theta: %g must be > 0 and finite", g->rope_theta);
     if (g->rope_type == KVCAP_ROPE_MROPE) {
         KVCAP_RETURN_IF(g->n_rope_sections < 1 || g->n_rope_sections > KVCAP_MAX_ROPE_SECTIONS,
                         KVCAP_ERR_GEOMETRY, "model.rope.sections: %d sections, need 1..%d",
                         g->n_rope_sections, KVCAP_MAX_ROPE_SECTIONS);
-        int sum = 0;
+        /* Summed in 64 bits: sections near INT_MAX must not wrap around to the right total. */
+        int64_t sum = 0;
         for (int i = 0; i < g->n_rope_sections; i++) {
             KVCAP_RETURN_IF(g->rope_sections[i] < 0, KVCAP_ERR_GEOMETRY,
                             "model.rope.sections[%d]: %d is negative", i, g->rope_sections[i]);
             sum += g->rope_sections[i];
         }
         KVCAP_RETURN_IF(sum != rd / 2, KVCAP_ERR_GEOMETRY,
-                        "model.rope.sections: sum %d != rotated pairs %d (rope dim / 2)", sum,
-                        rd / 2);
+                        "model.rope.sections: sum %lld != rotated pairs %d (rope dim / 2)",
+                        (long long)sum, rd / 2);
     } else {
         KVCAP_RETURN_IF(g->n_rope_sections != 0, KVCAP_ERR_GEOMETRY,
                         "model.rope.sections: only valid with type mrope");

@@ -139,6 +139,14 @@ const char *kvcap_geometry_difference(const struct kvcap_model_geometry *a,
 /* kvcap_geometry_validate without logging, for callers that re-raise (see kvcap_quiet_push). */
 enum kvcap_status kvcap_geometry_check(const struct kvcap_model_geometry *g);
 
+/* A number read from JSON or YAML as a double (cJSON keeps every number as one) that must be a
+ * whole number in [lo, hi]: returns 1 and sets *out, or returns 0 and leaves *out untouched for
+ * NaN, an infinity, a fraction (2.5 is not 2) or a value outside the range. Readers convert
+ * through these instead of casting, which is undefined for NaN and out-of-range values; the
+ * caller names the field in its message. The int form clamps [lo, hi] to the range of int. */
+int kvcap_int_from_double(double v, long lo, long hi, int *out);
+int kvcap_int64_from_double(double v, int64_t lo, int64_t hi, int64_t *out);
+
 /* Overflow-checked size arithmetic: returns 0 (and leaves *out untouched) on overflow. */
 static inline int kvcap_mul_size(size_t a, size_t b, size_t *out)
 {

@@ -20,6 +20,7 @@ static enum kvcap_status capsule_prefill(struct kvcap_cache *c, int seq, int lay
     const struct kvcap_model_geometry *g = &c->g;
     const struct kvcap_artifact *a = c->artifact;
     const struct kvcap_bucket *bk = &a->buckets[seg->bucket];
+    /* Every KV head of a layer and bucket has head 0's h and R_v (kvcap_artifact_open). */
     const struct kvcap_unit_maps *u0 = kvcap_artifact_unit(a, layer, 0, seg->bucket);
     int n = seg->n_tokens, d = g->head_dim, H = g->n_kv_heads, m = u0->m;
     int tiles = n / m;
@@ -41,11 +42,6 @@ static enum kvcap_status capsule_prefill(struct kvcap_cache *c, int seq, int lay
     float *vf = kf ? kf + (size_t)n * d : NULL;
     for (int h = 0; st == KVCAP_OK && h < H; h++) {
         const struct kvcap_unit_maps *u = kvcap_artifact_unit(a, layer, h, seg->bucket);
-        if (u->h != seg->h || u->rv != seg->rv) {
-            st = kvcap_fail(KVCAP_ERR_FORMAT, "kvcapsule: l%d heads have different map sizes",
-                            layer);
-            break;
-        }
         kvcap_view_read(k, h, 0, n, d, kf);
         kvcap_view_read(v, h, 0, n, d, vf);
         kvcap_rope_rotate(g, kf, (size_t)n, (size_t)d, -(double)seg->p0);

@@ -33,6 +33,26 @@ expect inspect_missing 1 "no_such_file.kvcap" "$convert" -i "$work/no_such_file.
 expect inspect_bad_schema 1 "missing required tensor 's0.l1.v'" "$convert" -i "$data/schema/bad_missing_value.safetensors"
 expect inspect_bad_container 1 "bad_json" "$convert" -i "$data/bad/bad_json.safetensors"
 expect inspect_many 1 "error: .*bad_head_dim.*model.head_dim" "$convert" -i "$data/schema/good_calib.safetensors" "$data/schema/bad_head_dim.safetensors"
+# --inspect validates with the readers' own check: an artifact the runtime would refuse (heads of
+# a layer with different map sizes, a NaN in a map) fails here too, naming the file and tensor.
+expect inspect_artifact_heads 1 "bad_artifact_head_h.safetensors: tensor 'l0.h1.b0.k_w1': h = 3 differs" "$convert" -i "$data/schema/bad_artifact_head_h.safetensors"
+expect inspect_artifact_nan 1 "tensor 'l1.h0.b0.k_b2': non-finite value nan" "$convert" -i "$data/schema/bad_artifact_nan.safetensors"
+expect inspect_theta_inf 1 "model.rope.theta: inf" "$convert" -i "$data/schema/bad_theta_inf.safetensors"
+# A calibration state --inspect passes converts; one it refuses, kvcap-convert refuses with the
+# same message and writes nothing.
+expect conv_good_calib 0 "wrote $work/good.kvcap" "$convert" "$data/schema/good_calib.safetensors" --out "$work/good.kvcap"
+state_agrees() { # NAME PATTERN: tests/data/schema/bad_calib_NAME.safetensors
+  expect "inspect_calib_$1" 1 "$2" "$convert" -i "$data/schema/bad_calib_$1.safetensors"
+  expect "conv_calib_$1" 1 "$2" "$convert" "$data/schema/bad_calib_$1.safetensors" --out "$work/bad_$1.kvcap"
+  [ -e "$work/bad_$1.kvcap" ] && fail "conv_calib_$1: a failed conversion left bad_$1.kvcap behind"
+}
+state_agrees no_fit "calib.fit: missing"
+state_agrees hidden "calib.fit.hidden: 2.5 is not an integer"
+state_agrees hidden_huge "calib.fit.hidden: 1e+300 is not an integer"
+state_agrees ridge_inf "calib.fit.ridge"
+state_agrees storage "calib.fit.storage: 'I32'"
+state_agrees spans "calib.spans\[0\]"
+state_agrees gram_nan "tensor 'l0.h0.b0.v_gram': non-finite value nan at element 5"
 
 synth="$bin/kvcap-synth"
 expect synth_help 0 "usage: kvcap-synth" "$synth" --help

@@ -1,6 +1,8 @@
 /* test_common.c — the public conventions: version agreement between header and library, status
  * strings, per-thread last error, the log callback, geometry and bucket validation, names; and
  * the runtime's thread pool. */
+#include <limits.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <setjmp.h>
@@ -143,6 +145,14 @@ static void test_geometry_validate(void **state)
     g = qwen(); g.n_layers = 0; expect_geometry_error(g, "model.layers");
     g = qwen(); g.rope_sections[2] = 23; expect_geometry_error(g, "model.rope.sections");
     g = qwen(); g.rope_theta = 0; expect_geometry_error(g, "model.rope.theta");
+    /* what YAML cannot spell must not pass through the API or a file header either */
+    g = qwen(); g.rope_theta = INFINITY; expect_geometry_error(g, "model.rope.theta: inf");
+    g = qwen(); g.rope_theta = -INFINITY; expect_geometry_error(g, "model.rope.theta");
+    g = qwen(); g.rope_theta = NAN; expect_geometry_error(g, "model.rope.theta");
+    g = qwen(); g.rope_theta = -1e6; expect_geometry_error(g, "model.rope.theta");
+    /* sections whose int sum wraps around to rope_dim / 2 = 64 */
+    g = qwen(); g.rope_sections[0] = INT_MAX; g.rope_sections[1] = INT_MAX; g.rope_sections[2] = 66;
+    expect_geometry_error(g, "model.rope.sections: sum 4294967360 != rotated pairs 64");
     g = qwen(); g.rope_dim = 127; expect_geometry_error(g, "model.rope.dim");
     g = qwen(); g.rope_type = KVCAP_ROPE_ROPE; expect_geometry_error(g, "model.rope.sections");
     g = qwen(); g.rope_type = KVCAP_ROPE_NONE;
@@ -154,6 +164,35 @@ static void test_geometry_validate(void **state)
         assert_int_equal(kvcap_geometry_validate(&g), ok ? KVCAP_OK : KVCAP_ERR_GEOMETRY);
     }
     assert_int_equal(kvcap_geometry_validate(NULL), KVCAP_ERR_INVALID_ARGUMENT);
+}
+
+/* The one conversion of JSON/YAML numbers to integers: whole numbers in range only, never an
+ * undefined cast (NaN, infinities, values past the type), never a silent truncation. */
+static void test_int_from_double(void **state)
+{
+    (void)state;
+    int v = -7;
+    assert_true(kvcap_int_from_double(12.0, 1, 1024, &v) && v == 12);
+    assert_true(kvcap_int_from_double(-3.0, -4096, 4096, &v) && v == -3);
+    assert_true(kvcap_int_from_double(-0.0, 0, 1, &v) && v == 0);
+    v = -7;
+    static const double bad[] = {2.5, -0.5, 1e-300, 0.0, 1025.0, NAN, INFINITY, -INFINITY,
+                                 1e300, -1e300, 4294967297.0};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        if (kvcap_int_from_double(bad[i], 1, 1024, &v) || v != -7)
+            fail_msg("%g accepted for 1..1024 (out %d)", bad[i], v);
+    /* a range wider than int is clamped to int */
+    assert_false(kvcap_int_from_double(2147483648.0, 0, LONG_MAX, &v));
+    assert_true(kvcap_int_from_double(2147483647.0, 0, LONG_MAX, &v) && v == INT_MAX);
+    assert_true(kvcap_int_from_double(-2147483648.0, LONG_MIN, 0, &v) && v == INT_MIN);
+    int64_t w = 0;
+    assert_true(kvcap_int64_from_double(9007199254740992.0, 0, INT64_C(1) << 53, &w) &&
+                w == INT64_C(1) << 53);
+    assert_false(kvcap_int64_from_double(9007199254740994.0, 0, INT64_C(1) << 53, &w));
+    /* 2^63 is past INT64_MAX although (double)INT64_MAX compares equal to it */
+    assert_false(kvcap_int64_from_double(0x1p63, 0, INT64_MAX, &w));
+    assert_true(kvcap_int64_from_double(-0x1p63, INT64_MIN, 0, &w) && w == INT64_MIN);
+    assert_false(kvcap_int64_from_double(NAN, INT64_MIN, INT64_MAX, &w));
 }
 
 static void test_bucket_validate(void **state)
@@ -290,6 +329,7 @@ int main(void)
         cmocka_unit_test(test_log_and_last_error),
         cmocka_unit_test(test_last_error_is_per_thread),
         cmocka_unit_test(test_geometry_validate),
+        cmocka_unit_test(test_int_from_double),
         cmocka_unit_test(test_bucket_validate),
         cmocka_unit_test(test_names_round_trip),
         cmocka_unit_test(test_pool_runs_each_task_once),

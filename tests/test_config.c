@@ -413,6 +413,10 @@ static void test_load_string_errors(void **state)
         {"theta: 10000", "theta: -.inf", "7:44", "model.rope.theta: expected a number"},
         {"theta: 10000", "theta: -5", "7:44", "model.rope.theta: -5 must be > 0"},
         {"theta: 10000", "theta: 1e-400", "7:44", "model.rope.theta: 1e-400 is out of range"},
+        /* sections whose int sum wraps around to rope dim / 2 = 32 */
+        {"type: rope, pairing: half, theta: 10000",
+         "type: mrope, pairing: half, theta: 10000, sections: [2147483647, 2147483647, 34]",
+         "7:62", "model.rope.sections: sum 4294967328 != rotated pairs 32"},
         {"theta: 10000}", "theta: 10000, dim: 33}", "7:56", "model.rope.dim: 33 must be even"},
         {"theta: 10000}", "theta: 10000, dim: 128}", "7:56", "model.rope.dim: 128 must be even"},
         {"pairing: half", "pairing: diagonal", "7:31", "model.rope.pairing: 'diagonal' is not "

@@ -44,6 +44,19 @@ static const struct bad_case bad_cases[] = {
     {"bad_artifact_storage", KVCAP_KIND_ARTIFACT, KVCAP_ERR_FORMAT, "tensor 'l0.h0.b0.U': dtype F32, expected F16"},
     {"bad_artifact_tile", KVCAP_KIND_ARTIFACT, KVCAP_ERR_FORMAT, "buckets[0].tile: [3, 1]"},
     {"bad_calib_missing_gram", KVCAP_KIND_CALIB, KVCAP_ERR_FORMAT, "missing required tensor 'l1.h0.b0.k_gram'"},
+    /* once accepted here and refused later (the runtime at prefill, kvcap-convert), or read
+     * through an undefined double -> int conversion */
+    {"bad_theta_inf", KVCAP_KIND_ANY, KVCAP_ERR_GEOMETRY, "model.rope.theta: inf must be > 0 and finite"},
+    {"bad_artifact_head_h", KVCAP_KIND_ARTIFACT, KVCAP_ERR_FORMAT, "tensor 'l0.h1.b0.k_w1': h = 3 differs from 2 in 'l0.h0.b0.k_w1'"},
+    {"bad_artifact_head_rv", KVCAP_KIND_ARTIFACT, KVCAP_ERR_FORMAT, "tensor 'l1.h1.b0.U': R_v = 1 differs from 2 in 'l1.h0.b0.U'"},
+    {"bad_artifact_nan", KVCAP_KIND_ARTIFACT, KVCAP_ERR_NUMERIC, "tensor 'l1.h0.b0.k_b2': non-finite value nan at element 1"},
+    {"bad_calib_no_fit", KVCAP_KIND_CALIB, KVCAP_ERR_FORMAT, "calib.fit: missing"},
+    {"bad_calib_hidden", KVCAP_KIND_CALIB, KVCAP_ERR_FORMAT, "calib.fit.hidden: 2.5 is not an integer in 0..65536"},
+    {"bad_calib_hidden_huge", KVCAP_KIND_ANY, KVCAP_ERR_FORMAT, "calib.fit.hidden: 1e+300 is not an integer"},
+    {"bad_calib_ridge_inf", KVCAP_KIND_CALIB, KVCAP_ERR_FORMAT, "calib.fit.ridge"},
+    {"bad_calib_storage", KVCAP_KIND_CALIB, KVCAP_ERR_FORMAT, "calib.fit.storage: 'I32'"},
+    {"bad_calib_spans", KVCAP_KIND_CALIB, KVCAP_ERR_FORMAT, "calib.spans[0]"},
+    {"bad_calib_gram_nan", KVCAP_KIND_ANY, KVCAP_ERR_NUMERIC, "tensor 'l0.h0.b0.v_gram': non-finite value nan at element 5"},
 };
 
 static void test_bad_files_named(void **state)
@@ -97,6 +110,16 @@ static void test_good_files(void **state)
             assert_int_equal(info.activation_gelu, 1);
             assert_int_equal(info.fallback, KVCAP_POLICY_FLASHCACHE);
             assert_true(info.schedule_keys[1] == 0.5);
+        }
+        if (good[i].kind == KVCAP_KIND_CALIB) { /* calib.spans and calib.fit, as converted */
+            assert_int_equal(info.calib_spans[0][0], 9);
+            assert_int_equal(info.calib_spans[0][1], 1);
+            assert_int_equal(info.fit.key_method, KVCAP_KEY_METHOD_CLOSED_FORM);
+            assert_int_equal(info.fit.activation, KVCAP_ACTIVATION_LINEAR);
+            assert_int_equal(info.fit.hidden, 0);
+            assert_true(info.fit.ridge == 0.001);
+            assert_int_equal(info.storage, KVCAP_DTYPE_F16);
+            assert_true(info.schedule_values[0] == 0.5);
         }
         kvcap_file_info_free(&info);
         kvst_close(f);

@@ -148,7 +148,7 @@ struct kvcap_model_geometry {
     enum kvcap_rope_type rope_type;
     enum kvcap_rope_pairing rope_pairing;
     int rope_dim;              /* rotated channels, even, <= head_dim; 0 means head_dim */
-    double rope_theta;         /* base frequency, > 0 when rope_type != NONE */
+    double rope_theta;         /* base frequency, finite and > 0 when rope_type != NONE */
     int n_rope_sections;       /* MROPE only: sections in frequency pairs, summing to rope_dim/2 */
     int rope_sections[KVCAP_MAX_ROPE_SECTIONS];
 };

@@ -65,24 +65,39 @@ def dataset_config(spans=1, model=MODEL):
 BUCKETS = [{"rows": 2, "cols": 2, "structure": "dense"}]
 
 
-def artifact_tensors(mask=(0, 2), m=4, rv=2, h=2, drop=None):
+def artifact_tensors(mask=(0, 2), m=4, rv=2, h=2, drop=None, heads=1, sizes=None):
+    """sizes: {(layer, head): (rv, h)} overriding the map sizes of single units."""
     ts = []
     for l in range(2):
-        p = "l%d.h0.b0." % l
-        ts += [(p + "U", "F32", [rv, m], f32([0.5] * (rv * m))),
-               (p + "k_mask", "I32", [len(mask)], i32(list(mask))),
-               (p + "k_w1", "F32", [len(mask), h], f32([0.1] * (len(mask) * h))),
-               (p + "k_b1", "F32", [h], f32([0.0] * h)),
-               (p + "k_w2", "F32", [h, m], f32([0.2] * (h * m))),
-               (p + "k_b2", "F32", [m], f32([0.0] * m))]
+        for kv in range(heads):
+            p = "l%d.h%d.b0." % (l, kv)
+            urv, uh = (sizes or {}).get((l, kv), (rv, h))
+            ts += [(p + "U", "F32", [urv, m], f32([0.5] * (urv * m))),
+                   (p + "k_mask", "I32", [len(mask)], i32(list(mask))),
+                   (p + "k_w1", "F32", [len(mask), uh], f32([0.1] * (len(mask) * uh))),
+                   (p + "k_b1", "F32", [uh], f32([0.0] * uh)),
+                   (p + "k_w2", "F32", [uh, m], f32([0.2] * (uh * m))),
+                   (p + "k_b2", "F32", [m], f32([0.0] * m))]
     return [t for t in ts if t[0] != drop]
 
 
-def artifact_config(**over):
+def poison(ts, name, index, fmt="<f"):
+    """ts with element `index` of tensor `name` replaced by a NaN."""
+    out = []
+    for t in ts:
+        if t[0] == name:
+            size = struct.calcsize(fmt)
+            data = t[3][:index * size] + struct.pack(fmt, float("nan")) + t[3][(index + 1) * size:]
+            t = (t[0], t[1], t[2], data)
+        out.append(t)
+    return out
+
+
+def artifact_config(model=MODEL, **over):
     art = {"storage": "f32", "activation": "gelu", "fallback": "flashcache",
            "schedule": {"keys": [0.5, 0.5], "values": [0.5, 0.5]}}
     art.update(over)
-    return {"model": MODEL, "buckets": BUCKETS, "artifact": art}
+    return {"model": model, "buckets": BUCKETS, "artifact": art}
 
 
 def calib_tensors(drop=None):
@@ -94,7 +109,24 @@ def calib_tensors(drop=None):
     return [t for t in ts if t[0] != drop]
 
 
-CALIB_CONFIG = {"model": MODEL, "buckets": BUCKETS, "calib": {"spans": [[9, 1]]}}
+FIT = {"keys_method": "closed_form", "activation": "linear", "hidden": 0, "ridge": 0.001,
+       "storage": "F16", "schedule": {"keys": [0.5, 0.5], "values": [0.5, 0.5]}}
+CALIB_CONFIG = {"model": MODEL, "buckets": BUCKETS, "calib": {"spans": [[9, 1]], "fit": FIT}}
+
+
+def calib_config(spans=None, drop_fit=False, **fit):
+    calib = {"spans": spans or [[9, 1]]}
+    if not drop_fit:
+        calib["fit"] = dict(FIT, **fit)
+    return {"model": MODEL, "buckets": BUCKETS, "calib": calib}
+
+
+def with_number(meta_dict, old, new):
+    """Replaces the JSON text `old` by `new` in kvcap.config (numbers json.dumps cannot write,
+    such as 1e999, which a JSON reader takes as infinity)."""
+    assert meta_dict["kvcap.config"].count(old) == 1
+    meta_dict["kvcap.config"] = meta_dict["kvcap.config"].replace(old, new)
+    return meta_dict
 
 
 def main():
@@ -142,6 +174,28 @@ def main():
     cfg["buckets"] = [{"rows": 2, "cols": 2, "structure": "tiled", "tile": [3, 1]}]
     write("bad_artifact_tile.safetensors", artifact_tensors(), meta("artifact", cfg))
     write("bad_calib_missing_gram.safetensors", calib_tensors(drop="l1.h0.b0.k_gram"),
+          meta("calib", CALIB_CONFIG))
+
+    # Files each reader used to accept and a later consumer refused (the runtime at prefill,
+    # kvcap-convert), or read with an undefined conversion: one validator now refuses them.
+    write("bad_theta_inf.safetensors", dataset_tensors(),
+          with_number(meta("dataset", dataset_config()), '"theta": 10000.0', '"theta": 1e999'))
+    geo = dict(MODEL, kv_heads=2)
+    write("bad_artifact_head_h.safetensors", artifact_tensors(heads=2, sizes={(0, 1): (2, 3)}),
+          meta("artifact", artifact_config(model=geo)))
+    write("bad_artifact_head_rv.safetensors", artifact_tensors(heads=2, sizes={(1, 1): (1, 2)}),
+          meta("artifact", artifact_config(model=geo)))
+    write("bad_artifact_nan.safetensors", poison(artifact_tensors(), "l1.h0.b0.k_b2", 1),
+          meta("artifact", artifact_config()))
+    write("bad_calib_no_fit.safetensors", calib_tensors(), meta("calib", calib_config(drop_fit=True)))
+    write("bad_calib_hidden.safetensors", calib_tensors(), meta("calib", calib_config(hidden=2.5)))
+    write("bad_calib_hidden_huge.safetensors", calib_tensors(),
+          meta("calib", calib_config(hidden=1e300)))
+    write("bad_calib_ridge_inf.safetensors", calib_tensors(),
+          with_number(meta("calib", calib_config()), '"ridge": 0.001', '"ridge": 1e999'))
+    write("bad_calib_storage.safetensors", calib_tensors(), meta("calib", calib_config(storage="I32")))
+    write("bad_calib_spans.safetensors", calib_tensors(), meta("calib", calib_config(spans=[[9.5, 1]])))
+    write("bad_calib_gram_nan.safetensors", poison(calib_tensors(), "l0.h0.b0.v_gram", 5, "<d"),
           meta("calib", CALIB_CONFIG))
 
 
