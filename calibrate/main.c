@@ -264,6 +264,8 @@ int main(int argc, char **argv)
         if (ins)
             ins[n_data] = (struct cli_path){"--config", config_path};
         bad = bad ? cli_usage_error("out of memory") : cli_check_outputs(outs, 2, ins, n_data + 1);
+        if (!bad) /* shards read twice would count their spans twice */
+            bad = cli_check_inputs(ins, n_data);
         free(ins);
         if (bad) {
             free(data);

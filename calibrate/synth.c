@@ -271,6 +271,8 @@ enum kvcap_status kvcap_synth(const struct kvcap_model_geometry *g,
     }
     if (st == KVCAP_OK)
         st = kvcap_dataset_writer_flush(w);
+    if (st != KVCAP_OK) /* a partial dataset would pass for the one asked for */
+        kvcap_dataset_writer_discard(w);
     kvcap_dataset_writer_free(w);
     free(kf);
     free(k);

@@ -41,7 +41,9 @@ void kvcap_synth_default_params(struct kvcap_synth_params *p);
 /* Called after each span; return nonzero to stop early (status KVCAP_ERR_STATE). */
 typedef int (*kvcap_progress_fn)(int64_t done, int64_t total, void *user);
 
-/* Writes the dataset shards into `dir` (SPEC §4.1) for model geometry `g`. */
+/* Writes the dataset shards into `dir` (SPEC §4.1) for model geometry `g`, creating `dir` if
+ * needed. On failure the shards this call wrote are removed again (shards that were in `dir`
+ * before stay); folders it created are left to the caller, which knows which existed. */
 enum kvcap_status kvcap_synth(const struct kvcap_model_geometry *g,
                               const struct kvcap_synth_params *p, const char *dir,
                               kvcap_progress_fn progress, void *user);

@@ -5,6 +5,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "cli.h"
 #include "internal.h"
@@ -66,6 +68,54 @@ static int parse_double(const char *arg, const char *name, double lo, double hi,
         return cli_usage_error("%s: '%s' is not a number in %g..%g", name, arg, lo, hi), 0;
     *out = v;
     return 1;
+}
+
+/* The folders a run may create: made[i] is 1 when the prefix dir[0..i) that ends at a '/' or
+ * at the end of `dir` does not exist yet (NULL when out of memory). */
+static char *missing_dirs(const char *dir)
+{
+    size_t n = strlen(dir);
+    char *made = calloc(n + 1, 1), *path = strdup(dir);
+    for (size_t i = 1; made && path && i <= n; i++)
+        if (path[i] == '/' || path[i] == '\0') {
+            struct stat st;
+            char saved = path[i];
+            path[i] = '\0';
+            made[i] = stat(path, &st) != 0;
+            path[i] = saved;
+        }
+    free(path);
+    return made;
+}
+
+/* After a failed run: removes the folders in `made` (missing_dirs, taken before the run),
+ * deepest first. rmdir leaves a folder that is not empty, and one that existed before the run
+ * is never in `made`, so only empty folders this run created go. */
+static void remove_made_dirs(const char *dir, const char *made)
+{
+    char *path = made ? strdup(dir) : NULL;
+    for (size_t i = path ? strlen(path) : 0; i >= 1; i--)
+        if (made[i]) {
+            path[i] = '\0';
+            rmdir(path);
+        }
+    free(path);
+}
+
+/* The progress bar, and whether a line of it is left open on a terminal (the bar ends its line
+ * only at 100 %): a failure half-way must end that line before printing its error. */
+struct span_progress {
+    struct cli_progress bar;
+    int64_t done, total;
+};
+
+static int on_span(int64_t done, int64_t total, void *user)
+{
+    struct span_progress *p = user;
+    p->done = done;
+    p->total = total;
+    cli_progress_update(&p->bar, done, total);
+    return 0;
 }
 
 int main(int argc, char **argv)
@@ -149,13 +199,21 @@ int main(int argc, char **argv)
                 p.grid_cols[p.n_grids++] = cfg.buckets[b].cols;
             }
         }
-    struct cli_progress progress;
-    cli_progress_begin(&progress, "spans", quiet);
+    struct span_progress progress = {.done = 0};
+    cli_progress_begin(&progress.bar, "spans", quiet);
+    char *made = missing_dirs(out);
     double t0 = kvcap_seconds();
-    st = kvcap_synth(&cfg.model, &p, out, cli_progress_callback, &progress);
+    st = kvcap_synth(&cfg.model, &p, out, on_span, &progress);
     if (st == KVCAP_OK && !quiet)
         fprintf(stderr, "kvcap-synth: wrote %d spans for %s to %s in %.1fs\n", p.n_spans,
                 cfg.model.name[0] ? cfg.model.name : "the model", out, kvcap_seconds() - t0);
+    if (st != KVCAP_OK) {
+        /* kvcap_synth removed its shards; the folders it made for them go too */
+        remove_made_dirs(out, made);
+        if (progress.bar.tty && !quiet && progress.done > 0 && progress.done < progress.total)
+            fputc('\n', stderr);
+    }
+    free(made);
     kvcap_calib_config_free(&cfg);
     return st == KVCAP_OK ? 0 : cli_fail(st);
 }

@@ -175,6 +175,8 @@ int main(int argc, char **argv)
         for (int i = 0; ins && i < o.n_states; i++)
             ins[i] = (struct cli_path){"STATE", o.states[i]};
         rc = ins ? cli_check_outputs(&out, 1, ins, o.n_states) : cli_usage_error("out of memory");
+        if (rc == 0) /* a state merged with itself would count its spans twice */
+            rc = cli_check_inputs(ins, o.n_states);
         free(ins);
         if (rc)
             goto done;

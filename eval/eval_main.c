@@ -701,6 +701,8 @@ static int cmd_record(const struct options *opt)
                 s = prompt_to_cache(&mc, &p, cache, i);
                 prompt_free(&p);
             }
+            if (s == KVCAP_OK) /* the span is complete: a flush may write it */
+                s = kvcap_cache_end_prefill(cache, i);
         }
         for (int t = 0; s == KVCAP_OK && t < o->decode; t++) {
             for (int i = 0; i < nb; i++) {

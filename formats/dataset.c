@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "dataset.h"
 #include "internal.h"
@@ -45,7 +46,7 @@ struct kvcap_dataset_writer {
     size_t n_queue, cap_queue;
     uint64_t queued_bytes;
     int queued_spans;
-    int next_shard, shards_written;
+    int first_shard, next_shard, shards_written; /* this writer's shards: first..next-1 */
     int64_t spans_written;
 };
 
@@ -140,7 +141,20 @@ enum kvcap_status kvcap_dataset_writer_create(const struct kvcap_model_geometry 
         }
         closedir(d);
     }
+    w->first_shard = w->next_shard;
     *out = w;
+    return KVCAP_OK;
+}
+
+enum kvcap_status kvcap_dataset_check_grid(const char *what, int rows, int cols, int p0)
+{
+    KVCAP_RETURN_IF(rows < 1 || rows > KVCAP_DATASET_MAX_SIDE, KVCAP_ERR_INVALID_ARGUMENT,
+                    "%s.rows: %d is outside 1..%d, the grids a dataset shard can hold", what,
+                    rows, KVCAP_DATASET_MAX_SIDE);
+    KVCAP_RETURN_IF(cols < 1 || cols > KVCAP_DATASET_MAX_SIDE, KVCAP_ERR_INVALID_ARGUMENT,
+                    "%s.cols: %d is outside 1..%d, the grids a dataset shard can hold", what,
+                    cols, KVCAP_DATASET_MAX_SIDE);
+    KVCAP_RETURN_IF(p0 < 0, KVCAP_ERR_INVALID_ARGUMENT, "%s.p0: %d is negative", what, p0);
     return KVCAP_OK;
 }
 
@@ -149,10 +163,7 @@ enum kvcap_status kvcap_dataset_writer_begin_span(struct kvcap_dataset_writer *w
 {
     KVCAP_RETURN_IF(!w, KVCAP_ERR_INVALID_ARGUMENT, "dataset writer: NULL writer");
     KVCAP_RETURN_IF(w->open, KVCAP_ERR_STATE, "dataset writer: previous span not ended");
-    KVCAP_RETURN_IF(rows < 1 || cols < 1 || rows > 4096 || cols > 4096 || p0 < 0,
-                    KVCAP_ERR_INVALID_ARGUMENT,
-                    "dataset writer: span grid %dx%d at p0 %d (need 1..4096 per side, p0 >= 0)",
-                    rows, cols, p0);
+    KVCAP_TRY(kvcap_dataset_check_grid("dataset writer: span", rows, cols, p0));
     w->open = 1;
     w->rows = rows;
     w->cols = cols;
@@ -327,6 +338,12 @@ enum kvcap_status kvcap_dataset_writer_end_span(struct kvcap_dataset_writer *w)
     return KVCAP_OK;
 }
 
+void kvcap_dataset_writer_cancel_span(struct kvcap_dataset_writer *w)
+{
+    if (w && w->open)
+        free_span(w);
+}
+
 enum kvcap_status kvcap_dataset_writer_flush(struct kvcap_dataset_writer *w)
 {
     KVCAP_RETURN_IF(!w, KVCAP_ERR_INVALID_ARGUMENT, "dataset writer: NULL writer");
@@ -365,6 +382,24 @@ enum kvcap_status kvcap_dataset_writer_flush(struct kvcap_dataset_writer *w)
     w->next_shard++;
     free_queue(w);
     return KVCAP_OK;
+}
+
+void kvcap_dataset_writer_discard(struct kvcap_dataset_writer *w)
+{
+    if (!w)
+        return;
+    kvcap_dataset_writer_cancel_span(w);
+    free_queue(w);
+    for (int i = w->first_shard; i < w->next_shard; i++) {
+        char path[PATH_CAP + 96];
+        snprintf(path, sizeof path, "%s/%s-%05d.safetensors", w->dir, w->prefix, i);
+        if (unlink(path) != 0 && errno != ENOENT)
+            kvcap_log(KVCAP_LOG_WARN, "%s: cannot remove this partial output: %s", path,
+                      strerror(errno));
+    }
+    w->first_shard = w->next_shard;
+    w->spans_written = 0;
+    w->shards_written = 0;
 }
 
 void kvcap_dataset_writer_counts(const struct kvcap_dataset_writer *w, int64_t *spans,

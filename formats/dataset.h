@@ -11,6 +11,16 @@
 #include "safetensors.h"
 
 /* ---- Writer ----------------------------------------------------------------------------- */
+
+/* The longest grid side a shard's s{i}.grid may hold (SPEC §4.1). */
+#define KVCAP_DATASET_MAX_SIDE 4096
+
+/* The rules SPEC §4.1 sets for a span's grid: rows and cols in 1..KVCAP_DATASET_MAX_SIDE,
+ * p0 >= 0. KVCAP_ERR_INVALID_ARGUMENT naming `what`.rows, .cols or .p0 otherwise. The writer
+ * checks every span with it, and record mode checks a span with it when the engine adds it,
+ * so a span the format cannot hold is refused then, not lost when the shard is written. */
+enum kvcap_status kvcap_dataset_check_grid(const char *what, int rows, int cols, int p0);
+
 struct kvcap_dataset_writer_params {
     const char *dir;      /* output folder, created if missing */
     const char *prefix;   /* shards are DIR/PREFIX-NNNNN.safetensors; default "shard" */
@@ -47,8 +57,15 @@ enum kvcap_status kvcap_dataset_writer_add_queries(struct kvcap_dataset_writer *
 /* Checks the span is complete (all layers; queries on all layers alike or on none) and queues
  * it; writes a shard when the queue reaches shard_bytes. */
 enum kvcap_status kvcap_dataset_writer_end_span(struct kvcap_dataset_writer *w);
+/* Drops the open span, if any (a caller that failed half-way through building it). */
+void kvcap_dataset_writer_cancel_span(struct kvcap_dataset_writer *w);
 /* Writes the queued spans (if any) as a last shard. The writer stays usable. */
 enum kvcap_status kvcap_dataset_writer_flush(struct kvcap_dataset_writer *w);
+/* Removes the shards this writer has written and drops what it holds, for a run that failed
+ * and must leave no partial dataset behind; shards that were in the folder before stay. A shard
+ * that cannot be removed is logged as a warning naming it (the caller's error stays the one
+ * kvcap_last_error reports). NULL is a no-op. */
+void kvcap_dataset_writer_discard(struct kvcap_dataset_writer *w);
 /* Spans and shards written so far. */
 void kvcap_dataset_writer_counts(const struct kvcap_dataset_writer *w, int64_t *spans,
                                  int *shards);

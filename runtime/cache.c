@@ -563,7 +563,7 @@ enum kvcap_status kvcap_cache_add_span(struct kvcap_cache *c, int seq, int layer
         }
     }
     if (c->recorder && span->kind == KVCAP_SPAN_VISION)
-        KVCAP_TRY(kvcap_recorder_span(c->recorder, seq, layer, span, k, v));
+        KVCAP_TRY(kvcap_recorder_span(c->recorder, seq, layer, sl->n_segs, span, k, v));
     enum kvcap_status st = policy_impl(seg.policy)->prefill(c, seq, layer, &seg, k, v);
     if (st != KVCAP_OK) {
         kvcap_segment_release(&seg);
@@ -629,18 +629,32 @@ static int seq_pending(const struct kvcap_cache *c, int seq)
     return 0;
 }
 
+/* Every layer of `seq` must hold the spans layer 0 holds (add_span keeps the others from
+ * getting ahead of it). Checked for every policy: a layer without a span would attend as if the
+ * image were not there, and record mode could not write the span. */
+static enum kvcap_status check_prefill_complete(const struct kvcap_cache *c, int seq)
+{
+    const int n_spans = kvcap_cache_seq_layer(c, seq, 0)->n_segs;
+    for (int l = 1; l < c->g.n_layers; l++) {
+        const int got = kvcap_cache_seq_layer(c, seq, l)->n_segs;
+        KVCAP_RETURN_IF(got != n_spans, KVCAP_ERR_STATE,
+                        "seq %d: prefill is incomplete: layer %d has %d spans, layer 0 has %d "
+                        "(span %d never reached layer %d)",
+                        seq, l, got, n_spans, got, l);
+    }
+    return KVCAP_OK;
+}
+
 enum kvcap_status kvcap_cache_end_prefill(struct kvcap_cache *c, int seq)
 {
     KVCAP_TRY(check_seq_layer(c, seq, 0));
-    if (!seq_pending(c, seq))
+    KVCAP_TRY(check_prefill_complete(c, seq));
+    if (!seq_pending(c, seq)) {
+        if (c->recorder)
+            kvcap_recorder_end_prefill(c->recorder, seq);
         return KVCAP_OK;
-    int n_spans = kvcap_cache_seq_layer(c, seq, 0)->n_segs;
-    for (int l = 1; l < c->g.n_layers; l++) {
-        int got = kvcap_cache_seq_layer(c, seq, l)->n_segs;
-        KVCAP_RETURN_IF(got != n_spans, KVCAP_ERR_STATE,
-                        "seq %d: prefill is incomplete (layer %d has %d spans, layer 0 has %d)",
-                        seq, l, got, n_spans);
     }
+    int n_spans = kvcap_cache_seq_layer(c, seq, 0)->n_segs;
     for (int i = 0; i < n_spans; i++) {
         int pending = 0;
         for (int l = 0; l < c->g.n_layers; l++)
@@ -656,6 +670,8 @@ enum kvcap_status kvcap_cache_end_prefill(struct kvcap_cache *c, int seq)
         sl->post_q = NULL;
         sl->n_post = 0;
     }
+    if (c->recorder)
+        kvcap_recorder_end_prefill(c->recorder, seq);
     return KVCAP_OK;
 }
 

@@ -64,6 +64,25 @@ expect synth_run 0 "wrote 2 spans for SmolLM2-135M" "$synth" --out "$work/synth"
 expect synth_run16 0 "wrote 6 spans" "$synth" --out "$work/synth16" --spans 6 --grid 16x16 --seed 5
 expect synth_inspect 0 "spans      2 (K/V BF16" "$convert" -i "$work/synth/shard-00000.safetensors"
 [ -e "$work/x" ] && fail "failed runs left $work/x behind"
+# A run that fails half-way leaves nothing it created: not the shard it wrote before the 2x2
+# grid failed, not the folders it made, and nothing of a folder that was there before.
+expect synth_fail_new 1 "error: synth: rank_k 8 / rank_v 8 must be in 1..4 / 1..3 for a 2x2 grid" "$synth" --out "$work/new/deep" --grid 8x8 --grid 2x2 --spans 2 --shard-mb 1
+[ -e "$work/new" ] && fail "a failed kvcap-synth left $(find "$work/new")"
+[ "$(grep -c "error:" "$work/synth_fail_new.out")" -eq 1 ] || fail "synth_fail_new: the error is not printed once"
+mkdir -p "$work/kept" && : >"$work/kept/mine"
+expect synth_fail_old 1 "for a 2x2 grid" "$synth" --out "$work/kept" --grid 8x8 --grid 2x2 --spans 2 --shard-mb 1
+[ "$(ls -A "$work/kept")" = "mine" ] || fail "a failed kvcap-synth changed a folder it did not make: $(ls -A "$work/kept")"
+# On a terminal the error stands once on a line of its own, ending with a newline (the progress
+# bar's open line used to run into it).
+if script -qec true /dev/null </dev/null >/dev/null 2>&1; then
+  script -qec "'$synth' --out '$work/tty' --grid 4x4 --grid 2x2 --spans 3" /dev/null </dev/null >"$work/synth_tty.raw" 2>&1
+  tr -d '\r' <"$work/synth_tty.raw" >"$work/synth_tty.out"
+  { [ "$(grep -c "error:" "$work/synth_tty.out")" -eq 1 ] &&
+    grep -q "^kvcap-synth: error: synth: rank_k 8" "$work/synth_tty.out" &&
+    [ -z "$(tail -c 1 "$work/synth_tty.out")" ]; } ||
+    fail "synth_tty: the error is not one line of its own: $(head -c 400 "$work/synth_tty.out")"
+  [ -e "$work/tty" ] && fail "a failed kvcap-synth on a terminal left $work/tty behind"
+fi
 
 calibrate="$bin/kvcap-calibrate"
 expect cal_help 0 "usage: kvcap-calibrate" "$calibrate" --help
@@ -114,6 +133,17 @@ expect same_out_dot 2 "is the same file as the input" "$convert" "$work/s.kvcs" 
 expect same_out_link 2 "is the same file as the input" "$convert" "$work/s.kvcs" --out "$work/s-link.kvcs"
 expect same_out_hard 2 "is the same file as the input" "$convert" "$work/s.kvcs" --out "$work/s-hard.kvcs"
 [ "$(cksum <"$work/s.kvcs")" = "$sum_before" ] || fail "a refused convert changed its input"
+# One state (or dataset) given twice would be merged with itself, its statistics counted twice:
+# refused before any work, naming both arguments, whatever the spelling.
+expect conv_dup_state 2 "STATE $work/s.kvcs and STATE $work/./s.kvcs name the same file" "$convert" "$work/s.kvcs" "$work/./s.kvcs" --out "$work/dup.kvcap"
+expect conv_dup_link 2 "STATE $work/s.kvcs and STATE $work/s-link.kvcs name the same file" "$convert" "$work/s.kvcs" "$work/dev-cpu.kvcs" "$work/s-link.kvcs" --out "$work/dup.kvcap"
+expect conv_dup_hard 2 "STATE $work/s-hard.kvcs name the same file" "$convert" "$work/s.kvcs" "$work/s-hard.kvcs" --out "$work/dup.kvcap"
+[ -e "$work/dup.kvcap" ] && fail "a refused merge wrote dup.kvcap"
+cp "$data/schema/good_calib.safetensors" "$work/copy.kvcs" # a copy is another file: merged
+expect conv_merge 0 "wrote $work/merged.kvcap" "$convert" "$data/schema/good_calib.safetensors" "$work/copy.kvcs" --out "$work/merged.kvcap"
+expect cal_dup_data 2 "--data $work/synth16 and --data $work/synth16/ name the same folder" "$calibrate" --data "$work/synth16" --data "$work/synth16/" --out "$work/dup.kvcs"
+expect cal_dup_shard 2 "--data $work/synth16/shard-00000.safetensors is a file inside --data $work/synth16" "$calibrate" --data "$work/synth16" "$work/synth16/shard-00000.safetensors" --out "$work/dup.kvcs"
+[ -e "$work/dup.kvcs" ] && fail "a refused calibration wrote dup.kvcs"
 expect cal_out_in_data 2 "is a file inside the input --data" "$calibrate" --data "$work/synth16" --out "$work/synth16/shard-00000.safetensors"
 expect cal_out_metrics 2 "name the same file" "$calibrate" --data "$work/synth16" --out "$work/t.kvcs" --metrics-json "$work/./t.kvcs"
 expect cal_out_device 2 "--metrics-json /dev/null exists and is not a regular file" "$calibrate" --data "$work/synth16" --out "$work/t.kvcs" --metrics-json /dev/null

@@ -296,6 +296,57 @@ static void test_dataset_rejects_empty_and_incomplete(void **state)
     test_rm_tree(dir);
 }
 
+/* One 2x2 span (all layers) written and flushed as a shard of its own. */
+static void write_one(struct kvcap_dataset_writer *w)
+{
+    static float kv[2 * 4 * 64];
+    assert_int_equal(kvcap_dataset_writer_begin_span(w, 2, 2, 0), KVCAP_OK);
+    for (int l = 0; l < 2; l++)
+        assert_int_equal(kvcap_dataset_writer_set_kv(w, l, kv, kv), KVCAP_OK);
+    assert_int_equal(kvcap_dataset_writer_end_span(w), KVCAP_OK);
+    assert_int_equal(kvcap_dataset_writer_flush(w), KVCAP_OK);
+}
+
+/* The writer refuses grids the format cannot hold with the check record mode shares, naming the
+ * field; a failed run's writer removes the shards it wrote and nothing else. */
+static void test_writer_grid_and_discard(void **state)
+{
+    (void)state;
+    char dir[512], mine[600];
+    make_tmpdir(dir, sizeof dir, "kvcap-discard");
+    snprintf(mine, sizeof mine, "%s/mine.txt", dir);
+    FILE *f = fopen(mine, "w");
+    assert_non_null(f);
+    fclose(f);
+    struct kvcap_model_geometry g = tiny(KVCAP_ROPE_PAIRING_HALF);
+    struct kvcap_dataset_writer_params wp;
+    kvcap_dataset_writer_default_params(&wp);
+    wp.dir = dir;
+    struct kvcap_dataset_writer *w = NULL;
+    assert_int_equal(kvcap_dataset_writer_create(&g, &wp, &w), KVCAP_OK);
+    assert_int_equal(kvcap_dataset_writer_begin_span(w, 1, 5000, 0), KVCAP_ERR_INVALID_ARGUMENT);
+    assert_non_null(strstr(kvcap_last_error(), "span.cols: 5000 is outside 1..4096"));
+    assert_int_equal(kvcap_dataset_writer_begin_span(w, 2, 2, -1), KVCAP_ERR_INVALID_ARGUMENT);
+    assert_non_null(strstr(kvcap_last_error(), "span.p0: -1"));
+    write_one(w); /* an earlier run's shard-00000 */
+    kvcap_dataset_writer_free(w);
+    assert_int_equal(kvcap_dataset_writer_create(&g, &wp, &w), KVCAP_OK);
+    write_one(w);
+    write_one(w);
+    assert_int_equal(kvcap_dataset_writer_begin_span(w, 2, 2, 0), KVCAP_OK); /* half-built */
+    assert_int_equal(count_files(dir), 4);
+    kvcap_dataset_writer_discard(w);
+    kvcap_dataset_writer_free(w);
+    assert_int_equal(count_files(dir), 2); /* mine.txt and the earlier run's shard */
+    const char *paths[1] = {dir};
+    struct kvcap_dataset *ds = NULL;
+    assert_int_equal(kvcap_dataset_open(paths, 1, &ds), KVCAP_OK);
+    assert_int_equal(kvcap_dataset_span_count(ds), 1);
+    kvcap_dataset_close(ds);
+    kvcap_dataset_writer_discard(NULL);
+    test_rm_tree(dir);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -304,6 +355,7 @@ int main(void)
         cmocka_unit_test(test_synth_known_structure),
         cmocka_unit_test(test_synth_round_trip_through_shards),
         cmocka_unit_test(test_dataset_rejects_empty_and_incomplete),
+        cmocka_unit_test(test_writer_grid_and_discard),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -25,6 +25,7 @@
 #include "cache_internal.h"
 #include "calibrate.h"
 #include "convert.h"
+#include "dataset.h"
 #include "flashcache.h"
 #include "internal.h"
 #include "rng.h"
@@ -209,12 +210,14 @@ static void scenario_free(struct scenario *sc)
     }
 }
 
-/* Hands the scenario to the cache layer by layer, as an engine would. */
+/* Hands the scenario to the cache as an engine would: the prefill layer by layer, then the
+ * generated tokens step by step (appending ends a sequence's prefill, so every layer has its
+ * spans by then). */
 static void scenario_load(const struct scenario *sc, struct kvcap_cache *c)
 {
     int H = sc->g.n_kv_heads, d = sc->g.head_dim;
     for (int l = 0; l < sc->g.n_layers; l++)
-        for (int s = 0; s < sc->n_seqs; s++) {
+        for (int s = 0; s < sc->n_seqs; s++)
             for (int i = 0; i < sc->n_spans[s]; i++) {
                 const struct scen_span *x = &sc->spans[s][i];
                 struct kvcap_span_desc desc = {x->kind, x->n, x->rows, x->cols, x->p0};
@@ -223,14 +226,20 @@ static void scenario_load(const struct scenario *sc, struct kvcap_cache *c)
                 if (kvcap_cache_add_span(c, s, l, &desc, &kv, &vv) != KVCAP_OK)
                     fail_msg("add_span: %s", kvcap_last_error());
             }
-            for (int t = 0; t < sc->n_gen[s]; t++) {
+    int steps = 0;
+    for (int s = 0; s < sc->n_seqs; s++)
+        steps = sc->n_gen[s] > steps ? sc->n_gen[s] : steps;
+    for (int t = 0; t < steps; t++)
+        for (int l = 0; l < sc->g.n_layers; l++)
+            for (int s = 0; s < sc->n_seqs; s++) {
+                if (t >= sc->n_gen[s])
+                    continue;
                 const float *tok = sc->gen[l][s] + (size_t)t * 2 * H * d;
                 struct kvcap_tensor_view gk = {tok, NULL, 0, KVCAP_DTYPE_F32, d, 0};
                 struct kvcap_tensor_view gv = {tok + (size_t)H * d, NULL, 0, KVCAP_DTYPE_F32, d, 0};
                 if (kvcap_cache_append(c, s, l, &gk, &gv) != KVCAP_OK)
                     fail_msg("append: %s", kvcap_last_error());
             }
-        }
 }
 
 /* The reference output of query head hq of sequence s at layer l: naive softmax attention
@@ -655,6 +664,11 @@ static void test_invalid_calls_leave_cache_usable(void **state)
     expect_status(kvcap_cache_add_span(c, 1, 0, &ok, &k, &v), KVCAP_ERR_INVALID_ARGUMENT, "seq: 1");
     expect_status(kvcap_cache_add_span(c, 0, 0, &wrong_grid, &k, &v), KVCAP_ERR_INVALID_ARGUMENT,
                   "grid 4x5");
+    /* 65536 * 65537 wraps to 65536 in int arithmetic: the grid must still be refused (before
+     * anything reads 65536 tokens from 16-token views) */
+    struct kvcap_span_desc wrapping_grid = {KVCAP_SPAN_VISION, 65536, 65536, 65537, 3};
+    expect_status(kvcap_cache_add_span(c, 0, 0, &wrapping_grid, &k, &v),
+                  KVCAP_ERR_INVALID_ARGUMENT, "grid 65536x65537 does not hold n_tokens 65536");
     struct kvcap_tensor_view k_i32 = k;
     k_i32.dtype = KVCAP_DTYPE_I32;
     expect_status(kvcap_cache_add_span(c, 0, 0, &ok, &k_i32, &v), KVCAP_ERR_INVALID_ARGUMENT,
@@ -891,6 +905,190 @@ static void test_record_calibrate_convert_decode(void **state)
     test_rm_tree(dir);
 }
 
+
+/* The spans of the dataset recorded in `dir`, in order, as "ROWSxCOLS@P0" (+"+q" when the span
+ * has post-vision queries) joined by spaces; "" when nothing was written yet. */
+static void recorded(const char *dir, char *out, size_t cap)
+{
+    const char *paths[1] = {dir};
+    struct kvcap_dataset *ds = NULL;
+    out[0] = '\0';
+    if (kvcap_dataset_open(paths, 1, &ds) != KVCAP_OK)
+        return;
+    const struct kvcap_span_view *sv;
+    size_t used = 0;
+    while (kvcap_dataset_next(ds, &sv) == KVCAP_OK && sv && used < cap)
+        used += (size_t)snprintf(out + used, cap - used, "%s%dx%d@%d%s", used ? " " : "",
+                                 sv->rows, sv->cols, sv->p0, sv->q_post[0] ? "+q" : "");
+    kvcap_dataset_close(ds);
+}
+
+static void expect_recorded(const char *dir, const char *want)
+{
+    char got[512];
+    recorded(dir, got, sizeof got);
+    if (strcmp(got, want) != 0)
+        fail_msg("recorded \"%s\", expected \"%s\"", got, want);
+}
+
+static struct kvcap_cache *record_cache(const struct kvcap_model_geometry *g, int n_seqs,
+                                        const char *dir)
+{
+    struct kvcap_cache_params p;
+    kvcap_cache_default_params(&p);
+    p.model = *g;
+    p.n_seqs = n_seqs;
+    p.record_dir = dir;
+    struct kvcap_cache *c = NULL;
+    if (kvcap_cache_create(&p, &c) != KVCAP_OK)
+        fail_msg("%s", kvcap_last_error());
+    return c;
+}
+
+/* Record mode keeps what it cannot write yet. A flush while another sequence is in the middle
+ * of its prefill writes the spans of the sequence whose prefill ended and keeps the other's for
+ * a later flush (it used to drop them: every call OK, no span written), also once all its
+ * layers are in but its post-vision queries may still come. A prompt with two images added
+ * layer by layer records both (the first used to be dropped when the second started). */
+static void test_record_flush_keeps_prefill(void **state)
+{
+    (void)state;
+    struct kvcap_model_geometry g = geometry(2, 4, 2, 64);
+    char dir[512];
+    tmp_path(dir, sizeof dir, "record-keep");
+    static float kv[2 * 2 * 16 * 64];
+    for (size_t i = 0; i < sizeof kv / sizeof kv[0]; i++)
+        kv[i] = (float)sin(0.37 * (double)i);
+    struct kvcap_tensor_view k = hnd(kv, 16, 64), v = hnd(kv + 2 * 16 * 64, 16, 64);
+    const struct kvcap_span_desc a = {KVCAP_SPAN_VISION, 16, 4, 4, 3},
+                                 text = {KVCAP_SPAN_TEXT, 16, 0, 0, 19},
+                                 b = {KVCAP_SPAN_VISION, 16, 2, 8, 35},
+                                 c1 = {KVCAP_SPAN_VISION, 16, 8, 2, 7};
+    struct kvcap_cache *c = record_cache(&g, 2, dir);
+    /* seq 0: image, text, image, layer by layer; seq 1: its image at layer 0 only */
+    for (int l = 0; l < g.n_layers; l++) {
+        assert_int_equal(kvcap_cache_add_span(c, 0, l, &a, &k, &v), KVCAP_OK);
+        assert_int_equal(kvcap_cache_add_span(c, 0, l, &text, &k, &v), KVCAP_OK);
+        assert_int_equal(kvcap_cache_add_span(c, 0, l, &b, &k, &v), KVCAP_OK);
+    }
+    assert_int_equal(kvcap_cache_add_span(c, 1, 0, &c1, &k, &v), KVCAP_OK);
+    assert_int_equal(kvcap_cache_end_prefill(c, 0), KVCAP_OK);
+    assert_int_equal(kvcap_cache_record_flush(c), KVCAP_OK);
+    expect_recorded(dir, "4x4@3 2x8@35");
+    /* seq 1 completes its layers and adds post-vision queries: still in prefill, kept */
+    assert_int_equal(kvcap_cache_add_span(c, 1, 1, &c1, &k, &v), KVCAP_OK);
+    assert_int_equal(kvcap_cache_record_flush(c), KVCAP_OK);
+    static const float post[4 * 2 * 64];
+    for (int l = 0; l < g.n_layers; l++)
+        assert_int_equal(kvcap_cache_add_post_queries(c, 1, l, post, 2), KVCAP_OK);
+    assert_int_equal(kvcap_cache_record_flush(c), KVCAP_OK);
+    expect_recorded(dir, "4x4@3 2x8@35");
+    /* its prefill ends: the next flush writes it, queries included */
+    assert_int_equal(kvcap_cache_end_prefill(c, 1), KVCAP_OK);
+    assert_int_equal(kvcap_cache_record_flush(c), KVCAP_OK);
+    expect_recorded(dir, "4x4@3 2x8@35 8x2@7+q");
+    /* what was written is what the engine handed over (f16 shards: to f16 rounding) */
+    const char *paths[1] = {dir};
+    struct kvcap_dataset *ds = NULL;
+    assert_int_equal(kvcap_dataset_open(paths, 1, &ds), KVCAP_OK);
+    const struct kvcap_span_view *sv = NULL;
+    for (int i = 0; i < 3; i++)
+        assert_int_equal(kvcap_dataset_next(ds, &sv), KVCAP_OK);
+    float *got = malloc(sizeof(float) * 2 * 16 * 64);
+    assert_int_equal(kvcap_convert_to_f32(sv->k[1]->dtype, sv->k[1]->data, 2 * 16 * 64, got),
+                     KVCAP_OK);
+    for (int i = 0; i < 2 * 16 * 64; i++)
+        assert_true(fabsf(got[i] - kv[i]) <= 1e-3f);
+    free(got);
+    kvcap_dataset_close(ds);
+    kvcap_cache_free(c);
+    test_rm_tree(dir);
+}
+
+/* Record mode refuses, when the engine adds it, a vision span whose grid the dataset format
+ * cannot hold, naming the argument (it used to take the span and lose it when the shard was
+ * written); the cache stays usable. Without record mode the same span is fine. */
+static void test_record_refuses_unrecordable_grid(void **state)
+{
+    (void)state;
+    struct kvcap_model_geometry g = geometry(2, 4, 2, 64);
+    enum { WIDE = 5000 }; /* 1 x 5000: 5000 tokens are fine, a side over 4096 is not */
+    float *kv = calloc((size_t)2 * 2 * WIDE * 64, sizeof *kv);
+    struct kvcap_tensor_view wk = hnd(kv, WIDE, 64), wv = hnd(kv + 2 * WIDE * 64, WIDE, 64);
+    struct kvcap_tensor_view k = hnd(kv, 16, 64), v = hnd(kv + 2 * 16 * 64, 16, 64);
+    const struct kvcap_span_desc wide = {KVCAP_SPAN_VISION, WIDE, 1, WIDE, 0},
+                                 ok = {KVCAP_SPAN_VISION, 16, 4, 4, 0};
+    char dir[512];
+    tmp_path(dir, sizeof dir, "record-grid");
+    struct kvcap_cache *c = record_cache(&g, 1, dir);
+    expect_status(kvcap_cache_add_span(c, 0, 0, &wide, &wk, &wv), KVCAP_ERR_INVALID_ARGUMENT,
+                  "span.cols: 5000 is outside 1..4096");
+    struct kvcap_cache_stats st;
+    assert_int_equal(kvcap_cache_stats(c, &st), KVCAP_OK);
+    assert_int_equal(st.tokens_by_kind[KVCAP_SPAN_VISION], 0); /* nothing stored */
+    for (int l = 0; l < g.n_layers; l++)
+        assert_int_equal(kvcap_cache_add_span(c, 0, l, &ok, &k, &v), KVCAP_OK);
+    assert_int_equal(kvcap_cache_end_prefill(c, 0), KVCAP_OK);
+    assert_int_equal(kvcap_cache_record_flush(c), KVCAP_OK);
+    expect_recorded(dir, "4x4@0");
+    kvcap_cache_free(c);
+    test_rm_tree(dir);
+
+    c = make_cache(&g, 1, KVCAP_DTYPE_F32, NULL, ALL_FULL);
+    for (int l = 0; l < g.n_layers; l++)
+        assert_int_equal(kvcap_cache_add_span(c, 0, l, &wide, &wk, &wv), KVCAP_OK);
+    assert_int_equal(kvcap_cache_end_prefill(c, 0), KVCAP_OK);
+    kvcap_cache_free(c);
+    free(kv);
+}
+
+/* A prefill that some layers never got is an error naming the sequence and the layer under
+ * every policy, from end_prefill and from the append and attend that end it implicitly (it
+ * passed unnoticed unless a cross-layer policy had a span pending, and attention at the layers
+ * without the span ignored the image). Adding the missing spans makes the cache whole again. */
+static void test_incomplete_prefill_named(void **state)
+{
+    (void)state;
+    static const char *const configs[] = {
+        ALL_FULL, "policies: {vision: streaming, text: full, generated: full}\n",
+        "policies: {vision: full, text: full, generated: freekv}\n",
+        NULL /* host defaults: vision spans to flashcache */};
+    struct kvcap_model_geometry g = geometry(3, 4, 2, 64);
+    static float kv[2 * 2 * 16 * 64], tok[2 * 2 * 64];
+    struct kvcap_tensor_view k = hnd(kv, 16, 64), v = hnd(kv + 2 * 16 * 64, 16, 64);
+    struct kvcap_tensor_view tk = {tok, NULL, 0, KVCAP_DTYPE_F32, 64, 0};
+    struct kvcap_tensor_view tv = {tok + 2 * 64, NULL, 0, KVCAP_DTYPE_F32, 64, 0};
+    const struct kvcap_span_desc img = {KVCAP_SPAN_VISION, 16, 4, 4, 2},
+                                 text = {KVCAP_SPAN_TEXT, 16, 0, 0, 18};
+    float q[2 * 4 * 64] = {0}, out[2 * 4 * 64];
+    for (size_t i = 0; i < sizeof configs / sizeof configs[0]; i++) {
+        struct kvcap_cache *c = make_cache(&g, 2, KVCAP_DTYPE_F32, NULL, configs[i]);
+        for (int l = 0; l < g.n_layers; l++)
+            assert_int_equal(kvcap_cache_add_span(c, 0, l, &img, &k, &v), KVCAP_OK);
+        /* seq 1: the image reached layer 0 only */
+        assert_int_equal(kvcap_cache_add_span(c, 1, 0, &img, &k, &v), KVCAP_OK);
+        expect_status(kvcap_cache_end_prefill(c, 1), KVCAP_ERR_STATE,
+                      "seq 1: prefill is incomplete: layer 1 has 0 spans, layer 0 has 1 (span 0 "
+                      "never reached layer 1)");
+        expect_status(kvcap_cache_attend(c, 0, q, out), KVCAP_ERR_STATE, "seq 1: prefill");
+        expect_status(kvcap_cache_append(c, 1, 0, &tk, &tv), KVCAP_ERR_STATE, "seq 1: prefill");
+        assert_int_equal(kvcap_cache_end_prefill(c, 0), KVCAP_OK);
+        /* the missing layers come; then a second span misses the last layer */
+        for (int l = 1; l < g.n_layers; l++)
+            assert_int_equal(kvcap_cache_add_span(c, 1, l, &img, &k, &v), KVCAP_OK);
+        for (int l = 0; l < 2; l++)
+            assert_int_equal(kvcap_cache_add_span(c, 1, l, &text, &k, &v), KVCAP_OK);
+        expect_status(kvcap_cache_end_prefill(c, 1), KVCAP_ERR_STATE,
+                      "layer 2 has 1 spans, layer 0 has 2 (span 1 never reached layer 2)");
+        assert_int_equal(kvcap_cache_add_span(c, 1, 2, &text, &k, &v), KVCAP_OK);
+        assert_int_equal(kvcap_cache_end_prefill(c, 1), KVCAP_OK);
+        for (int l = 0; l < g.n_layers; l++) {
+            assert_int_equal(kvcap_cache_append(c, 1, l, &tk, &tv), KVCAP_OK);
+            assert_int_equal(kvcap_cache_attend(c, l, q, out), KVCAP_OK);
+        }
+        kvcap_cache_free(c);
+    }
+}
 
 /* ---- Eviction policies in the cache against brute force ------------------------------------ */
 
@@ -1160,6 +1358,42 @@ static void test_poisoned_artifact(void **state)
     assert_int_equal(access(path, F_OK), -1);
 }
 
+/* An artifact whose KV heads disagree on a map size is refused when it is opened, naming the
+ * file and the tensor (it used to open, pass `kvcap-convert --inspect`, and fail at the first
+ * prefill of a span of that bucket without naming the file). */
+static void test_inconsistent_artifact(void **state)
+{
+    (void)state;
+    struct kvcap_model_geometry g = geometry(2, 4, 2, 64);
+    struct kvcap_bucket bucket = {0};
+    bucket.rows = 4, bucket.cols = 4, bucket.structure = KVCAP_STRUCTURE_DENSE;
+    float maps[16 * 3 + 2 * 3 + 3 + 3 * 16 + 16] = {0};
+    int32_t mask[2] = {0, 8};
+    double ratios[2] = {0.125, 0.125};
+    struct kvcap_artifact_desc desc = {g, 1, &bucket, KVCAP_DTYPE_F32, 1, KVCAP_POLICY_FULL,
+                                       ratios, ratios, NULL, NULL};
+    char path[512];
+    tmp_path(path, sizeof path, "inconsistent.kvcap");
+    /* unit 3 = layer 1, KV head 1: one size too large, h then R_v */
+    for (int which = 0; which < 2; which++) {
+        struct kvcap_unit_maps units[4];
+        for (int i = 0; i < 4; i++) {
+            int h = which == 0 && i == 3 ? 3 : 2, rv = which == 1 && i == 3 ? 3 : 2;
+            units[i] = (struct kvcap_unit_maps){.m = 16, .rk = 2, .h = h, .rv = rv, .gelu = 0,
+                                                .mask = mask, .u = maps, .w1 = maps + 48,
+                                                .b1 = maps + 54, .w2 = maps + 57, .b2 = maps + 105};
+        }
+        assert_int_equal(kvcap_artifact_write(path, &desc, units), KVCAP_OK);
+        struct kvcap_artifact *a = NULL;
+        expect_status(kvcap_artifact_open(path, &a), KVCAP_ERR_FORMAT,
+                      which == 0 ? "tensor 'l1.h1.b0.k_w1': h = 3 differs from 2 in 'l1.h0.b0.k_w1'"
+                                 : "tensor 'l1.h1.b0.U': R_v = 3 differs from 2 in 'l1.h0.b0.U'");
+        assert_non_null(strstr(kvcap_last_error(), path));
+        assert_null(a);
+    }
+    unlink(path);
+}
+
 /* ---- Composition: one softmax over four policies equals each policy alone, merged by hand -- */
 
 enum { COMP_SEQS = 2, COMP_STEPS = 14 };
@@ -1278,10 +1512,14 @@ int main(void)
         cmocka_unit_test(test_bytes_held),
         cmocka_unit_test(test_invalid_calls_leave_cache_usable),
         cmocka_unit_test(test_record_calibrate_convert_decode),
+        cmocka_unit_test(test_record_flush_keeps_prefill),
+        cmocka_unit_test(test_record_refuses_unrecordable_grid),
+        cmocka_unit_test(test_incomplete_prefill_named),
         cmocka_unit_test(test_flashcache_in_cache),
         cmocka_unit_test(test_vlcache_in_cache),
         cmocka_unit_test(test_composition),
         cmocka_unit_test(test_poisoned_artifact),
+        cmocka_unit_test(test_inconsistent_artifact),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -235,7 +235,8 @@ struct kvcap_cache_params {
     const char *config_path;               /* runtime YAML (configs/runtime.yaml); NULL: defaults.
                                             * Its artifact key is ignored here: pass `artifact` */
     const char *record_dir;                /* non-NULL: record mode, vision spans and their decode
-                                            * queries are appended to dataset shards there */
+                                            * queries are appended to dataset shards there
+                                            * (see kvcap_cache_record_flush) */
     int n_threads;                         /* 0: all cores */
     kvcap_parallel_for_fn parallel_for;    /* NULL (default): the cache's own pool of
                                             * n_threads (its idle workers block); else the
@@ -291,9 +292,10 @@ struct kvcap_cache_params {
 KVCAP_API void kvcap_cache_default_params(struct kvcap_cache_params *params);
 KVCAP_API enum kvcap_status kvcap_cache_create(const struct kvcap_cache_params *params,
                                                struct kvcap_cache **out);
-/* NULL is a no-op. In record mode, spans still pending are written out first (errors are
- * logged; call kvcap_cache_record_flush before to see them). A device cache waits for its
- * stream first. */
+/* NULL is a no-op. In record mode, spans not yet written are written out first, also those of
+ * sequences whose prefill was not ended; a span that some layers never received cannot be
+ * written and is dropped with a warning. Errors are logged: end the prefills and call
+ * kvcap_cache_record_flush before to see them. A device cache waits for its stream first. */
 KVCAP_API void kvcap_cache_free(struct kvcap_cache *cache);
 
 /* Device caches: the cudaStream_t (passed as void *) the cache's work is enqueued on from now
@@ -332,10 +334,14 @@ struct kvcap_span_desc {
 
 /* Prefill: adds a span of sequence `seq` at `layer`. Engines call it layer by layer; the i-th
  * call for (seq, layer) adds span i of that sequence, so spans must come in the same order on
- * every layer with the same description (KVCAP_ERR_INVALID_ARGUMENT otherwise). The span is
- * stored under the policy the runtime config gives its kind (vision spans whose grid has no
- * bucket in the artifact use the fallback). Device cache: k and v are device memory; the
- * KVCapsule state is computed on the device; the call returns when the span is stored. */
+ * every layer with the same description (KVCAP_ERR_INVALID_ARGUMENT otherwise), and every layer
+ * must get every span before the prefill ends (kvcap_cache_end_prefill). Layer 0 leads: span i
+ * is added at layer 0 before any other layer. The span is stored under the policy the runtime
+ * config gives its kind (vision spans whose grid has no bucket in the artifact use the
+ * fallback). Record mode also refuses, with KVCAP_ERR_INVALID_ARGUMENT naming span.rows,
+ * span.cols or span.p0, a vision span the dataset format cannot hold (rows and cols in
+ * 1..4096, formats/SPEC.md §4.1). Device cache: k and v are device memory; the KVCapsule
+ * state is computed on the device; the call returns when the span is stored. */
 KVCAP_API enum kvcap_status kvcap_cache_add_span(struct kvcap_cache *cache, int seq, int layer,
                                                  const struct kvcap_span_desc *span,
                                                  const struct kvcap_tensor_view *k,
@@ -352,12 +358,16 @@ KVCAP_API enum kvcap_status kvcap_cache_add_post_queries(struct kvcap_cache *cac
                                                          int layer, const float *q, int n);
 
 /* Ends the prefill of `seq`: spans whose policy compresses across layers (flashcache, vlcache)
- * are compressed now, their evicted rows freed. Needs every layer's spans (and, for vlcache,
- * post-vision queries). Called by kvcap_cache_append and kvcap_cache_attend when the engine
- * has not; calling it explicitly puts the compression time where the engine wants it and
- * reports errors at the right place. A no-op when nothing is pending. On failure the spans not
- * yet compressed stay as they were (held in full) and the call may be repeated. (A device
- * cache has no cross-layer policy: nothing is ever pending.) */
+ * are compressed now, their evicted rows freed. Needs every layer's spans, whatever the
+ * policies: when some layers got a span and others did not, it fails with KVCAP_ERR_STATE
+ * naming the sequence and the first layer that lacks it (the engine may add the missing spans
+ * and call again). vlcache also needs the post-vision queries. Called by kvcap_cache_append
+ * (for its sequence) and kvcap_cache_attend (for every sequence of the batch) when the engine
+ * has not, so those fail the same way; calling it explicitly puts the compression time where
+ * the engine wants it and reports errors at the right place. Otherwise a no-op when nothing is
+ * pending; in record mode it marks the sequence's spans ready to be written. On failure the
+ * spans not yet compressed stay as they were (held in full) and the call may be repeated. (A
+ * device cache has no cross-layer policy: nothing is ever pending.) */
 KVCAP_API enum kvcap_status kvcap_cache_end_prefill(struct kvcap_cache *cache, int seq);
 
 /* Decode: appends one generated token's K and V (views of one token) to `seq` at `layer`.
@@ -371,7 +381,9 @@ KVCAP_API enum kvcap_status kvcap_cache_append(struct kvcap_cache *cache, int se
 
 /* Decode: attention output of every query head of every sequence at `layer` over everything
  * the cache holds for it. q and out: [n_seqs][q_heads][head_dim] fp32 (q rotated at its own
- * position, as the engine does); scores are scaled by 1/sqrt(head_dim). Device cache: q and out
+ * position, as the engine does); scores are scaled by 1/sqrt(head_dim). Ends the prefill of
+ * every sequence first, so no sequence may be half-way through its prefill (a span on some
+ * layers only: KVCAP_ERR_STATE, see kvcap_cache_end_prefill). Device cache: q and out
  * are device memory; the call only enqueues kernels (a fixed set while storage does not grow:
  * partial reset, query preparation, one launch for every plain segment of the batch, one per
  * KVCapsule bucket and KV head, one merge) and returns without waiting. */
@@ -420,9 +432,14 @@ struct kvcap_cache_stats {
 KVCAP_API enum kvcap_status kvcap_cache_stats(const struct kvcap_cache *cache,
                                               struct kvcap_cache_stats *stats);
 
-/* Record mode: writes every finished span (with the decode queries recorded so far) to the
- * dataset; spans whose sequence is still decoding keep collecting queries afterwards only if
- * they were not flushed. */
+/* Record mode: writes to the dataset the vision spans of every sequence whose prefill has
+ * ended (kvcap_cache_end_prefill, explicitly or through append or attend), each with its
+ * post-vision queries and the decode queries recorded so far. The spans of a sequence still in
+ * prefill are kept, not written, and are written by a later flush once its prefill has ended:
+ * a flush never cuts a span short or drops it. A flushed span collects no more queries; a
+ * sequence's spans are also written when it starts a new prefill with a vision span, and when
+ * the cache is freed. On failure (KVCAP_ERR_IO, ...) the spans not written are kept and the
+ * call may be repeated. KVCAP_ERR_STATE when the cache is not in record mode. */
 KVCAP_API enum kvcap_status kvcap_cache_record_flush(struct kvcap_cache *cache);
 
 /* ---- Devices -------------------------------------------------------------------------- */
