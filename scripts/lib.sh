@@ -2,6 +2,18 @@
 # shellcheck shell=bash
 KVCAP_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
+# kvcap_pip: prints a pip to download wheels with (the project's venv first, then the system's,
+# else the venv made by scripts/setup-python.sh); prints nothing when there is none.
+kvcap_pip() {
+  local cand python
+  for cand in "${KVCAP_VENV:-$KVCAP_ROOT/.venv}/bin/pip" "$(command -v pip3 || true)" \
+    "$(command -v pip || true)"; do
+    if [ -n "$cand" ] && [ -x "$cand" ]; then echo "$cand"; return 0; fi
+  done
+  python=$(bash "$KVCAP_ROOT/scripts/setup-python.sh" 2>/dev/null || true)
+  if [ -n "$python" ] && [ -x "$(dirname "$python")/pip" ]; then echo "$(dirname "$python")/pip"; fi
+}
+
 kvcap_prepare() {
   bash "$KVCAP_ROOT/scripts/setup.sh"
 }
