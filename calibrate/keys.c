@@ -183,6 +183,11 @@ static void greedy_select(double *s, int m, int rk, double band, double floor_, 
         for (int i = 0; i < m && p < 0; i++)
             if (!used[i] && l[i] >= best - band)
                 p = i;
+        /* A Gram no data can produce (a negative diagonal, or sums overflowing to inf and NaN:
+         * a hostile state file) may leave no candidate in the band: take the first unused. */
+        for (int i = 0; i < m && p < 0; i++)
+            if (!used[i])
+                p = i;
         picks[k] = p;
         used[p] = 1;
         double dp = s[(size_t)p * m + p];

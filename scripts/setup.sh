@@ -9,6 +9,7 @@ PACKAGES=(
   libopenblas-dev liblapacke-dev
   libyaml-dev libcjson-dev libkissfft-dev libcmocka-dev libpcre2-dev
   python3 python3-venv
+  clang libclang-rt-14-dev libomp-dev # the libFuzzer harnesses (scripts/fuzz.sh)
 )
 
 missing=()

@@ -1,8 +1,9 @@
 /* test_calibrate.c — calibration with known answers: exact recovery at the true rank, invariance
  * to the span's start position, exact merging of states, trained keys never worse than the
  * closed form, named errors for bad inputs, the device option, the row/column-major
- * contract the CUDA path relies on (checked here with column-major BLAS/LAPACK), and a fit that
- * does not move when its Grams are perturbed at rounding level. */
+ * contract the CUDA path relies on (checked here with column-major BLAS/LAPACK), a fit that
+ * does not move when its Grams are perturbed at rounding level, and one that survives Grams no
+ * data can produce. */
 #include <dirent.h>
 #include <math.h>
 #include <setjmp.h>
@@ -692,6 +693,35 @@ static void test_fit_robust_to_rounding(void **state)
     free(train), free(heldout), free(g);
 }
 
+/* Grams no data can produce, as a hostile state file may hold them (kvcap-convert refits
+ * what it reads): a negative diagonal, whose negative trace made the tie band negative and left
+ * the greedy selection without a pick (it then wrote before its arrays), and sums so large that
+ * the trace and the residual overflow. The closed form answers with a status and any mask it
+ * returns is valid. */
+static void test_closed_form_not_a_gram(void **state)
+{
+    (void)state;
+    enum { M = 4, RK = 2, CASES = 3 };
+    double g[CASES][M * M];
+    for (int c = 0; c < CASES; c++)
+        for (int i = 0; i < M * M; i++)
+            g[c][i] = i % (M + 1) == 0 ? 2.0 : 0.5;
+    g[0][1 * M + 1] = -6.8e38; /* one negative diagonal entry */
+    for (int i = 0; i < M; i++)
+        g[1][i * M + i] = -1.0; /* all of them */
+    for (int i = 0; i < M * M; i++)
+        g[2][i] = 1e300; /* the trace overflows to inf */
+    for (int c = 0; c < CASES; c++) {
+        struct kvcap_key_maps k;
+        memset(&k, 0, sizeof k);
+        enum kvcap_status st = kvcap_keys_closed_form(g[c], M, RK, RK, 1e-3, &k);
+        assert_true(st == KVCAP_OK || st == KVCAP_ERR_NUMERIC);
+        for (int i = 0; st == KVCAP_OK && i < RK; i++)
+            assert_true(k.mask[i] >= 0 && k.mask[i] < M && (i == 0 || k.mask[i] > k.mask[i - 1]));
+        kvcap_key_maps_free(&k);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -703,6 +733,7 @@ int main(void)
         cmocka_unit_test(test_device_option),
         cmocka_unit_test(test_cuda_layout_contract),
         cmocka_unit_test(test_fit_robust_to_rounding),
+        cmocka_unit_test(test_closed_form_not_a_gram),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
