@@ -125,7 +125,8 @@ report() {
     local what unit
     what=$(grep -m1 -oE 'check failed: .*|runtime error: [^:]*|ERROR: [A-Za-z]+: [a-z -]*[a-z]' \
              "$f" || echo "exit $rc")
-    unit=$(grep -o 'Test unit written to .*' "$f" | tail -1 | sed 's/Test unit written to //' || true)
+    unit=$(grep -o 'Test unit written to .*' "$f" | tail -1 | sed 's/^Test unit written to //' ||
+           true)
     result="FAILED: $what${unit:+ — reproducer $unit} (log $f)"
   fi
   printf '%-20s %10s execs  %-22s %5ss  %s\n' "fuzz_$h" "${execs:-?}" "${stats:-cov: ? ft: ?}" \

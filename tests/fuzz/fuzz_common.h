@@ -16,14 +16,14 @@
 #include "kvcap.h"
 
 /* A broken invariant: say which and stop, so libFuzzer keeps the input as a crash. */
-#define FUZZ_ASSERT(cond, ...)                                                 \
-    do {                                                                       \
-        if (!(cond)) {                                                         \
-            fprintf(stderr, "%s:%d: check failed: %s: ", __FILE__, __LINE__, #cond); \
-            fprintf(stderr, __VA_ARGS__);                                      \
-            fprintf(stderr, "\n");                                             \
-            abort();                                                           \
-        }                                                                      \
+#define FUZZ_ASSERT(cond, ...)                                                           \
+    do {                                                                                 \
+        if (!(cond)) {                                                                   \
+            fprintf(stderr, "%s:%d: check failed: %s: ", __FILE__, __LINE__, #cond);     \
+            fprintf(stderr, __VA_ARGS__);                                                \
+            fprintf(stderr, "\n");                                                       \
+            abort();                                                                     \
+        }                                                                                \
     } while (0)
 
 /* The library's contract for every fallible call (kvcap.h): the status is one of the pinned
