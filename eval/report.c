@@ -2616,6 +2616,19 @@ static void render_mask_on_image(struct buf *b, const struct report *r, const st
 {
     const int R = m->rows, C = m->cols, L = r->n_layers;
     const double side = 320, cell = side / (C > R ? C : R);
+    /* each token's share of the (layer, head) pairs keeping it; the most-kept is shown clear */
+    double *share = malloc(sizeof *share * (size_t)m->n_tokens), most = 0;
+    if (!share) {
+        b->failed = 1;
+        return;
+    }
+    for (int j = 0; j < m->n_tokens; j++) {
+        double kept = 0;
+        for (int l = 0; l < L; l++)
+            kept += m->count[(size_t)l * m->n_tokens + j];
+        share[j] = kept / ((double)L * m->heads);
+        most = fmax(most, share[j]);
+    }
     bputs(b, "<figure class=\"mask-image\">\n");
     bprintf(b, "<svg class=\"fig\" width=\"%.0f\" height=\"%.0f\" viewBox=\"0 0 %.0f %.0f\" "
                "role=\"img\" aria-label=\"key masks over the photo\">\n",
@@ -2624,19 +2637,9 @@ static void render_mask_on_image(struct buf *b, const struct report *r, const st
     bprintf(b, "width=\"%.1f\" height=\"%.1f\" href=\"", cell * C, cell * R);
     besc(b, m->thumb);
     bputs(b, "\"/>\n");
-    double most = 0; /* the most-kept token's share: shown clear */
-    for (int j = 0; j < m->n_tokens; j++) {
-        double kept = 0;
-        for (int l = 0; l < L; l++)
-            kept += m->count[(size_t)l * m->n_tokens + j];
-        most = fmax(most, kept / ((double)L * m->heads));
-    }
     for (int y = 0; y < R; y++)
         for (int x = 0; x < C; x++) {
-            double kept = 0;
-            for (int l = 0; l < L; l++)
-                kept += m->count[(size_t)l * m->n_tokens + (size_t)y * C + x];
-            kept /= (double)L * m->heads;
+            const double kept = share[(size_t)y * C + x];
             bprintf(b, "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" "
                        "fill=\"#0b1a33\" fill-opacity=\"%.2f\" stroke=\"#ffffff\" "
                        "stroke-opacity=\"0.25\" stroke-width=\"0.5\"><title>token (%d, %d): kept "
@@ -2644,6 +2647,7 @@ static void render_mask_on_image(struct buf *b, const struct report *r, const st
                     x * cell, y * cell, cell, cell, most > 0 ? 0.8 * (1 - kept / most) : 0.8,
                     y, x, 100 * kept);
         }
+    free(share);
     bprintf(b, "\n</svg>\n<figcaption>The %d&thinsp;&times;&thinsp;%d tokens of a held-out photo "
                "crop: the darker a cell, the fewer of the %d layers &times; %d KV heads keep that "
                "token's key (clear: the most-kept token, %.0f&nbsp;%% of them).</figcaption>\n"
