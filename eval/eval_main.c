@@ -1394,6 +1394,18 @@ static enum kvcap_status task_run(const struct options *o, const struct model_ct
 }
 
 /* ---- metrics.json --------------------------------------------------------------------------- */
+
+/* The files `run` writes into --out: the one list check_outputs checks and cmd_run writes. */
+struct run_outputs {
+    char metrics[4200], html[4200], csv[4200];
+};
+
+static void run_output_paths(const struct options *o, struct run_outputs *p)
+{
+    snprintf(p->metrics, sizeof p->metrics, "%s/metrics.json", o->out);
+    snprintf(p->html, sizeof p->html, "%s/report.html", o->out);
+    snprintf(p->csv, sizeof p->csv, "%s/metrics.csv", o->out);
+}
 static cJSON *num_or_null(double x) { return isfinite(x) ? cJSON_CreateNumber(x) : cJSON_CreateNull(); }
 
 /* A thumbnail [size][size][3] RGB as a data: URI of a 24-bit BMP (every browser shows one; no
@@ -1909,10 +1921,9 @@ static int cmd_run(const struct options *opt, int argc, char **argv)
     if (s == KVCAP_OK && o->task_queries > 0)
         s = task_run(o, &mc, runs, n_runs, &task);
     double bw = s == KVCAP_OK ? measure_bandwidth_gbs() : NAN;
-    char metrics[4200], html[4200], csv[4200];
-    snprintf(metrics, sizeof metrics, "%s/metrics.json", o->out);
-    snprintf(html, sizeof html, "%s/report.html", o->out);
-    snprintf(csv, sizeof csv, "%s/metrics.csv", o->out);
+    struct run_outputs files;
+    run_output_paths(o, &files);
+    const char *metrics = files.metrics, *html = files.html, *csv = files.csv;
     if (s == KVCAP_OK)
         s = write_metrics(o, &mc, &corpus, runs, n_runs, n_prompts, &task, bw, command,
                           opt->track == TRACK_IMAGE ? &im : NULL, crop_of[0], metrics);
@@ -1962,13 +1973,10 @@ static int check_outputs(const struct options *o)
     struct stat so;
     if (stat(o->out, &so) == 0 && !S_ISDIR(so.st_mode))
         return cli_usage_error("--out %s exists and is not a folder", o->out);
-    static const char *const names[3] = {"metrics.json", "report.html", "metrics.csv"};
-    char paths[3][4200];
-    struct cli_path out[3];
-    for (int i = 0; i < 3; i++) {
-        snprintf(paths[i], sizeof paths[i], "%s/%s", o->out, names[i]);
-        out[i] = (struct cli_path){"--out", paths[i]};
-    }
+    struct run_outputs files;
+    run_output_paths(o, &files);
+    const struct cli_path out[3] = {
+        {"--out", files.metrics}, {"--out", files.html}, {"--out", files.csv}};
     return cli_check_outputs(out, 3, in, n);
 }
 
