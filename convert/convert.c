@@ -32,35 +32,35 @@ static double mean(const double *r, int n)
  * frequencies first (by (u/R)^2 + (v/C)^2, then u): a value basis that needs no calibration.
  * The constant vector (u = v = 0) comes last: a span's mean μ is stored apart, so the centred
  * values it would reconstruct are zero. */
+/* A frequency (u, v) = (k / C, k % C) of an R x C grid, with its rank key: (u/R)^2 + (v/C)^2,
+ * the constant last. */
+struct dct_freq {
+    double key;
+    int k;
+};
+
+static int dct_freq_cmp(const void *a, const void *b)
+{
+    const struct dct_freq *x = a, *y = b;
+    return x->key < y->key ? -1 : x->key > y->key ? 1 : (x->k > y->k) - (x->k < y->k);
+}
+
 static float *dct_basis(int R, int C)
 {
     const int m = R * C;
     float *b = malloc(sizeof *b * (size_t)m * m);
-    int *order = malloc(sizeof *order * (size_t)m);
+    struct dct_freq *order = malloc(sizeof *order * (size_t)m);
     if (!b || !order) {
         free(b), free(order);
         return NULL;
     }
-    for (int i = 0; i < m; i++)
-        order[i] = i;
-    /* insertion sort of the m frequencies (m <= a few thousand, once per bucket) */
-    for (int i = 1; i < m; i++) {
-        int k = order[i], j = i;
-        double fk = (k / C == 0 && k % C == 0) ? 1e9
-                    : pow((double)(k / C) / R, 2) + pow((double)(k % C) / C, 2);
-        while (j > 0) {
-            int q = order[j - 1];
-            double fq = (q / C == 0 && q % C == 0) ? 1e9
-                        : pow((double)(q / C) / R, 2) + pow((double)(q % C) / C, 2);
-            if (fq < fk || (fq == fk && q < k))
-                break;
-            order[j] = q;
-            j--;
-        }
-        order[j] = k;
+    for (int k = 0; k < m; k++) {
+        const double u = (double)(k / C) / R, v = (double)(k % C) / C;
+        order[k] = (struct dct_freq){k == 0 ? INFINITY : u * u + v * v, k};
     }
+    qsort(order, (size_t)m, sizeof *order, dct_freq_cmp);
     for (int i = 0; i < m; i++) {
-        const int u = order[i] / C, v = order[i] % C;
+        const int u = order[i].k / C, v = order[i].k % C;
         const double cu = sqrt((u ? 2.0 : 1.0) / R), cv = sqrt((v ? 2.0 : 1.0) / C);
         for (int x = 0; x < R; x++)
             for (int y = 0; y < C; y++)
