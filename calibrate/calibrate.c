@@ -10,10 +10,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "calibrate.h"
-#include "internal.h"
-#include "rng.h"
-#include "rope.h"
+#include "calibrate/calibrate.h"
+#include "common/internal.h"
+#include "common/rng.h"
+#include "kernels/rope.h"
 
 void kvcap_calibrate_default_options(struct kvcap_calibrate_options *o)
 {

@@ -4,10 +4,10 @@
 
 #include <stdint.h>
 
-#include "config.h"
-#include "dataset.h"
-#include "state.h"
-#include "synth.h" /* kvcap_progress_fn */
+#include "configs/config.h"
+#include "formats/dataset.h"
+#include "calibrate/state.h"
+#include "calibrate/synth.h" /* kvcap_progress_fn */
 
 struct kvcap_calibrate_options {
     const char *const *data; /* dataset shards or folders */

@@ -1,8 +1,8 @@
 /* device.c — choosing where calibration runs: the --device names, and what "auto" becomes. */
 #include <string.h>
 
-#include "gpu.h"
-#include "internal.h"
+#include "calibrate/gpu.h"
+#include "common/internal.h"
 
 static const char *const device_names[] = {"auto", "cpu", "cuda"};
 

@@ -1,7 +1,7 @@
 /* gpu_stub.c — calibrate/gpu.h in a build without CUDA: every device path is unsupported, so
  * kvcap_calibrate runs on the CPU (device auto) or fails by name (device cuda). */
-#include "gpu.h"
-#include "internal.h"
+#include "calibrate/gpu.h"
+#include "common/internal.h"
 
 #define UNSUPPORTED(what)                                                                    \
     kvcap_fail(KVCAP_ERR_UNSUPPORTED, "%s: this build of kvcap has no CUDA support", (what))

@@ -7,9 +7,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
-#include "keys.h"
-#include "linalg.h"
+#include "common/internal.h"
+#include "calibrate/keys.h"
+#include "calibrate/linalg.h"
 
 enum kvcap_status kvcap_key_maps_alloc(struct kvcap_key_maps *k, int m, int rk, int h, int gelu)
 {

@@ -11,8 +11,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "activation.h"
-#include "config.h"
+#include "kernels/activation.h"
+#include "configs/config.h"
 #include "kvcap.h"
 
 struct kvcap_key_maps {

@@ -3,8 +3,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
-#include "linalg.h"
+#include "common/internal.h"
+#include "calibrate/linalg.h"
 
 enum kvcap_status kvcap_dsyevd(int n, double *a, double *w)
 {

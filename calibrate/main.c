@@ -6,9 +6,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "calibrate.h"
-#include "cli.h"
-#include "internal.h"
+#include "calibrate/calibrate.h"
+#include "cli/cli.h"
+#include "common/internal.h"
 
 extern const char kvcap_default_calib_yaml[];
 

@@ -5,9 +5,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
-#include "linalg.h"
-#include "state.h"
+#include "common/internal.h"
+#include "calibrate/linalg.h"
+#include "calibrate/state.h"
 
 #define NAME_CAP 96
 

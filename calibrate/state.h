@@ -7,10 +7,10 @@
 
 #include <stdint.h>
 
-#include "config.h"
-#include "gpu.h"
-#include "keys.h"
-#include "schema.h"
+#include "configs/config.h"
+#include "calibrate/gpu.h"
+#include "calibrate/keys.h"
+#include "formats/schema.h"
 
 /* Validation metrics, in this order in the `metrics` tensor (names in calib.metrics). NaN
  * where not measurable (no validation span, no decode query). */

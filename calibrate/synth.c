@@ -4,11 +4,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "dataset.h"
-#include "internal.h"
-#include "rng.h"
-#include "rope.h"
-#include "synth.h"
+#include "formats/dataset.h"
+#include "common/internal.h"
+#include "common/rng.h"
+#include "kernels/rope.h"
+#include "calibrate/synth.h"
 
 void kvcap_synth_default_params(struct kvcap_synth_params *p)
 {

@@ -8,10 +8,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "cli.h"
-#include "internal.h"
-#include "config.h"
-#include "synth.h"
+#include "cli/cli.h"
+#include "common/internal.h"
+#include "configs/config.h"
+#include "calibrate/synth.h"
 
 extern const char kvcap_default_calib_yaml[];
 

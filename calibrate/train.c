@@ -7,11 +7,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "gpu.h"
-#include "internal.h"
-#include "keys.h"
-#include "rng.h"
-#include "train_internal.h"
+#include "calibrate/gpu.h"
+#include "common/internal.h"
+#include "calibrate/keys.h"
+#include "common/rng.h"
+#include "calibrate/train_internal.h"
 
 /* The relaxed mask starts at 0.95 on the retained points and 0.05 elsewhere: decided enough
  * that the start is the closed form, soft enough that the gradient still reaches α. */

@@ -9,8 +9,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "keys.h"
-#include "rng.h"
+#include "calibrate/keys.h"
+#include "common/rng.h"
 
 /* Pre-activations of the GELU network that reproduces a linear init are shifted to at least
  * MARGIN + SLACK·(their range) on the training data. tanhf saturates to 1.0f for arguments

@@ -10,8 +10,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "cli.h"
-#include "internal.h"
+#include "cli/cli.h"
+#include "common/internal.h"
 
 static const char *tool_name = "kvcap";
 

@@ -11,8 +11,8 @@
 #include <strings.h>
 #include <yaml.h>
 
-#include "config.h"
-#include "internal.h"
+#include "configs/config.h"
+#include "common/internal.h"
 
 #define COUNT(a) (sizeof(a) / sizeof((a)[0]))
 #define FIELD_CAP 128  /* a dotted field path: "schedule.keys.ratios[1023]" */

@@ -6,10 +6,10 @@
 #include <string.h>
 #include <sys/stat.h>
 
-#include "artifact.h"
-#include "convert.h"
-#include "internal.h"
-#include "state.h"
+#include "runtime/artifact.h"
+#include "convert/convert.h"
+#include "common/internal.h"
+#include "calibrate/state.h"
 
 void kvcap_convert_default_options(struct kvcap_convert_options *o)
 {

@@ -2,7 +2,7 @@
 #ifndef KVCAP_CONVERT_H
 #define KVCAP_CONVERT_H
 
-#include "config.h"
+#include "configs/config.h"
 #include "kvcap.h"
 
 struct kvcap_convert_options {

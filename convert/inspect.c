@@ -4,10 +4,10 @@
 #include <stdio.h>
 #include <string.h>
 
-#include "cli.h"
-#include "inspect.h"
-#include "internal.h"
-#include "schema.h"
+#include "cli/cli.h"
+#include "convert/inspect.h"
+#include "common/internal.h"
+#include "formats/schema.h"
 
 static void print_model(const struct kvcap_model_geometry *g)
 {

@@ -6,9 +6,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cli.h"
-#include "convert.h"
-#include "inspect.h"
+#include "cli/cli.h"
+#include "convert/convert.h"
+#include "convert/inspect.h"
 
 static void usage(FILE *out)
 {

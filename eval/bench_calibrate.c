@@ -11,11 +11,11 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "calibrate.h"
-#include "cli.h"
-#include "gpu.h"
-#include "internal.h"
-#include "rng.h"
+#include "calibrate/calibrate.h"
+#include "cli/cli.h"
+#include "calibrate/gpu.h"
+#include "common/internal.h"
+#include "common/rng.h"
 
 static void usage(FILE *out)
 {

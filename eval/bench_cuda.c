@@ -13,18 +13,18 @@
 
 #include <cuda_runtime.h>
 
-#include "attention.h"
-#include "bench_cuda.h"
-#include "cli.h"
-#include "cuda/attention_cuda.h"
-#include "cuda/freekv_cuda.h"
-#include "cuda/policies_cuda.h"
-#include "dct.h"
-#include "flashcache.h"
-#include "freekv.h"
-#include "internal.h"
-#include "rng.h"
-#include "safetensors.h" /* kvcap_convert_to_f32 */
+#include "kernels/attention.h"
+#include "eval/bench_cuda.h"
+#include "cli/cli.h"
+#include "kernels/cuda/attention_cuda.h"
+#include "kernels/cuda/freekv_cuda.h"
+#include "kernels/cuda/policies_cuda.h"
+#include "kernels/dct.h"
+#include "kernels/flashcache.h"
+#include "runtime/freekv.h"
+#include "common/internal.h"
+#include "common/rng.h"
+#include "formats/safetensors.h" /* kvcap_convert_to_f32 */
 
 #define TOOL "kvcap-bench-cuda"
 #define EXIT_SKIP 77

@@ -3,7 +3,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "bench_cuda.h"
+#include "eval/bench_cuda.h"
 
 namespace {
 

@@ -15,13 +15,13 @@
 #include <immintrin.h>
 #endif
 
-#include "artifact.h"
-#include "attention.h"
-#include "cli.h"
-#include "internal.h"
-#include "rng.h"
-#include "schema.h"
-#include "synth.h"
+#include "runtime/artifact.h"
+#include "kernels/attention.h"
+#include "cli/cli.h"
+#include "common/internal.h"
+#include "common/rng.h"
+#include "formats/schema.h"
+#include "calibrate/synth.h"
 
 static void usage(FILE *out)
 {

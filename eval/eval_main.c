@@ -25,15 +25,15 @@
 
 #include <cjson/cJSON.h>
 
-#include "artifact.h"
-#include "cli.h"
-#include "dataset.h"
-#include "internal.h"
-#include "llama.h"
-#include "report.h"
-#include "rng.h"
-#include "tokenizer.h"
-#include "vision.h"
+#include "runtime/artifact.h"
+#include "cli/cli.h"
+#include "formats/dataset.h"
+#include "common/internal.h"
+#include "eval/llama.h"
+#include "eval/report.h"
+#include "common/rng.h"
+#include "eval/tokenizer.h"
+#include "eval/vision.h"
 
 #define DEFAULT_MODEL_FILE "SmolLM2-135M-Instruct.Q4_1.gguf"
 #define DEFAULT_CORPUS "/usr/share/common-licenses"

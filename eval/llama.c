@@ -1,7 +1,7 @@
 /* llama.c — the Llama-family reference engine of llama.h. Straightforward fp32 code: every
  * product of activations and weights is one sgemm over all tokens (prefill) or all rows of the
  * batch (decode), so the weights are read once per step whatever the batch size. */
-#include "llama.h"
+#include "eval/llama.h"
 
 #include <cblas.h>
 #include <math.h>
@@ -9,9 +9,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "gguf.h"
-#include "internal.h"
-#include "rope.h"
+#include "eval/gguf.h"
+#include "common/internal.h"
+#include "kernels/rope.h"
 
 struct llama_layer {
     float *attn_norm, *wq, *wk, *wv, *wo; /* w*: [out][in] row-major */

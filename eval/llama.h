@@ -12,7 +12,7 @@
 
 #include <stdint.h>
 
-#include "gguf.h"
+#include "eval/gguf.h"
 #include "kvcap.h"
 
 struct kvllama_hparams {

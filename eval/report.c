@@ -14,8 +14,8 @@
 
 #include <cjson/cJSON.h>
 
-#include "internal.h"
-#include "report.h"
+#include "common/internal.h"
+#include "eval/report.h"
 
 /* Bounds that keep a hostile file from asking for absurd allocations or drawings. */
 enum {

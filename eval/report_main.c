@@ -5,8 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cli.h"
-#include "report.h"
+#include "cli/cli.h"
+#include "eval/report.h"
 
 static void usage(FILE *out)
 {

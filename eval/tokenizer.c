@@ -20,8 +20,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
-#include "tokenizer.h"
+#include "common/internal.h"
+#include "eval/tokenizer.h"
 
 /* Unicode White_Space, the set llama.cpp's unicode_cpt_flags treat as whitespace. PCRE2's
  * \s under PCRE2_UCP also matches U+180E, which llama.cpp (and Unicode since 6.3) does not. */

@@ -6,9 +6,9 @@
 #include <cblas.h>
 #include <lapacke.h>
 
-#include "internal.h"
-#include "safetensors.h"
-#include "vision.h"
+#include "common/internal.h"
+#include "formats/safetensors.h"
+#include "eval/vision.h"
 
 void kvvision_close(struct kvvision_features *f)
 {

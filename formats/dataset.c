@@ -8,9 +8,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "dataset.h"
-#include "internal.h"
-#include "schema.h"
+#include "formats/dataset.h"
+#include "common/internal.h"
+#include "formats/schema.h"
 
 #define TENSOR_NAME_CAP 48
 #define PATH_CAP 4096

@@ -8,7 +8,7 @@
 #include <stdint.h>
 
 #include "kvcap.h"
-#include "safetensors.h"
+#include "formats/safetensors.h"
 
 /* ---- Writer ----------------------------------------------------------------------------- */
 

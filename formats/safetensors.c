@@ -14,8 +14,8 @@
 
 #include <cjson/cJSON.h>
 
-#include "internal.h"
-#include "safetensors.h"
+#include "common/internal.h"
+#include "formats/safetensors.h"
 
 /* JSON numbers reach us as doubles: every integer up to 2^53 - 1 is exact, larger ones may
  * have been rounded, so both the reader and the writer refuse them. */

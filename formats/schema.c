@@ -6,8 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
-#include "schema.h"
+#include "common/internal.h"
+#include "formats/schema.h"
 
 #define NAME_CAP 96
 

@@ -6,9 +6,9 @@
 
 #include <cjson/cJSON.h>
 
-#include "config.h"
+#include "configs/config.h"
 #include "kvcap.h"
-#include "safetensors.h"
+#include "formats/safetensors.h"
 
 /* Newest layout of each kind this build reads and writes (SPEC §6). */
 #define KVCAP_FORMAT_VERSION_DATASET 1

@@ -1,7 +1,7 @@
 /* activation.c — GELU (tanh form) and its derivative; see activation.h. */
 #include <math.h>
 
-#include "activation.h"
+#include "kernels/activation.h"
 
 /* GELU with the tanh approximation used by GPT-2-style models. */
 float kvcap_gelu(float x)

@@ -26,9 +26,9 @@
 
 #include <cblas.h>
 
-#include "attention.h"
-#include "internal.h"
-#include "safetensors.h"
+#include "kernels/attention.h"
+#include "common/internal.h"
+#include "formats/safetensors.h"
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
 #  define ATTN_X86 1

@@ -9,8 +9,8 @@
 
 #include <kiss_fft.h>
 
-#include "dct.h"
-#include "internal.h"
+#include "kernels/dct.h"
+#include "common/internal.h"
 
 #define PI 3.14159265358979323846
 

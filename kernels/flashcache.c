@@ -5,9 +5,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "flashcache.h"
-#include "internal.h"
-#include "select.h"
+#include "kernels/flashcache.h"
+#include "common/internal.h"
+#include "kernels/select.h"
 
 int kvcap_flashcache_omega(double gamma, int n)
 {

@@ -6,7 +6,7 @@
 
 #include <stdint.h>
 
-#include "dct.h"
+#include "kernels/dct.h"
 
 /* Energies of one layer, summed over its KV heads and channels: ‖X‖² and ‖C_X[:ω]‖². */
 struct kvcap_energy {

@@ -4,7 +4,7 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "rope.h"
+#include "kernels/rope.h"
 
 static int rope_dim_of(const struct kvcap_model_geometry *g)
 {

@@ -3,7 +3,7 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "select.h"
+#include "kernels/select.h"
 
 /* a ranks before b: larger score first, NaN last, lower index on ties. */
 static int ranks_before(const float *s, int a, int b)

@@ -18,9 +18,9 @@
 
 #include <cblas.h>
 
-#include "internal.h"
-#include "safetensors.h"
-#include "vlcache.h"
+#include "common/internal.h"
+#include "formats/safetensors.h"
+#include "kernels/vlcache.h"
 
 #define VL_BLOCK 256 /* key rows per block: τ·G × 256 scores stay in L2 for typical τ·G */
 

@@ -7,7 +7,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "attention.h"
+#include "kernels/attention.h"
 
 /* One KV head. q: the G query heads of this KV head for each of the τ post-vision tokens, f32,
  * query g of token i at q + i*q_stride + g*d (already rotated at its own position). keys: the

@@ -6,8 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "artifact.h"
-#include "internal.h"
+#include "runtime/artifact.h"
+#include "common/internal.h"
 
 static void free_units(struct kvcap_artifact *a)
 {

@@ -4,7 +4,7 @@
 #define KVCAP_ARTIFACT_H
 
 #include "kvcap.h"
-#include "schema.h"
+#include "formats/schema.h"
 
 struct kvcap_unit_maps {
     int m, rk, h, rv, gelu;

@@ -9,11 +9,11 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "cache_internal.h"
-#include "cuda/attention_cuda.h"
-#include "pool.h"
-#include "rope.h"
-#include "select.h"
+#include "runtime/cache_internal.h"
+#include "kernels/cuda/attention_cuda.h"
+#include "runtime/pool.h"
+#include "kernels/rope.h"
+#include "kernels/select.h"
 
 static const struct kvcap_policy_impl *policy_impl(enum kvcap_policy p)
 {

@@ -12,10 +12,10 @@
 #include <cuda_runtime.h>
 
 extern "C" {
-#include "internal.h"
+#include "common/internal.h"
 }
-#include "cache_cuda.h"
-#include "cuda/attention_cuda.h"
+#include "runtime/cache_cuda.h"
+#include "kernels/cuda/attention_cuda.h"
 
 #define ELEM_THREADS 256
 #define MERGE_THREADS 128

@@ -1,8 +1,8 @@
 /* cache_cuda_stub.c — the device primitives of a cache (cache_cuda.h) in a build without CUDA:
  * kvcap_cache_create refuses device caches there, so nothing reaches these; each answers
  * KVCAP_ERR_UNSUPPORTED and touches nothing. */
-#include "cache_cuda.h"
-#include "internal.h"
+#include "runtime/cache_cuda.h"
+#include "common/internal.h"
 
 static enum kvcap_status no_cuda(const char *op)
 {

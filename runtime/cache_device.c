@@ -18,10 +18,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cache_cuda.h"
-#include "cache_internal.h"
-#include "cuda/attention_cuda.h"
-#include "rope.h"
+#include "runtime/cache_cuda.h"
+#include "runtime/cache_internal.h"
+#include "kernels/cuda/attention_cuda.h"
+#include "kernels/rope.h"
 
 #define DEV_ALIGN 256
 

@@ -9,11 +9,11 @@
 
 #include <stdint.h>
 
-#include "artifact.h"
-#include "attention.h"
-#include "config.h"
-#include "freekv.h"
-#include "internal.h"
+#include "runtime/artifact.h"
+#include "kernels/attention.h"
+#include "configs/config.h"
+#include "runtime/freekv.h"
+#include "common/internal.h"
 
 /* The stored state of one span at one layer, all KV heads. */
 struct kvcap_segment {

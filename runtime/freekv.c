@@ -8,10 +8,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "freekv.h"
-#include "internal.h"
-#include "safetensors.h"
-#include "select.h"
+#include "runtime/freekv.h"
+#include "common/internal.h"
+#include "formats/safetensors.h"
+#include "kernels/select.h"
 
 #define FREEKV_MAX_D 4096 /* the attention kernels' limit */
 

@@ -16,7 +16,7 @@
 
 #include <stdint.h>
 
-#include "attention.h"
+#include "kernels/attention.h"
 
 struct kvcap_freekv_params {
     int page_size;     /* tokens per page, >= 1 (32) */

@@ -10,8 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cache_internal.h"
-#include "flashcache.h"
+#include "runtime/cache_internal.h"
+#include "kernels/flashcache.h"
 
 /* The compressible tokens [lo, hi) of an n-token span. */
 static void compressible(const struct kvcap_flashcache_config *f, int n, int *lo, int *hi)

@@ -4,7 +4,7 @@
  * evicted: the saving is in bytes read per step (and, on a GPU, device memory). */
 #include <stdlib.h>
 
-#include "cache_internal.h"
+#include "runtime/cache_internal.h"
 
 enum { CHUNK = 256 }; /* tokens converted to f32 per append */
 

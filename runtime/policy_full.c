@@ -1,6 +1,6 @@
 /* policy_full.c — `full`: the span's K/V rows stored as they are (in the storage dtype); the
  * reference every other policy is measured against. */
-#include "cache_internal.h"
+#include "runtime/cache_internal.h"
 
 static enum kvcap_status full_prefill(struct kvcap_cache *c, int seq, int layer,
                                       struct kvcap_segment *seg, const struct kvcap_tensor_view *k,

@@ -6,9 +6,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "activation.h"
-#include "cache_internal.h"
-#include "rope.h"
+#include "kernels/activation.h"
+#include "runtime/cache_internal.h"
+#include "kernels/rope.h"
 
 static enum kvcap_status capsule_prefill(struct kvcap_cache *c, int seq, int layer,
                                          struct kvcap_segment *seg,

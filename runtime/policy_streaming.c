@@ -3,7 +3,7 @@
  * first `sinks` and a ring of the last `window` (cache.c, kvcap_cache_append). */
 #include <stdlib.h>
 
-#include "cache_internal.h"
+#include "runtime/cache_internal.h"
 
 static enum kvcap_status streaming_prefill(struct kvcap_cache *c, int seq, int layer,
                                            struct kvcap_segment *seg,

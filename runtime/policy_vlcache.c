@@ -13,8 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cache_internal.h"
-#include "vlcache.h"
+#include "runtime/cache_internal.h"
+#include "kernels/vlcache.h"
 
 static enum kvcap_status vlcache_prefill(struct kvcap_cache *c, int seq, int layer,
                                          struct kvcap_segment *seg,

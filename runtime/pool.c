@@ -9,8 +9,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "internal.h"
-#include "pool.h"
+#include "common/internal.h"
+#include "runtime/pool.h"
 
 /* Polls of the caller for running tasks to finish before it blocks (a few µs to tens of µs;
  * the tasks it waits for are already running on other cores). */

@@ -8,8 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "cache_internal.h"
-#include "dataset.h"
+#include "runtime/cache_internal.h"
+#include "formats/dataset.h"
 
 struct query_list {
     float *data; /* [count][q_heads][d] */

@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "safetensors.h"
+#include "formats/safetensors.h"
 
 /* ---- write-reference -------------------------------------------------------------------- */
 /* Keep in step with reference_tensors() in interop.py, which computes the same values

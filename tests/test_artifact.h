@@ -8,8 +8,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "artifact.h"
-#include "rng.h"
+#include "runtime/artifact.h"
+#include "common/rng.h"
 
 /* n normal values of standard deviation `scale`. */
 static inline void fill(struct kvcap_rng *r, float *x, size_t n, double scale)

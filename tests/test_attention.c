@@ -15,10 +15,10 @@
 
 #include <cblas.h>
 
-#include "attention.h"
-#include "rng.h"
-#include "safetensors.h"
-#include "test_numeric.h"
+#include "kernels/attention.h"
+#include "common/rng.h"
+#include "formats/safetensors.h"
+#include "tests/test_numeric.h"
 
 /* Test hook in kernels/attention.c: 0 forces the portable kernels, 1 the run-time choice. */
 int kvcap_attention_set_simd(int enabled);

@@ -16,12 +16,12 @@
 
 #include <cmocka.h>
 
-#include "attention.h"
-#include "cuda/attention_cuda.h"
-#include "rng.h"
-#include "safetensors.h"
-#include "test_cuda.h"
-#include "test_numeric.h"
+#include "kernels/attention.h"
+#include "kernels/cuda/attention_cuda.h"
+#include "common/rng.h"
+#include "formats/safetensors.h"
+#include "tests/test_cuda.h"
+#include "tests/test_numeric.h"
 
 
 /* The kernels compute in f32 (dot products over d, sums over chunks of <= 256 tokens or pieces

@@ -19,13 +19,13 @@
 #include <cblas.h>
 #include <lapacke.h>
 
-#include "artifact.h"
-#include "calibrate.h"
-#include "convert.h"
-#include "internal.h"
-#include "linalg.h"
-#include "rng.h"
-#include "test_util.h"
+#include "runtime/artifact.h"
+#include "calibrate/calibrate.h"
+#include "convert/convert.h"
+#include "common/internal.h"
+#include "calibrate/linalg.h"
+#include "common/rng.h"
+#include "tests/test_util.h"
 
 /* Data are stored in f32: exact-rank structure survives storage up to float rounding. */
 /* DCT basis rows stored in the artifact's storage dtype (F16 by default): orthonormal to

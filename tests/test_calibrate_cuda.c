@@ -14,11 +14,11 @@
 
 #include <cblas.h>
 
-#include "calibrate.h"
-#include "internal.h"
-#include "linalg.h"
-#include "rng.h"
-#include "test_util.h"
+#include "calibrate/calibrate.h"
+#include "common/internal.h"
+#include "calibrate/linalg.h"
+#include "common/rng.h"
+#include "tests/test_util.h"
 
 /* Tolerances, and why:
  * Grams: the same double products summed in another order (cuBLAS blocking, FMA): a few ulps

@@ -15,8 +15,8 @@
 
 #include <cmocka.h>
 
-#include "internal.h"
-#include "pool.h"
+#include "common/internal.h"
+#include "runtime/pool.h"
 
 static void test_version_agrees(void **state)
 {

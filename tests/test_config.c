@@ -13,8 +13,8 @@
 
 #include <cmocka.h>
 
-#include "config.h"
-#include "internal.h"
+#include "configs/config.h"
+#include "common/internal.h"
 
 #define SHIPPED KVCAP_SOURCE_DIR "/configs/"
 #define BAD_DIR KVCAP_TEST_DATA "/configs/bad/"

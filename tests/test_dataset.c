@@ -13,11 +13,11 @@
 #include <cmocka.h>
 #include <lapacke.h>
 
-#include "dataset.h"
-#include "internal.h"
-#include "rope.h"
-#include "synth.h"
-#include "test_util.h"
+#include "formats/dataset.h"
+#include "common/internal.h"
+#include "kernels/rope.h"
+#include "calibrate/synth.h"
+#include "tests/test_util.h"
 
 /* f32 rotations by positions up to ~5000: angle rounding in float costs ~1e-6 relative. */
 #define ROPE_TOL 2e-5

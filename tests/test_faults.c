@@ -26,11 +26,11 @@
 
 #include <cmocka.h>
 
-#include "artifact.h"
-#include "internal.h"
+#include "runtime/artifact.h"
+#include "common/internal.h"
 #include "kvcap.h"
-#include "rng.h"
-#include "test_artifact.h"
+#include "common/rng.h"
+#include "tests/test_artifact.h"
 
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
 #  define FAULTS_SKIP 1

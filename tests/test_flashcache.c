@@ -13,11 +13,11 @@
 
 #include <cmocka.h>
 
-#include "dct.h"
-#include "flashcache.h"
-#include "rng.h"
-#include "select.h"
-#include "test_numeric.h"
+#include "kernels/dct.h"
+#include "kernels/flashcache.h"
+#include "common/rng.h"
+#include "kernels/select.h"
+#include "tests/test_numeric.h"
 
 /* Fast DCT (f32 KissFFT, twiddles in double) vs the double oracle, as ‖fast − ref‖/‖ref‖:
  * a float FFT carries a few ulps (6e-8) times log2 n of relative error, Bluestein lengths

@@ -17,13 +17,13 @@
 
 #include <cmocka.h>
 
-#include "cuda/policies_cuda.h"
-#include "flashcache.h"
-#include "rng.h"
-#include "safetensors.h"
-#include "select.h"
-#include "test_cuda.h"
-#include "test_numeric.h"
+#include "kernels/cuda/policies_cuda.h"
+#include "kernels/flashcache.h"
+#include "common/rng.h"
+#include "formats/safetensors.h"
+#include "kernels/select.h"
+#include "tests/test_cuda.h"
+#include "tests/test_numeric.h"
 
 /* Argument errors are caught before anything touches a device; the build without CUDA answers
  * every call with "unsupported" instead. */

@@ -19,12 +19,12 @@
 
 #include <cmocka.h>
 
-#include "attention.h"
-#include "freekv.h"
+#include "kernels/attention.h"
+#include "runtime/freekv.h"
 #include "kvcap.h"
-#include "rng.h"
-#include "safetensors.h"
-#include "test_numeric.h"
+#include "common/rng.h"
+#include "formats/safetensors.h"
+#include "tests/test_numeric.h"
 
 /* FreeKV output vs kvcap_attend_rows_ref over the pages it should have attended: the fast
  * kernel sums in f32 blocks (pages visited one call at a time, merged by log-sum-exp), the

@@ -17,14 +17,14 @@
 
 #include <cmocka.h>
 
-#include "attention.h"
-#include "cuda/attention_cuda.h"
-#include "cuda/freekv_cuda.h"
-#include "freekv.h"
-#include "rng.h"
-#include "safetensors.h"
-#include "test_cuda.h"
-#include "test_numeric.h"
+#include "kernels/attention.h"
+#include "kernels/cuda/attention_cuda.h"
+#include "kernels/cuda/freekv_cuda.h"
+#include "runtime/freekv.h"
+#include "common/rng.h"
+#include "formats/safetensors.h"
+#include "tests/test_cuda.h"
+#include "tests/test_numeric.h"
 
 
 /* Device output vs the CPU state's: both attend the same stored values over the same pages in

@@ -19,12 +19,12 @@
 #include <cmocka.h>
 #include <cjson/cJSON.h>
 
-#include "gguf.h"
-#include "llama.h"
-#include "rng.h"
-#include "test_numeric.h"
-#include "test_util.h"
-#include "tokenizer.h"
+#include "eval/gguf.h"
+#include "eval/llama.h"
+#include "common/rng.h"
+#include "tests/test_numeric.h"
+#include "tests/test_util.h"
+#include "eval/tokenizer.h"
 
 /* Tolerances. The engine runs in fp32 with fp32 accumulation (BLAS, libkvcap); the reference
  * accumulates in double. A wrong position, head or layout gives errors of order 1. */

@@ -8,8 +8,8 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "attention.h"
-#include "rng.h"
+#include "kernels/attention.h"
+#include "common/rng.h"
 
 /* Zeroed floats (never NULL: a failed allocation fails the test). */
 static inline float *alloc_f(size_t n)

@@ -18,8 +18,8 @@
 #include <cjson/cJSON.h>
 #include <cmocka.h>
 
-#include "report.h"
-#include "test_util.h"
+#include "eval/report.h"
+#include "tests/test_util.h"
 
 #define SAMPLE KVCAP_TEST_DATA "/eval/metrics-sample.json"
 

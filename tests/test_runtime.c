@@ -20,21 +20,21 @@
 
 #include <cmocka.h>
 
-#include "activation.h"
-#include "artifact.h"
-#include "cache_internal.h"
-#include "calibrate.h"
-#include "convert.h"
-#include "dataset.h"
-#include "flashcache.h"
-#include "internal.h"
-#include "rng.h"
-#include "rope.h"
-#include "schema.h"
-#include "select.h"
-#include "test_artifact.h"
-#include "test_util.h"
-#include "vlcache.h"
+#include "kernels/activation.h"
+#include "runtime/artifact.h"
+#include "runtime/cache_internal.h"
+#include "calibrate/calibrate.h"
+#include "convert/convert.h"
+#include "formats/dataset.h"
+#include "kernels/flashcache.h"
+#include "common/internal.h"
+#include "common/rng.h"
+#include "kernels/rope.h"
+#include "formats/schema.h"
+#include "kernels/select.h"
+#include "tests/test_artifact.h"
+#include "tests/test_util.h"
+#include "kernels/vlcache.h"
 
 /* fp32 storage: the fused and the materialised paths sum in different orders; both are fp32
  * with fp32/double accumulation, so they agree to a few ulps of the output's norm. */

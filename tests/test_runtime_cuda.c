@@ -22,13 +22,13 @@
 
 #include <cmocka.h>
 
-#include "artifact.h"
-#include "internal.h"
-#include "rng.h"
-#include "safetensors.h"
-#include "schema.h"
-#include "test_artifact.h"
-#include "test_cuda.h"
+#include "runtime/artifact.h"
+#include "common/internal.h"
+#include "common/rng.h"
+#include "formats/safetensors.h"
+#include "formats/schema.h"
+#include "tests/test_artifact.h"
+#include "tests/test_cuda.h"
 
 /* Plain rows (full, streaming, fallback) are stored with the same bits by both caches (the
  * same f32 → storage rounding, to nearest even); the two attentions differ only in summation

@@ -18,8 +18,8 @@
 
 #include <cmocka.h>
 
-#include "safetensors.h"
-#include "test_status.h"
+#include "formats/safetensors.h"
+#include "tests/test_status.h"
 
 /* ---- Helpers ---------------------------------------------------------------------------- */
 

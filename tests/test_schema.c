@@ -10,8 +10,8 @@
 
 #include <cmocka.h>
 
-#include "internal.h"
-#include "schema.h"
+#include "common/internal.h"
+#include "formats/schema.h"
 
 #define SCHEMA_DIR KVCAP_TEST_DATA "/schema/"
 

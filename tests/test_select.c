@@ -10,8 +10,8 @@
 
 #include <cmocka.h>
 
-#include "rng.h"
-#include "select.h"
+#include "common/rng.h"
+#include "kernels/select.h"
 
 /* Fast and reference must agree index for index (they share one total order). */
 static void check_case(const float *s, int n, int keep)

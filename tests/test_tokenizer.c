@@ -17,8 +17,8 @@
 #include <cjson/cJSON.h>
 #include <cmocka.h>
 
-#include "tokenizer.h"
-#include "test_status.h"
+#include "eval/tokenizer.h"
+#include "tests/test_status.h"
 
 /* ---- Helpers ---------------------------------------------------------------------------- */
 

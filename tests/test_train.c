@@ -15,12 +15,12 @@
 
 #include <cmocka.h>
 
-#include "config.h"
-#include "internal.h"
-#include "keys.h"
-#include "rng.h"
-#include "test_train_util.h"
-#include "train_internal.h"
+#include "configs/config.h"
+#include "common/internal.h"
+#include "calibrate/keys.h"
+#include "common/rng.h"
+#include "tests/test_train_util.h"
+#include "calibrate/train_internal.h"
 
 /* Finite differences of the double reference: central differences with step FD_STEP have a
  * truncation error ~ FD_STEP²·|f'''| ≈ 1e-7 of the gradient on these O(1) problems, and the

@@ -16,13 +16,13 @@
 
 #include <cmocka.h>
 
-#include "config.h"
-#include "gpu.h"
-#include "internal.h"
-#include "keys.h"
-#include "rng.h"
-#include "test_train_util.h"
-#include "train_internal.h"
+#include "configs/config.h"
+#include "calibrate/gpu.h"
+#include "common/internal.h"
+#include "calibrate/keys.h"
+#include "common/rng.h"
+#include "tests/test_train_util.h"
+#include "calibrate/train_internal.h"
 
 /* Tolerances, and why:
  * One loss + gradient evaluation: float products summed in another order (cuBLAS tiles and

@@ -8,9 +8,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "internal.h"
-#include "rng.h"
-#include "test_numeric.h"
+#include "common/internal.h"
+#include "common/rng.h"
+#include "tests/test_numeric.h"
 
 /* X = A S + noise (m x n, leading dimension ld >= n): A m x k given, S k x n standard normal. */
 static inline float *low_rank_data(const double *a, int m, int k, size_t n, size_t ld,

@@ -14,10 +14,10 @@
 
 #include <lapacke.h>
 
-#include "rng.h"
-#include "safetensors.h"
-#include "test_util.h"
-#include "vision.h"
+#include "common/rng.h"
+#include "formats/safetensors.h"
+#include "tests/test_util.h"
+#include "eval/vision.h"
 
 enum { CROPS = 12, GRID = 4, TOKENS = GRID * GRID, DIM = 6, VOCAB = 300, EMBD = 8 };
 

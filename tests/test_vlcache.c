@@ -14,10 +14,10 @@
 
 #include <cblas.h>
 
-#include "rng.h"
-#include "safetensors.h"
-#include "vlcache.h"
-#include "test_numeric.h"
+#include "common/rng.h"
+#include "formats/safetensors.h"
+#include "kernels/vlcache.h"
+#include "tests/test_numeric.h"
 
 /* Fast vs _ref column sums: the fast path rounds the scaled queries, the sgemm scores and the
  * exps to f32 (~1 ulp each) and sums up to m = 3000 exps per row and τ·G ≤ 259 rows per column

@@ -16,12 +16,12 @@
 
 #include <cmocka.h>
 
-#include "cuda/policies_cuda.h"
-#include "rng.h"
-#include "safetensors.h"
-#include "vlcache.h"
-#include "test_cuda.h"
-#include "test_numeric.h"
+#include "kernels/cuda/policies_cuda.h"
+#include "common/rng.h"
+#include "formats/safetensors.h"
+#include "kernels/vlcache.h"
+#include "tests/test_cuda.h"
+#include "tests/test_numeric.h"
 
 #ifdef KVCAP_WITH_CUDA
 #define ARG_STATUS KVCAP_ERR_INVALID_ARGUMENT /* caught before anything touches a device */

@@ -11,7 +11,7 @@
 #include <cuda_runtime.h>
 
 extern "C" {
-#include "internal.h"
+#include "common/internal.h"
 }
 
 // "cudaMemcpy2DAsync(...)" -> length of "cudaMemcpy2DAsync", for messages naming the call.

@@ -19,10 +19,10 @@
 #include <cusolverDn.h>
 
 extern "C" {
-#include "gpu.h"
-#include "internal.h"
+#include "calibrate/gpu.h"
+#include "common/internal.h"
 }
-#include "cuda_check.cuh"
+#include "calibrate/cuda/cuda_check.cuh"
 
 // ---- Errors ------------------------------------------------------------------------------------
 

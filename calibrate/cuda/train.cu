@@ -25,11 +25,11 @@
 #include <cuda_runtime.h>
 
 extern "C" {
-#include "gpu.h"
-#include "internal.h"
-#include "train_internal.h"
+#include "calibrate/gpu.h"
+#include "common/internal.h"
+#include "calibrate/train_internal.h"
 }
-#include "cuda_check.cuh"
+#include "calibrate/cuda/cuda_check.cuh"
 
 // ---- Kernels ---------------------------------------------------------------------------------
 

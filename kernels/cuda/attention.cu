@@ -45,10 +45,10 @@
 #include <cuda_runtime.h>
 
 extern "C" {
-#include "internal.h"
+#include "common/internal.h"
 }
-#include "attention_cuda.h"
-#include "policies_common.cuh"
+#include "kernels/cuda/attention_cuda.h"
+#include "kernels/cuda/common.cuh"
 
 #define MAX_NQ KVCAP_CUDA_ATTN_MAX_NQ
 #define MIN_D KVCAP_CUDA_ATTN_MIN_D

@@ -43,7 +43,7 @@ extern "C" {
 #endif
 
 /* struct kvcap_partial, struct kvcap_capsule_maps: plain C structs of pointers and ints. */
-#include "attention.h"
+#include "kernels/attention.h"
 
 #define KVCAP_CUDA_ATTN_MAX_NQ 16 /* queries per KV head (GQA group) */
 #define KVCAP_CUDA_ATTN_MIN_D 64  /* head_dim: a multiple of 8 in MIN_D..MAX_D */

@@ -1,7 +1,7 @@
 /* attention_stub.c — the device attention API (attention_cuda.h) in a build without CUDA:
  * every call answers KVCAP_ERR_UNSUPPORTED and touches nothing. */
-#include "attention_cuda.h"
-#include "internal.h"
+#include "kernels/cuda/attention_cuda.h"
+#include "common/internal.h"
 
 static enum kvcap_status no_cuda(const char *op)
 {

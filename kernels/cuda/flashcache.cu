@@ -34,7 +34,7 @@
 #include <cub/block/block_scan.cuh>
 #include <cufft.h>
 
-#include "policies_common.cuh"
+#include "kernels/cuda/common.cuh"
 
 static const char OP[] = "flashcache";
 

@@ -30,10 +30,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "policies_common.cuh"
+#include "kernels/cuda/common.cuh"
 
-#include "attention_cuda.h"
-#include "freekv_cuda.h"
+#include "kernels/cuda/attention_cuda.h"
+#include "kernels/cuda/freekv_cuda.h"
 
 #define FKV_OPS 64          // ops per by-value list in a launch's parameters (~0.8 KiB)
 #define FKV_STAGE_PAGES 64  // page-heads per staging buffer

@@ -62,8 +62,8 @@
 extern "C" {
 #endif
 
-#include "attention.h" /* struct kvcap_partial */
-#include "freekv.h"    /* struct kvcap_freekv_params, struct kvcap_freekv_stats */
+#include "kernels/attention.h" /* struct kvcap_partial */
+#include "runtime/freekv.h"    /* struct kvcap_freekv_params, struct kvcap_freekv_stats */
 
 /* ---- Host-side layout and bookkeeping (no device touched; testable anywhere) ---------------- */
 

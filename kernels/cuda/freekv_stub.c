@@ -1,7 +1,7 @@
 /* freekv_stub.c — the device FreeKV API (cuda/freekv_cuda.h) in a build without CUDA: every
  * call answers KVCAP_ERR_UNSUPPORTED and touches nothing. */
-#include "cuda/freekv_cuda.h"
-#include "internal.h"
+#include "kernels/cuda/freekv_cuda.h"
+#include "common/internal.h"
 
 static enum kvcap_status no_cuda(const char *op)
 {

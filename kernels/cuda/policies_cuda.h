@@ -30,7 +30,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "../flashcache.h" /* struct kvcap_energy */
+#include "kernels/flashcache.h" /* struct kvcap_energy */
 #include "kvcap.h"
 
 #ifdef __cplusplus

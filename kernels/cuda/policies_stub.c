@@ -1,7 +1,7 @@
 /* policies_stub.c — the device FlashCache / VL-Cache entry points (cuda/policies_cuda.h) of a
  * build without CUDA: every call answers KVCAP_ERR_UNSUPPORTED and writes nothing. */
-#include "cuda/policies_cuda.h"
-#include "internal.h"
+#include "kernels/cuda/policies_cuda.h"
+#include "common/internal.h"
 
 static enum kvcap_status no_cuda(const char *fn)
 {

@@ -19,7 +19,7 @@
 #include <math.h>
 #include <stdlib.h>
 
-#include "policies_common.cuh"
+#include "kernels/cuda/common.cuh"
 
 static const char OP[] = "vlcache";
 

@@ -6,8 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "artifact.h"
-#include "fuzz_common.h"
+#include "runtime/artifact.h"
+#include "tests/fuzz/fuzz_common.h"
 
 /* K/V floats (all layers) above which a bucket's span is not run through a cache: the file may
  * be small while its grid is large (tiled maps), and the point is the maps, not the size. */

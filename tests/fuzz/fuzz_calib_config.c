@@ -5,8 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "config.h"
-#include "fuzz_common.h"
+#include "configs/config.h"
+#include "tests/fuzz/fuzz_common.h"
 
 static int same_bucket(const struct kvcap_bucket *a, const struct kvcap_bucket *b)
 {

@@ -6,10 +6,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "artifact.h"
-#include "convert.h"
-#include "fuzz_common.h"
-#include "state.h"
+#include "runtime/artifact.h"
+#include "convert/convert.h"
+#include "tests/fuzz/fuzz_common.h"
+#include "calibrate/state.h"
 
 /* States up to this many Gram entries (all units) are also converted to an artifact: the
  * refit is an eigen-decomposition per unit, cheap at these sizes. */

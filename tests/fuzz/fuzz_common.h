@@ -12,7 +12,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "internal.h"
+#include "common/internal.h"
 #include "kvcap.h"
 
 /* A broken invariant: say which and stop, so libFuzzer keeps the input as a crash. */

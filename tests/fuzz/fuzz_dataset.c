@@ -5,9 +5,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "calibrate.h"
-#include "dataset.h"
-#include "fuzz_common.h"
+#include "calibrate/calibrate.h"
+#include "formats/dataset.h"
+#include "tests/fuzz/fuzz_common.h"
 
 /* Grids up to this many tokens become buckets of a calibration over the shard. */
 #define CALIBRATE_POINTS_MAX 64

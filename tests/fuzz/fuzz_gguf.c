@@ -1,4 +1,4 @@
-/* fuzz_gguf.c — the GGUF v3 reader (formats/gguf.c) over hostile bytes, in memory: every key is
+/* fuzz_gguf.c — the GGUF v3 reader (eval/gguf.c) over hostile bytes, in memory: every key is
  * read through every typed getter, arrays element by element and converted, every tensor is
  * found again and dequantised, and what kvcap-eval builds from the file (eval/tokenizer.c,
  * eval/llama.c) loads or fails with a status. */
@@ -6,10 +6,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "fuzz_common.h"
-#include "gguf.h"
-#include "llama.h"
-#include "tokenizer.h"
+#include "tests/fuzz/fuzz_common.h"
+#include "eval/gguf.h"
+#include "eval/llama.h"
+#include "eval/tokenizer.h"
 
 /* Bounds on the work per input: array elements read one by one, elements converted, and
  * tensor elements dequantised. */

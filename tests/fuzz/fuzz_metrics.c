@@ -6,8 +6,8 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "fuzz_common.h"
-#include "report.h"
+#include "tests/fuzz/fuzz_common.h"
+#include "eval/report.h"
 
 /* Every CSV record (RFC 4180: quoted fields may hold commas, quotes doubled, line breaks) has
  * as many fields as the header, whatever the strings of the JSON held. */

@@ -5,8 +5,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "config.h"
-#include "fuzz_common.h"
+#include "configs/config.h"
+#include "tests/fuzz/fuzz_common.h"
 
 /* What kvcap_runtime_config_load_* promise of a config they accept (config.h). */
 static void check_loaded(const struct kvcap_runtime_config *c)

@@ -6,9 +6,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "fuzz_common.h"
-#include "safetensors.h"
-#include "schema.h"
+#include "tests/fuzz/fuzz_common.h"
+#include "formats/safetensors.h"
+#include "formats/schema.h"
 
 /* Float tensors up to this many elements are converted (bigger ones are only read). */
 #define CONVERT_MAX 4096

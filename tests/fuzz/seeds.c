@@ -15,13 +15,13 @@
 
 #include <cjson/cJSON.h>
 
-#include "artifact.h"
-#include "config.h"
-#include "dataset.h"
-#include "report.h"
-#include "rng.h"
-#include "safetensors.h"
-#include "state.h"
+#include "runtime/artifact.h"
+#include "configs/config.h"
+#include "formats/dataset.h"
+#include "eval/report.h"
+#include "common/rng.h"
+#include "formats/safetensors.h"
+#include "calibrate/state.h"
 
 static const char *out_dir;
 static int failures;

@@ -1,10 +1,10 @@
-/* convert.c — element conversion between the float storage types of kvcap files (F16, BF16,
+/* dtype.c — element conversion between the float storage types of kvcap files (F16, BF16,
  * F64) and the F32 every kernel computes in. Bit-exact and independent of the FPU rounding
  * mode for the 16-bit formats: round to nearest even, subnormals exact, NaN stays NaN. */
 #include <string.h>
 
-#include "internal.h"
-#include "safetensors.h"
+#include "common/internal.h"
+#include "formats/safetensors.h"
 
 static inline uint32_t f32_bits(float f)
 {

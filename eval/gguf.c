@@ -23,9 +23,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "gguf.h"
-#include "internal.h"
-#include "safetensors.h" /* kvcap_convert_to_f32, kvcap_f16_to_f32 */
+#include "eval/gguf.h"
+#include "common/internal.h"
+#include "formats/safetensors.h" /* kvcap_convert_to_f32, kvcap_f16_to_f32 */
 
 #define GGUF_VERSION 3u
 #define GGUF_DEFAULT_ALIGNMENT 32u

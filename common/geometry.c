@@ -4,7 +4,7 @@
 #include <math.h>
 #include <string.h>
 
-#include "internal.h"
+#include "common/internal.h"
 
 int kvcap_int64_from_double(double v, int64_t lo, int64_t hi, int64_t *out)
 {

@@ -12,7 +12,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "internal.h"
+#include "common/internal.h"
 
 #define KVCAP_ERROR_CAP 1024
 

@@ -1,7 +1,7 @@
 /* names.c — the one table of names for enums shared by YAML configs, file headers and CLIs. */
 #include <strings.h>
 
-#include "internal.h"
+#include "common/internal.h"
 
 struct name_entry {
     const char *name;

@@ -1,4 +1,4 @@
-// policies_common.cuh — what flashcache.cu and vlcache.cu share: storage-dtype loads and the
+// common.cuh — what flashcache.cu and vlcache.cu share: storage-dtype loads and the
 // dispatch over them, warp and block sums, the per-layer pointer tables the kernels take by
 // value, and CUDA errors turned into kvcap statuses. Internal to kernels/cuda.
 #ifndef KVCAP_POLICIES_COMMON_CUH
@@ -12,8 +12,8 @@
 #include <cuda_runtime.h>
 
 extern "C" {
-#include "internal.h"
-#include "policies_cuda.h"
+#include "common/internal.h"
+#include "kernels/cuda/policies_cuda.h"
 }
 
 // Layers per launch. Their device pointers travel in the kernel parameters (two tables of 128
