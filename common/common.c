@@ -134,32 +134,6 @@ void kvcap_quiet_pop(void)
         quiet_depth--;
 }
 
-size_t kvcap_dtype_size(enum kvcap_dtype dtype)
-{
-    switch (dtype) {
-    case KVCAP_DTYPE_F32: return 4;
-    case KVCAP_DTYPE_F16: return 2;
-    case KVCAP_DTYPE_BF16: return 2;
-    case KVCAP_DTYPE_F64: return 8;
-    case KVCAP_DTYPE_I32: return 4;
-    case KVCAP_DTYPE_U8: return 1;
-    }
-    return 0;
-}
-
-const char *kvcap_dtype_name(enum kvcap_dtype dtype)
-{
-    switch (dtype) {
-    case KVCAP_DTYPE_F32: return "F32";
-    case KVCAP_DTYPE_F16: return "F16";
-    case KVCAP_DTYPE_BF16: return "BF16";
-    case KVCAP_DTYPE_F64: return "F64";
-    case KVCAP_DTYPE_I32: return "I32";
-    case KVCAP_DTYPE_U8: return "U8";
-    }
-    return "?";
-}
-
 void kvcap_parallel_fail(struct kvcap_parallel_error *e, enum kvcap_status status)
 {
     int expected = 0;

@@ -1,23 +1,46 @@
-/* dtype.c — element conversion between the float storage types of kvcap files (F16, BF16,
- * F64) and the F32 every kernel computes in. Bit-exact and independent of the FPU rounding
- * mode for the 16-bit formats: round to nearest even, subnormals exact, NaN stays NaN. */
+/* dtype.c — element types: sizes, the storage test, the oracles' scalar load, and conversion
+ * between the float types of kvcap files (F16, BF16, F64) and the F32 every kernel computes in.
+ * Bit-exact and independent of the FPU rounding mode for the 16-bit formats: round to nearest
+ * even, subnormals exact, NaN stays NaN. Names and parsing are in names.c's one table. */
 #include <string.h>
 
+#include "common/dtype.h"
 #include "common/internal.h"
-#include "formats/safetensors.h"
 
-static inline uint32_t f32_bits(float f)
+size_t kvcap_dtype_size(enum kvcap_dtype dtype)
 {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
+    switch (dtype) {
+    case KVCAP_DTYPE_F32: return 4;
+    case KVCAP_DTYPE_F16: return 2;
+    case KVCAP_DTYPE_BF16: return 2;
+    case KVCAP_DTYPE_F64: return 8;
+    case KVCAP_DTYPE_I32: return 4;
+    case KVCAP_DTYPE_U8: return 1;
+    }
+    return 0;
 }
 
-static inline float f32_from_bits(uint32_t u)
+int kvcap_dtype_is_storage(enum kvcap_dtype d)
 {
+    return d == KVCAP_DTYPE_F32 || d == KVCAP_DTYPE_F16 || d == KVCAP_DTYPE_BF16;
+}
+
+double kvcap_load_elem(enum kvcap_dtype dtype, const void *base, size_t i)
+{
+    const unsigned char *b = base;
+    uint16_t h;
     float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
+    switch (dtype) {
+    case KVCAP_DTYPE_F16:
+        memcpy(&h, b + 2 * i, 2);
+        return kvcap_f16_to_f32(h);
+    case KVCAP_DTYPE_BF16:
+        memcpy(&h, b + 2 * i, 2);
+        return kvcap_bf16_to_f32(h);
+    default:
+        memcpy(&f, b + 4 * i, 4);
+        return f;
+    }
 }
 
 float kvcap_f16_to_f32(uint16_t h)
@@ -26,13 +49,13 @@ float kvcap_f16_to_f32(uint16_t h)
     uint32_t exp = (h >> 10) & 0x1fu;
     uint32_t mant = h & 0x3ffu;
     if (exp == 0x1f) /* inf, or NaN with its payload (the quiet bit maps to the quiet bit) */
-        return f32_from_bits(sign | 0x7f800000u | (mant << 13));
+        return kvcap_bits_f32(sign | 0x7f800000u | (mant << 13));
     if (exp == 0) {
         /* zero or subnormal: mant * 2^-24, exact in f32 */
         float v = (float)mant * 0x1p-24f;
         return sign ? -v : v;
     }
-    return f32_from_bits(sign | ((exp + (127 - 15)) << 23) | (mant << 13));
+    return kvcap_bits_f32(sign | ((exp + (127 - 15)) << 23) | (mant << 13));
 }
 
 /* Shifts `v` right by `s` (1..31) rounding to nearest, ties to even. */
@@ -48,7 +71,7 @@ static inline uint32_t shift_rne(uint32_t v, unsigned s)
 
 uint16_t kvcap_f32_to_f16(float f)
 {
-    uint32_t x = f32_bits(f);
+    uint32_t x = kvcap_f32_bits(f);
     uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
     x &= 0x7fffffffu;
     if (x > 0x7f800000u) /* NaN: keep the top payload bits, force quiet so it stays NaN */
@@ -66,12 +89,12 @@ uint16_t kvcap_f32_to_f16(float f)
 
 float kvcap_bf16_to_f32(uint16_t b)
 {
-    return f32_from_bits((uint32_t)b << 16);
+    return kvcap_bits_f32((uint32_t)b << 16);
 }
 
 uint16_t kvcap_f32_to_bf16(float f)
 {
-    uint32_t x = f32_bits(f);
+    uint32_t x = kvcap_f32_bits(f);
     if ((x & 0x7fffffffu) > 0x7f800000u) /* NaN: keep sign and top payload, set the quiet bit */
         return (uint16_t)((x >> 16) | 0x0040u);
     /* RNE on the low 16 bits; a carry into the exponent rounds up to inf as it should. */

@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "kvcap.h"
+#include "common/dtype.h"
 
 #if defined(__GNUC__)
 #  define KVCAP_PRINTF(a, b) __attribute__((format(printf, a, b)))
@@ -120,7 +121,6 @@ int kvcap_policy_parse(const char *s, enum kvcap_policy *out);
 const char *kvcap_policy_name(enum kvcap_policy p);
 int kvcap_structure_parse(const char *s, enum kvcap_structure *out);
 const char *kvcap_structure_name(enum kvcap_structure s);
-int kvcap_dtype_parse(const char *s, enum kvcap_dtype *out); /* "F32"/"f32", "BF16"/"bf16", ... */
 
 /* Checks a bucket (positive grid, tile divides grid); `field` prefixes the message,
  * e.g. "buckets[1]". KVCAP_ERR_GEOMETRY on failure. Does not log: callers re-raise the

@@ -63,12 +63,5 @@ DEFINE_NAMES(kvcap_rope_type, enum kvcap_rope_type, rope_types)
 DEFINE_NAMES(kvcap_rope_pairing, enum kvcap_rope_pairing, rope_pairings)
 DEFINE_NAMES(kvcap_policy, enum kvcap_policy, policies)
 DEFINE_NAMES(kvcap_structure, enum kvcap_structure, structures)
+DEFINE_NAMES(kvcap_dtype, enum kvcap_dtype, dtypes)
 
-int kvcap_dtype_parse(const char *s, enum kvcap_dtype *out)
-{
-    int v;
-    if (!lookup(dtypes, COUNT(dtypes), s, &v))
-        return 0;
-    *out = (enum kvcap_dtype)v;
-    return 1;
-}

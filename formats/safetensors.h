@@ -77,16 +77,4 @@ enum kvcap_status kvst_writer_set_meta(struct kvst_writer *w, const char *key, c
  * is removed. The writer may be committed again (e.g. to a second path). */
 enum kvcap_status kvst_writer_commit(struct kvst_writer *w, const char *path);
 
-/* ---- Element conversion (shared by every reader of float tensors) ----------------------- */
-float kvcap_f16_to_f32(uint16_t h);
-uint16_t kvcap_f32_to_f16(float f);   /* round to nearest even, overflow to ±inf, NaN kept */
-float kvcap_bf16_to_f32(uint16_t b);
-uint16_t kvcap_f32_to_bf16(float f);  /* round to nearest even, NaN kept quiet */
-
-/* Converts n elements of a float tensor (F32/F16/BF16/F64) to f32 / from f32. */
-enum kvcap_status kvcap_convert_to_f32(enum kvcap_dtype src_dtype, const void *src, size_t n,
-                                       float *dst);
-enum kvcap_status kvcap_convert_from_f32(enum kvcap_dtype dst_dtype, const float *src, size_t n,
-                                         void *dst);
-
 #endif /* KVCAP_SAFETENSORS_H */

@@ -244,11 +244,6 @@ enum kvcap_status kvcap_schema_set_meta(struct kvst_writer *w, enum kvcap_file_k
 
 /* ---- Tensor expectations ------------------------------------------------------------------ */
 
-static int is_float_dtype(enum kvcap_dtype d)
-{
-    return d == KVCAP_DTYPE_F32 || d == KVCAP_DTYPE_F16 || d == KVCAP_DTYPE_BF16;
-}
-
 static void shape_str(char *buf, size_t cap, int ndim, const int64_t *shape)
 {
     size_t used = (size_t)snprintf(buf, cap, "[");
@@ -273,7 +268,7 @@ static enum kvcap_status expect(const struct kvst_file *f, const char *name, int
         return KVCAP_OK;
     }
     if (dtype < 0) {
-        KVCAP_RETURN_IF(!is_float_dtype(t->dtype), KVCAP_ERR_FORMAT,
+        KVCAP_RETURN_IF(!kvcap_dtype_is_storage(t->dtype), KVCAP_ERR_FORMAT,
                         "%s: tensor '%s': dtype %s, expected F32, F16 or BF16", kvst_path(f),
                         name, kvcap_dtype_name(t->dtype));
     } else {
@@ -524,7 +519,7 @@ static enum kvcap_status read_calib_fit(const cJSON *calib, const char *path,
                     act ? act : "(missing)");
     const char *storage = json_str(obj, "storage");
     KVCAP_RETURN_IF(!storage || !kvcap_dtype_parse(storage, &info->storage) ||
-                        !is_float_dtype(info->storage),
+                        !kvcap_dtype_is_storage(info->storage),
                     KVCAP_ERR_FORMAT, "%s: calib.fit.storage: '%s' is not f32, f16 or bf16", path,
                     storage ? storage : "(missing)");
     KVCAP_TRY(json_int(obj, "hidden", 1, 0, 65536, path, "calib.fit", &fit->hidden));
@@ -589,7 +584,7 @@ static enum kvcap_status check_artifact(const struct kvst_file *f, struct kvcap_
     KVCAP_RETURN_IF(!art, KVCAP_ERR_FORMAT, "%s: kvcap.config: 'artifact' missing", path);
     const char *storage = json_str(art, "storage");
     KVCAP_RETURN_IF(!storage || !kvcap_dtype_parse(storage, &info->storage) ||
-                        !is_float_dtype(info->storage),
+                        !kvcap_dtype_is_storage(info->storage),
                     KVCAP_ERR_FORMAT, "%s: artifact.storage: '%s' is not f32, f16 or bf16", path,
                     storage ? storage : "(missing)");
     const char *act = json_str(art, "activation");

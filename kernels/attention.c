@@ -28,7 +28,7 @@
 
 #include "kernels/attention.h"
 #include "common/internal.h"
-#include "formats/safetensors.h"
+#include "common/dtype.h"
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
 #  define ATTN_X86 1
@@ -120,36 +120,6 @@ static void merge_one(struct kvcap_partial acc, int q, int d, float mx, float su
 
 /* ---- Element helpers ---------------------------------------------------------------------- */
 
-ATTN_INLINE float bits_f32(uint32_t u)
-{
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-ATTN_INLINE uint32_t f32_bits(float f)
-{
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
-}
-
-/* Exact f16 -> f32 without branches, so loops over it vectorise (the FP16 library's method:
- * normals by an exponent re-bias and a power-of-two multiply, subnormals through a magic
- * float subtraction; inf/NaN land in the all-ones exponent). Agrees bit for bit with
- * kvcap_f16_to_f32, which the test checks over all 65536 inputs. */
-ATTN_INLINE float f16_to_f32_fast(uint16_t h)
-{
-    uint32_t w = (uint32_t)h << 16;
-    uint32_t sign = w & 0x80000000u;
-    uint32_t two_w = w + w;
-    float normalized = bits_f32((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
-    float denormalized = bits_f32((two_w >> 17) | (126u << 23)) - 0.5f;
-    uint32_t sub = 0u - (uint32_t)(two_w < (1u << 27)); /* a mask, not a branch (see exp) */
-    uint32_t mag = (f32_bits(denormalized) & sub) | (f32_bits(normalized) & ~sub);
-    return bits_f32(sign | mag);
-}
-
 /* exp(x) for the softmax, Cephes expf's polynomial on r = x - n ln2 (about 1 ulp), with n
  * rounded by the 1.5·2^23 trick. Written without branches, float-to-int conversions or libm so
  * that loops over it vectorise under the default -ftrapping-math. Valid for x <= 88; x below
@@ -171,7 +141,7 @@ ATTN_INLINE float exp_approx(float x)
 {
     float t = x * ATTN_LOG2E + ATTN_EXP_MAGIC;
     float n = t - ATTN_EXP_MAGIC;
-    uint32_t e = (f32_bits(t) - ATTN_EXP_MAGIC_BITS + 127u) << 23; /* 2^n */
+    uint32_t e = (kvcap_f32_bits(t) - ATTN_EXP_MAGIC_BITS + 127u) << 23; /* 2^n */
     float r = x - n * ATTN_LN2_HI;
     r = r - n * ATTN_LN2_LO;
     float y = ATTN_P0;
@@ -182,7 +152,7 @@ ATTN_INLINE float exp_approx(float x)
     y = y * r + ATTN_P5;
     y = y * r * r + r + 1.0f;
     uint32_t keep = 0u - (uint32_t)(x >= ATTN_EXP_LO);
-    return bits_f32(f32_bits(y * bits_f32(e)) & keep);
+    return kvcap_bits_f32(kvcap_f32_bits(y * kvcap_bits_f32(e)) & keep);
 }
 
 /* 2^x for the tiled capsule maps, whose scores are kept in log2 units (log2 e folded into the
@@ -210,7 +180,7 @@ ATTN_INLINE float exp2_approx(float x)
     y = y * r + ATTN_E2_C2;
     y = y * r + ATTN_E2_C1;
     y = y * r + ATTN_E2_C0;
-    return bits_f32(f32_bits(y) + (f32_bits(t) << 23)); /* the low bits of t are n */
+    return kvcap_bits_f32(kvcap_f32_bits(y) + (kvcap_f32_bits(t) << 23)); /* the low bits of t are n */
 }
 
 /* ---- Kernel bodies in portable C (also inlined into the AVX2 set for loads and tails) ------ */
@@ -227,14 +197,14 @@ ATTN_INLINE void load_body(enum kvcap_dtype dtype, const void *src, size_t n, fl
         for (size_t i = 0; i < n; i++) {
             uint16_t h;
             memcpy(&h, s + 2 * i, 2);
-            dst[i] = f16_to_f32_fast(h);
+            dst[i] = kvcap_f16_to_f32_fast(h);
         }
         break;
     case KVCAP_DTYPE_BF16:
         for (size_t i = 0; i < n; i++) {
             uint16_t b;
             memcpy(&b, s + 2 * i, 2);
-            dst[i] = bits_f32((uint32_t)b << 16);
+            dst[i] = kvcap_bits_f32((uint32_t)b << 16);
         }
         break;
     case KVCAP_DTYPE_F64:
@@ -589,11 +559,11 @@ ATTN_INLINE float load1(const unsigned char *row, int c, const int DT)
     float f;
     if (DT == 1) {
         memcpy(&h, row + 2 * (size_t)c, 2);
-        return f16_to_f32_fast(h);
+        return kvcap_f16_to_f32_fast(h);
     }
     if (DT == 2) {
         memcpy(&h, row + 2 * (size_t)c, 2);
-        return bits_f32((uint32_t)h << 16);
+        return kvcap_bits_f32((uint32_t)h << 16);
     }
     memcpy(&f, row + 4 * (size_t)c, 4);
     return f;
@@ -1378,30 +1348,7 @@ static void rescale(float *o, int d, float a)
             o[c] *= a;
 }
 
-static int float_dtype(enum kvcap_dtype t)
-{
-    return t == KVCAP_DTYPE_F32 || t == KVCAP_DTYPE_F16 || t == KVCAP_DTYPE_BF16;
-}
-
 /* ---- Plain rows --------------------------------------------------------------------------- */
-
-double kvcap_load_elem(enum kvcap_dtype dtype, const void *base, size_t i)
-{
-    const unsigned char *b = base;
-    uint16_t h;
-    float f;
-    switch (dtype) {
-    case KVCAP_DTYPE_F16:
-        memcpy(&h, b + 2 * i, 2);
-        return kvcap_f16_to_f32(h);
-    case KVCAP_DTYPE_BF16:
-        memcpy(&h, b + 2 * i, 2);
-        return kvcap_bf16_to_f32(h);
-    default:
-        memcpy(&f, b + 4 * i, 4);
-        return f;
-    }
-}
 
 static uint64_t rows_bytes(const struct kvcap_rows *rows, int d)
 {
@@ -1416,7 +1363,7 @@ static enum kvcap_status rows_check(const struct kvcap_rows *rows, const float *
     if (bytes)
         *bytes = 0;
     KVCAP_RETURN_IF(!rows || !q || rows->n < 0 || nq < 0 || d <= 0 || d > max_d ||
-                        !float_dtype(rows->dtype),
+                        !kvcap_dtype_is_storage(rows->dtype),
                     KVCAP_ERR_INVALID_ARGUMENT,
                     "attend_rows: %s", !rows ? "NULL rows" : !q ? "NULL queries"
                     : rows->n < 0 || nq < 0 ? "negative row or query count"
@@ -1563,7 +1510,7 @@ static enum kvcap_status capsule_check(const struct kvcap_capsule_maps *maps,
     size_t n = 0;
     for (int i = 0; i < n_spans; i++) {
         const struct kvcap_capsule_span *s = &spans[i];
-        KVCAP_RETURN_IF(s->tiles < 0 || !float_dtype(s->dtype), KVCAP_ERR_INVALID_ARGUMENT,
+        KVCAP_RETURN_IF(s->tiles < 0 || !kvcap_dtype_is_storage(s->dtype), KVCAP_ERR_INVALID_ARGUMENT,
                         "capsule_attend: span %d: %s", i,
                         s->tiles < 0 ? "negative tile count" : "not F32, F16 or BF16");
         if (s->tiles == 0)

@@ -92,7 +92,4 @@ size_t kvcap_capsule_scratch_floats(const struct kvcap_capsule_maps *maps, int n
  * by the kernels. */
 void kvcap_load_f32(enum kvcap_dtype dtype, const void *src, size_t n, float *dst);
 
-/* Element i of a float tensor (F32/F16/BF16) as a double: the readable oracles' loader. */
-double kvcap_load_elem(enum kvcap_dtype dtype, const void *base, size_t i);
-
 #endif

@@ -19,15 +19,10 @@
 #include <cblas.h>
 
 #include "common/internal.h"
-#include "formats/safetensors.h"
+#include "common/dtype.h"
 #include "kernels/vlcache.h"
 
 #define VL_BLOCK 256 /* key rows per block: τ·G × 256 scores stay in L2 for typical τ·G */
-
-static int float_dtype(enum kvcap_dtype t)
-{
-    return t == KVCAP_DTYPE_F32 || t == KVCAP_DTYPE_F16 || t == KVCAP_DTYPE_BF16;
-}
 
 /* The checks both versions share; *m_out receives the number of keys. */
 static enum kvcap_status check_args(const char *fn, const float *q, int tau, int G, int d,
@@ -59,7 +54,7 @@ static enum kvcap_status check_args(const char *fn, const float *q, int tau, int
                         fn, c, k->n);
         if (k->n == 0)
             continue;
-        KVCAP_RETURN_IF(!float_dtype(k->dtype), KVCAP_ERR_INVALID_ARGUMENT,
+        KVCAP_RETURN_IF(!kvcap_dtype_is_storage(k->dtype), KVCAP_ERR_INVALID_ARGUMENT,
                         "%s: keys[%d].dtype = %s is not F32, F16 or BF16", fn, c,
                         kvcap_dtype_name(k->dtype));
         KVCAP_RETURN_IF(!k->k, KVCAP_ERR_INVALID_ARGUMENT, "%s: keys[%d].k is NULL", fn, c);

@@ -37,11 +37,6 @@ void kvcap_cache_default_params(struct kvcap_cache_params *p)
     p->storage = KVCAP_DTYPE_F16;
 }
 
-static int is_float_storage(enum kvcap_dtype d)
-{
-    return d == KVCAP_DTYPE_F32 || d == KVCAP_DTYPE_F16 || d == KVCAP_DTYPE_BF16;
-}
-
 /* What a device cache (params.memory = KVCAP_MEMORY_CUDA) can serve, checked once the runtime
  * config is loaded; the device itself last, so every other error is reported without one. */
 static enum kvcap_status device_check(const struct kvcap_cache *c,
@@ -98,7 +93,7 @@ enum kvcap_status kvcap_cache_create(const struct kvcap_cache_params *p, struct 
     KVCAP_TRY(kvcap_geometry_validate(&p->model));
     KVCAP_RETURN_IF(p->n_seqs < 1 || p->n_seqs > 65536, KVCAP_ERR_INVALID_ARGUMENT,
                     "params.n_seqs: %d is outside 1..65536", p->n_seqs);
-    KVCAP_RETURN_IF(!is_float_storage(p->storage), KVCAP_ERR_INVALID_ARGUMENT,
+    KVCAP_RETURN_IF(!kvcap_dtype_is_storage(p->storage), KVCAP_ERR_INVALID_ARGUMENT,
                     "params.storage: %s is not F32, F16 or BF16", kvcap_dtype_name(p->storage));
     KVCAP_RETURN_IF(p->n_threads < 0 || p->n_threads > 64, KVCAP_ERR_INVALID_ARGUMENT,
                     "params.n_threads: %d is outside 0..64", p->n_threads);
@@ -262,7 +257,7 @@ enum kvcap_status kvcap_view_check(const struct kvcap_tensor_view *v, const char
                                    int n, int d)
 {
     KVCAP_RETURN_IF(!v, KVCAP_ERR_INVALID_ARGUMENT, "%s: NULL view", what);
-    KVCAP_RETURN_IF(!is_float_storage(v->dtype), KVCAP_ERR_INVALID_ARGUMENT,
+    KVCAP_RETURN_IF(!kvcap_dtype_is_storage(v->dtype), KVCAP_ERR_INVALID_ARGUMENT,
                     "%s.dtype: %s is not F32, F16 or BF16", what, kvcap_dtype_name(v->dtype));
     KVCAP_RETURN_IF(!v->base && !v->pages, KVCAP_ERR_INVALID_ARGUMENT,
                     "%s: neither base nor pages given", what);

@@ -10,7 +10,7 @@
 
 #include "runtime/freekv.h"
 #include "common/internal.h"
-#include "formats/safetensors.h"
+#include "common/dtype.h"
 #include "kernels/select.h"
 
 #define FREEKV_MAX_D 4096 /* the attention kernels' limit */
@@ -299,11 +299,6 @@ void kvcap_freekv_free(struct kvcap_freekv *f)
     free(f);
 }
 
-static int is_storage(enum kvcap_dtype t)
-{
-    return t == KVCAP_DTYPE_F32 || t == KVCAP_DTYPE_F16 || t == KVCAP_DTYPE_BF16;
-}
-
 enum kvcap_status kvcap_freekv_create(const struct kvcap_freekv_params *p, int kv_heads, int G,
                                       int d, enum kvcap_dtype storage,
                                       struct kvcap_freekv_worker *worker,
@@ -332,7 +327,7 @@ enum kvcap_status kvcap_freekv_create(const struct kvcap_freekv_params *p, int k
     KVCAP_RETURN_IF(G < 1, KVCAP_ERR_INVALID_ARGUMENT, "freekv: G = %d, must be >= 1", G);
     KVCAP_RETURN_IF(d < 1 || d > FREEKV_MAX_D, KVCAP_ERR_INVALID_ARGUMENT,
                     "freekv: d = %d, must be in 1..%d", d, FREEKV_MAX_D);
-    KVCAP_RETURN_IF(!is_storage(storage), KVCAP_ERR_INVALID_ARGUMENT,
+    KVCAP_RETURN_IF(!kvcap_dtype_is_storage(storage), KVCAP_ERR_INVALID_ARGUMENT,
                     "freekv: storage %s, must be F32, F16 or BF16", kvcap_dtype_name(storage));
     size_t row, page;
     KVCAP_RETURN_IF(!kvcap_mul_size((size_t)d, kvcap_dtype_size(storage), &row) ||

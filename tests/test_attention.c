@@ -17,7 +17,7 @@
 
 #include "kernels/attention.h"
 #include "common/rng.h"
-#include "formats/safetensors.h"
+#include "common/dtype.h"
 #include "tests/test_numeric.h"
 
 /* Test hook in kernels/attention.c: 0 forces the portable kernels, 1 the run-time choice. */

@@ -19,7 +19,7 @@
 #include "kernels/attention.h"
 #include "kernels/cuda/attention_cuda.h"
 #include "common/rng.h"
-#include "formats/safetensors.h"
+#include "common/dtype.h"
 #include "tests/test_cuda.h"
 #include "tests/test_numeric.h"
 

@@ -20,7 +20,7 @@
 #include "kernels/cuda/policies_cuda.h"
 #include "kernels/flashcache.h"
 #include "common/rng.h"
-#include "formats/safetensors.h"
+#include "common/dtype.h"
 #include "kernels/select.h"
 #include "tests/test_cuda.h"
 #include "tests/test_numeric.h"

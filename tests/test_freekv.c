@@ -23,7 +23,7 @@
 #include "runtime/freekv.h"
 #include "kvcap.h"
 #include "common/rng.h"
-#include "formats/safetensors.h"
+#include "common/dtype.h"
 #include "tests/test_numeric.h"
 
 /* FreeKV output vs kvcap_attend_rows_ref over the pages it should have attended: the fast

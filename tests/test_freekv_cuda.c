@@ -22,7 +22,7 @@
 #include "kernels/cuda/freekv_cuda.h"
 #include "runtime/freekv.h"
 #include "common/rng.h"
-#include "formats/safetensors.h"
+#include "common/dtype.h"
 #include "tests/test_cuda.h"
 #include "tests/test_numeric.h"
 

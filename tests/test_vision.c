@@ -16,6 +16,7 @@
 
 #include "common/rng.h"
 #include "formats/safetensors.h"
+#include "common/dtype.h"
 #include "tests/test_util.h"
 #include "eval/vision.h"
 

@@ -15,7 +15,7 @@
 #include <cblas.h>
 
 #include "common/rng.h"
-#include "formats/safetensors.h"
+#include "common/dtype.h"
 #include "kernels/vlcache.h"
 #include "tests/test_numeric.h"
 

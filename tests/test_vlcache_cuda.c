@@ -18,7 +18,7 @@
 
 #include "kernels/cuda/policies_cuda.h"
 #include "common/rng.h"
-#include "formats/safetensors.h"
+#include "common/dtype.h"
 #include "kernels/vlcache.h"
 #include "tests/test_cuda.h"
 #include "tests/test_numeric.h"

@@ -42,11 +42,6 @@ __device__ __forceinline__ float kvcap_load_f32(const __nv_bfloat16 *p)
     return __bfloat162float(*p);
 }
 
-static inline int kvcap_cuda_float_dtype(enum kvcap_dtype t)
-{
-    return t == KVCAP_DTYPE_F32 || t == KVCAP_DTYPE_F16 || t == KVCAP_DTYPE_BF16;
-}
-
 // Runs the statements with T the element type of `dtype` (one kernel instantiation per storage
 // type, so no branch on the dtype sits in an inner loop). dtype has been checked to be a float.
 #define KVCAP_CUDA_DTYPE_DISPATCH(dtype, T, ...)                                                   \

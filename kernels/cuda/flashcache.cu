@@ -432,7 +432,7 @@ static enum kvcap_status check_kv(const char *fn, const struct kvcap_cuda_dct *p
                     fn, kv->n_layers, kv->n_heads, p->batch);
     KVCAP_RETURN_IF(kv->n_heads > 65535, KVCAP_ERR_INVALID_ARGUMENT,
                     "%s: kv->n_heads = %d > 65535", fn, kv->n_heads);
-    KVCAP_RETURN_IF(!kvcap_cuda_float_dtype(kv->dtype), KVCAP_ERR_INVALID_ARGUMENT,
+    KVCAP_RETURN_IF(!kvcap_dtype_is_storage(kv->dtype), KVCAP_ERR_INVALID_ARGUMENT,
                     "%s: kv->dtype = %s is not F32, F16 or BF16", fn, kvcap_dtype_name(kv->dtype));
     KVCAP_RETURN_IF(kv->row_stride < (size_t)p->d, KVCAP_ERR_INVALID_ARGUMENT,
                     "%s: kv->row_stride = %zu is less than d = %d", fn, kv->row_stride, p->d);

@@ -540,7 +540,7 @@ extern "C" enum kvcap_status kvcap_cuda_freekv_layout(const struct kvcap_freekv_
                     "cuda %s: kv_heads = %d, must be >= 1", op, kv_heads);
     KVCAP_RETURN_IF(G < 1, KVCAP_ERR_INVALID_ARGUMENT, "cuda %s: G = %d, must be >= 1", op, G);
     KVCAP_RETURN_IF(d < 1, KVCAP_ERR_INVALID_ARGUMENT, "cuda %s: d = %d, must be >= 1", op, d);
-    KVCAP_RETURN_IF(!kvcap_cuda_float_dtype(storage), KVCAP_ERR_INVALID_ARGUMENT,
+    KVCAP_RETURN_IF(!kvcap_dtype_is_storage(storage), KVCAP_ERR_INVALID_ARGUMENT,
                     "cuda %s: storage %s, must be F32, F16 or BF16", op,
                     kvcap_dtype_name(storage));
     KVCAP_RETURN_IF(max_tokens < 1, KVCAP_ERR_INVALID_ARGUMENT,

@@ -201,7 +201,7 @@ static enum kvcap_status check_vl(const char *fn, const struct kvcap_cuda_vl *vl
     KVCAP_RETURN_IF((int64_t)vl->tau * vl->G > INT32_MAX ||
                         (int64_t)vl->n_heads * vl->G * vl->d > INT32_MAX,
                     KVCAP_ERR_INVALID_ARGUMENT, "%s: vl->tau, G, n_heads or d is too large", fn);
-    KVCAP_RETURN_IF(!kvcap_cuda_float_dtype(vl->dtype), KVCAP_ERR_INVALID_ARGUMENT,
+    KVCAP_RETURN_IF(!kvcap_dtype_is_storage(vl->dtype), KVCAP_ERR_INVALID_ARGUMENT,
                     "%s: vl->dtype = %s is not F32, F16 or BF16", fn, kvcap_dtype_name(vl->dtype));
     KVCAP_RETURN_IF(vl->row_stride < (size_t)vl->d, KVCAP_ERR_INVALID_ARGUMENT,
                     "%s: vl->row_stride = %zu is less than d = %d", fn, vl->row_stride, vl->d);

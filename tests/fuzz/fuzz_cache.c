@@ -16,7 +16,7 @@
 #include "formats/dataset.h"
 #include "tests/fuzz/fuzz_common.h"
 #include "common/rng.h"
-#include "formats/safetensors.h"
+#include "common/dtype.h"
 
 /* Kept small: every input writes an artifact and runs a whole prefill and decode. */
 enum { MAX_LAYERS = 2, MAX_BUCKETS = 3, MAX_SPANS = 3, MAX_SEQS = 2, MAX_STEPS = 6,

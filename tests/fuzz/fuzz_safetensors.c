@@ -8,6 +8,7 @@
 
 #include "tests/fuzz/fuzz_common.h"
 #include "formats/safetensors.h"
+#include "common/dtype.h"
 #include "formats/schema.h"
 
 /* Float tensors up to this many elements are converted (bigger ones are only read). */

@@ -21,6 +21,7 @@
 #include "eval/report.h"
 #include "common/rng.h"
 #include "formats/safetensors.h"
+#include "common/dtype.h"
 #include "calibrate/state.h"
 
 static const char *out_dir;
