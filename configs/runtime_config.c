@@ -1,0 +1,199 @@
+/* runtime_config.c — the runtime config (what libkvcap does with each span kind, config.h):
+ * defaults and the keys it reads through the strict reader (yaml.h). */
+#include <limits.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "configs/yaml.h"
+
+KVCAP_YAML_NAME_SET(policy, enum kvcap_policy, kvcap_policy, 0)
+
+/* ---- Defaults ---------------------------------------------------------------------------- */
+void kvcap_runtime_config_default(struct kvcap_runtime_config *cfg)
+{
+    if (!cfg)
+        return;
+    memset(cfg, 0, sizeof *cfg);
+    cfg->policy[KVCAP_SPAN_VISION] = KVCAP_POLICY_FLASHCACHE; /* no artifact configured */
+    cfg->policy[KVCAP_SPAN_TEXT] = KVCAP_POLICY_FULL;
+    cfg->policy[KVCAP_SPAN_GENERATED] = KVCAP_POLICY_FULL;
+    cfg->fallback = KVCAP_POLICY_FLASHCACHE;
+    cfg->flashcache = (struct kvcap_flashcache_config){
+        .gamma = 0.2, .retention = 0.4, .min_tokens = 0, .sinks = 0, .window = 0};
+    cfg->vlcache = (struct kvcap_vlcache_config){
+        .p = 0.01, .budget = 0.4, .min_fraction = 0.01, .recent_fraction = 0.1, .sinks = 0,
+        .window = 0};
+    cfg->freekv = (struct kvcap_freekv_config){
+        .page_size = 32, .budget = 2048, .tau = 0.9, .sink_pages = 1, .window_pages = 2};
+    cfg->streaming = (struct kvcap_streaming_config){.sinks = 4, .window = 1024};
+    cfg->has_model = 0;
+}
+
+void kvcap_runtime_config_free(struct kvcap_runtime_config *cfg)
+{
+    (void)cfg; /* no heap today; see config.h */
+}
+
+/* ---- Runtime config ---------------------------------------------------------------------- */
+static enum kvcap_status parse_artifact(struct kvcap_yaml *c, yaml_node_t *n, char *out)
+{
+    if (kvcap_yaml_is_null(n)) {
+        out[0] = '\0'; /* `artifact: null` says "none" explicitly */
+        return KVCAP_OK;
+    }
+    char path[KVCAP_CONFIG_MAX_PATH];
+    KVCAP_TRY(kvcap_yaml_as_string(c, n, "artifact", path, sizeof path));
+    if (path[0] == '/' || !c->dir || c->dir_len == 0) {
+        memcpy(out, path, strlen(path) + 1);
+        return KVCAP_OK;
+    }
+    const char *sep = c->dir[c->dir_len - 1] == '/' ? "" : "/";
+    int w = snprintf(out, KVCAP_CONFIG_MAX_PATH, "%.*s%s%s", (int)c->dir_len, c->dir, sep, path);
+    if (w < 0 || w >= KVCAP_CONFIG_MAX_PATH) {
+        out[0] = '\0';
+        return kvcap_yaml_fail_at(c, n->start_mark,
+                                  "artifact: path relative to %.*s is longer than %d bytes",
+                                  (int)c->dir_len, c->dir, KVCAP_CONFIG_MAX_PATH - 1);
+    }
+    return KVCAP_OK;
+}
+
+static enum kvcap_status parse_runtime(struct kvcap_yaml *c, yaml_node_t *root, void *out)
+{
+    static const char *const keys[] = {"artifact", "policies", "fallback",  "flashcache",
+                                       "vlcache",  "freekv",   "streaming", "kvcapsule",
+                                       "model",    NULL};
+    static const char *const kinds[] = {"vision", "text", "generated", NULL};
+    static const char *const flash_keys[] = {"gamma", "retention", "min_tokens", "sinks",
+                                             "window", NULL};
+    static const char *const vl_keys[] = {"p",     "budget", "min_fraction", "recent_fraction",
+                                          "sinks", "window", NULL};
+    static const char *const freekv_keys[] = {"page_size", "budget", "tau", "sink_pages",
+                                              "window_pages", NULL};
+    static const char *const streaming_keys[] = {"sinks", "window", NULL};
+    static const char *const none[] = {NULL};
+    struct kvcap_runtime_config *cfg = out;
+    KVCAP_TRY(kvcap_yaml_check_mapping(c, root, "", keys, NULL));
+
+    yaml_node_t *n = kvcap_yaml_lookup(c, root, "artifact");
+    if (n)
+        KVCAP_TRY(parse_artifact(c, n, cfg->artifact));
+    if (cfg->artifact[0])
+        cfg->policy[KVCAP_SPAN_VISION] = KVCAP_POLICY_KVCAPSULE;
+
+    yaml_node_t *pol = kvcap_yaml_lookup(c, root, "policies");
+    if (pol) {
+        KVCAP_TRY(kvcap_yaml_check_mapping(c, pol, "policies", kinds, NULL));
+        for (int k = 0; kinds[k]; k++) {
+            KVCAP_YAML_GET_NAMED(c, pol, "policies", kinds[k], &policy_set, &cfg->policy[k]);
+            yaml_node_t *v = kvcap_yaml_lookup(c, pol, kinds[k]);
+            if (!v || cfg->policy[k] != KVCAP_POLICY_KVCAPSULE)
+                continue;
+            /* kvcapsule's artifact may also come from the engine (kvcap_cache_params), so its
+             * presence is checked where the cache is created, not here. */
+            if (k != KVCAP_SPAN_VISION)
+                return kvcap_yaml_fail_at(c, v->start_mark,
+                                          "policies.%s: kvcapsule applies to vision spans only",
+                                          kinds[k]);
+        }
+    }
+    n = kvcap_yaml_lookup(c, root, "fallback");
+    if (n && n->type == YAML_SCALAR_NODE && strcmp(kvcap_yaml_scalar(n), "none") == 0)
+        cfg->fallback = KVCAP_FALLBACK_NONE;
+    else if (n) {
+        KVCAP_YAML_GET_NAMED(c, root, "", "fallback", &policy_set, &cfg->fallback);
+        if (cfg->fallback == KVCAP_POLICY_KVCAPSULE)
+            return kvcap_yaml_fail_at(
+                c, n->start_mark,
+                "fallback: cannot be kvcapsule (it serves the spans kvcapsule has "
+                "no bucket for)");
+    }
+
+    if ((n = kvcap_yaml_lookup(c, root, "flashcache"))) {
+        struct kvcap_flashcache_config *p = &cfg->flashcache;
+        const char *f = "flashcache";
+        KVCAP_TRY(kvcap_yaml_check_mapping(c, n, f, flash_keys, NULL));
+        KVCAP_TRY(kvcap_yaml_get_double(c, n, f, "gamma", KVCAP_YAML_RATIO, &p->gamma));
+        KVCAP_TRY(kvcap_yaml_get_double(c, n, f, "retention", KVCAP_YAML_RATIO, &p->retention));
+        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "min_tokens", 0, 1 << 30, &p->min_tokens));
+        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "sinks", 0, 1 << 30, &p->sinks));
+        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "window", 0, 1 << 30, &p->window));
+    }
+    if ((n = kvcap_yaml_lookup(c, root, "vlcache"))) {
+        struct kvcap_vlcache_config *p = &cfg->vlcache;
+        const char *f = "vlcache";
+        KVCAP_TRY(kvcap_yaml_check_mapping(c, n, f, vl_keys, NULL));
+        KVCAP_TRY(
+            kvcap_yaml_get_double(c, n, f, "p", (struct kvcap_yaml_range){0.0, 1.0, 1, 1}, &p->p));
+        KVCAP_TRY(kvcap_yaml_get_double(c, n, f, "budget", KVCAP_YAML_RATIO, &p->budget));
+        KVCAP_TRY(
+            kvcap_yaml_get_double(c, n, f, "min_fraction", KVCAP_YAML_RATIO, &p->min_fraction));
+        KVCAP_TRY(kvcap_yaml_get_double(c, n, f, "recent_fraction",
+                                        (struct kvcap_yaml_range){0.0, 1.0, 0, 0},
+                                        &p->recent_fraction));
+        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "sinks", 0, 1 << 30, &p->sinks));
+        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "window", 0, 1 << 30, &p->window));
+    }
+    if ((n = kvcap_yaml_lookup(c, root, "freekv"))) {
+        struct kvcap_freekv_config *p = &cfg->freekv;
+        const char *f = "freekv";
+        KVCAP_TRY(kvcap_yaml_check_mapping(c, n, f, freekv_keys, NULL));
+        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "page_size", 1, 65536, &p->page_size));
+        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "budget", 1, 1 << 30, &p->budget));
+        KVCAP_TRY(kvcap_yaml_get_double(c, n, f, "tau", (struct kvcap_yaml_range){-1.0, 1.0, 0, 0},
+                                        &p->tau));
+        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "sink_pages", 0, 1 << 20, &p->sink_pages));
+        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "window_pages", 1, 1 << 20, &p->window_pages));
+        /* At least one page beyond sinks and window must be selectable, or FreeKV is
+         * StreamingLLM. Products fit in 64 bits: pages < 2^21, page_size <= 2^16. */
+        long long need = ((long long)p->sink_pages + p->window_pages + 1) * p->page_size;
+        if (p->budget < need) {
+            yaml_node_t *b = kvcap_yaml_lookup(c, n, "budget");
+            return kvcap_yaml_fail_at(
+                c, b ? b->start_mark : n->start_mark,
+                "freekv.budget: %d tokens leave no page to retrieve: need >= %lld "
+                "((sink_pages %d + window_pages %d + 1) x page_size %d)",
+                p->budget, need, p->sink_pages, p->window_pages, p->page_size);
+        }
+    }
+    if ((n = kvcap_yaml_lookup(c, root, "streaming"))) {
+        const char *f = "streaming";
+        KVCAP_TRY(kvcap_yaml_check_mapping(c, n, f, streaming_keys, NULL));
+        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "sinks", 0, 1 << 30, &cfg->streaming.sinks));
+        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "window", 1, 1 << 30, &cfg->streaming.window));
+    }
+    if ((n = kvcap_yaml_lookup(c, root, "kvcapsule")))
+        KVCAP_TRY(kvcap_yaml_check_mapping(c, n, "kvcapsule", none, NULL)); /* reserved */
+    if ((n = kvcap_yaml_lookup(c, root, "model"))) {
+        KVCAP_TRY(kvcap_yaml_parse_model(c, n, &cfg->model));
+        cfg->has_model = 1;
+    }
+    return KVCAP_OK;
+}
+
+/* ---- Loading ----------------------------------------------------------------------------- */
+enum kvcap_status kvcap_runtime_config_load_file(const char *path,
+                                                 struct kvcap_runtime_config *cfg)
+{
+    KVCAP_RETURN_IF(!path || !cfg, KVCAP_ERR_INVALID_ARGUMENT,
+                    "kvcap_runtime_config_load_file: NULL argument");
+    kvcap_runtime_config_default(cfg);
+    enum kvcap_status st = kvcap_yaml_load_file(path, parse_runtime, cfg);
+    if (st != KVCAP_OK)
+        kvcap_runtime_config_default(cfg);
+    return st;
+}
+
+enum kvcap_status kvcap_runtime_config_load_string(const char *text, const char *label,
+                                                   struct kvcap_runtime_config *cfg)
+{
+    KVCAP_RETURN_IF(!text || !cfg, KVCAP_ERR_INVALID_ARGUMENT,
+                    "kvcap_runtime_config_load_string: NULL argument");
+    kvcap_runtime_config_default(cfg);
+    enum kvcap_status st = kvcap_yaml_load(text, strlen(text), label ? label : "<string>", NULL, 0,
+                                           parse_runtime, cfg);
+    if (st != KVCAP_OK)
+        kvcap_runtime_config_default(cfg);
+    return st;
+}
+
