@@ -109,7 +109,25 @@ static enum kvcap_status not_float(const char *fn, enum kvcap_dtype d)
 }
 
 /* Elements are read and written with memcpy so callers may pass unaligned buffers; the
- * compiler turns these into plain loads and stores. */
+ * compiler turns these into plain loads and stores (and, the helpers being static, calls the
+ * converter directly). */
+static void widen16(const unsigned char *s, size_t n, float *dst, float (*to_f32)(uint16_t))
+{
+    for (size_t i = 0; i < n; i++) {
+        uint16_t h;
+        memcpy(&h, s + 2 * i, 2);
+        dst[i] = to_f32(h);
+    }
+}
+
+static void narrow16(const float *src, size_t n, unsigned char *d, uint16_t (*from_f32)(float))
+{
+    for (size_t i = 0; i < n; i++) {
+        uint16_t h = from_f32(src[i]);
+        memcpy(d + 2 * i, &h, 2);
+    }
+}
+
 enum kvcap_status kvcap_convert_to_f32(enum kvcap_dtype src_dtype, const void *src, size_t n,
                                        float *dst)
 {
@@ -122,18 +140,10 @@ enum kvcap_status kvcap_convert_to_f32(enum kvcap_dtype src_dtype, const void *s
             memmove(dst, src, n * sizeof(float));
         return KVCAP_OK;
     case KVCAP_DTYPE_F16:
-        for (size_t i = 0; i < n; i++) {
-            uint16_t h;
-            memcpy(&h, s + 2 * i, 2);
-            dst[i] = kvcap_f16_to_f32(h);
-        }
+        widen16(s, n, dst, kvcap_f16_to_f32);
         return KVCAP_OK;
     case KVCAP_DTYPE_BF16:
-        for (size_t i = 0; i < n; i++) {
-            uint16_t b;
-            memcpy(&b, s + 2 * i, 2);
-            dst[i] = kvcap_bf16_to_f32(b);
-        }
+        widen16(s, n, dst, kvcap_bf16_to_f32);
         return KVCAP_OK;
     case KVCAP_DTYPE_F64:
         for (size_t i = 0; i < n; i++) {
@@ -159,16 +169,10 @@ enum kvcap_status kvcap_convert_from_f32(enum kvcap_dtype dst_dtype, const float
             memmove(dst, src, n * sizeof(float));
         return KVCAP_OK;
     case KVCAP_DTYPE_F16:
-        for (size_t i = 0; i < n; i++) {
-            uint16_t h = kvcap_f32_to_f16(src[i]);
-            memcpy(d + 2 * i, &h, 2);
-        }
+        narrow16(src, n, d, kvcap_f32_to_f16);
         return KVCAP_OK;
     case KVCAP_DTYPE_BF16:
-        for (size_t i = 0; i < n; i++) {
-            uint16_t b = kvcap_f32_to_bf16(src[i]);
-            memcpy(d + 2 * i, &b, 2);
-        }
+        narrow16(src, n, d, kvcap_f32_to_bf16);
         return KVCAP_OK;
     case KVCAP_DTYPE_F64:
         for (size_t i = 0; i < n; i++) {
