@@ -1,6 +1,7 @@
 /* freekv.c — FreeKV (DESIGN §7): a paged store with per-page key digests, a two-buffer page
  * pool filled by a speculative top-k selection on a worker thread, and a correction on the
- * critical path for the KV heads whose queries moved. The _ref selection oracle comes first. */
+ * critical path for the KV heads whose queries moved. The selection itself is a kernel
+ * (kernels/freekv.h). */
 #include <limits.h>
 #include <math.h>
 #include <pthread.h>
@@ -11,73 +12,8 @@
 #include "runtime/freekv.h"
 #include "common/internal.h"
 #include "common/dtype.h"
-#include "kernels/select.h"
 
 #define FREEKV_MAX_D 4096 /* the attention kernels' limit */
-
-struct kvcap_freekv_params kvcap_freekv_default_params(void)
-{
-    struct kvcap_freekv_params p = {32, 2048, 1, 2, 0.9f};
-    return p;
-}
-
-/* ---- the oracle ----------------------------------------------------------------------------- */
-
-int kvcap_freekv_select_ref(const float *kmax, const float *kmin, int n_pages, const float *q,
-                            int G, int d, int sink_pages, int window_pages, int k, int *sel,
-                            double *score)
-{
-    if (n_pages <= 0 || G <= 0 || d <= 0)
-        return 0;
-    for (int p = 0; score && p < n_pages; p++)
-        score[p] = NAN;
-    int lo = sink_pages < n_pages ? (sink_pages > 0 ? sink_pages : 0) : n_pages;
-    int hi = n_pages - (window_pages > 0 ? window_pages : 0);
-    if (hi < lo)
-        hi = lo;
-    int nc = hi - lo;
-    if (nc == 0 || k <= 0)
-        return 0;
-    double *raw = malloc(sizeof(double) * 2 * (size_t)nc);
-    float *key = malloc(sizeof(float) * (size_t)nc);
-    if (!raw || !key) {
-        free(raw);
-        free(key);
-        return -1;
-    }
-    double *mean = raw + nc;
-    for (int i = 0; i < nc; i++)
-        mean[i] = 0;
-    for (int g = 0; g < G; g++) {
-        const float *qg = q + (size_t)g * d;
-        double mx = -INFINITY, sum = 0;
-        for (int i = 0; i < nc; i++) {
-            const float *hi_k = kmax + (size_t)(lo + i) * d, *lo_k = kmin + (size_t)(lo + i) * d;
-            double r = 0;
-            for (int c = 0; c < d; c++)
-                r += fmax((double)qg[c] * hi_k[c], (double)qg[c] * lo_k[c]);
-            raw[i] = r;
-            mx = r > mx ? r : mx;
-        }
-        for (int i = 0; i < nc; i++)
-            sum += exp(raw[i] - mx);
-        for (int i = 0; i < nc; i++)
-            mean[i] += exp(raw[i] - mx) / sum / G;
-    }
-    /* The shared top-k ranks floats: the log keeps pages far below the best apart instead of
-     * rounding their tiny scores to equal floats. */
-    for (int i = 0; i < nc; i++) {
-        key[i] = (float)log(mean[i]);
-        if (score)
-            score[lo + i] = mean[i];
-    }
-    int n = kvcap_topk_indices_ref(key, nc, k, sel);
-    for (int i = 0; i < n; i++)
-        sel[i] += lo;
-    free(raw);
-    free(key);
-    return n;
-}
 
 /* ---- state ---------------------------------------------------------------------------------- */
 
@@ -527,75 +463,15 @@ int64_t kvcap_freekv_tokens(const struct kvcap_freekv *f)
 
 /* ---- selection and recall ------------------------------------------------------------------- */
 
-/* Σ_c max(q_c·kmax_c, q_c·kmin_c) = qpos·kmax + qneg·kmin (qpos = max(q, 0), qneg = min(q, 0),
- * as kmax >= kmin): two plain dot products, eight partial sums so the compiler can vectorise. */
-static float digest_score(const float *qpos, const float *qneg, const float *kmax,
-                          const float *kmin, int d)
-{
-    float acc[8] = {0};
-    int c = 0;
-    for (; c + 8 <= d; c += 8)
-        for (int j = 0; j < 8; j++)
-            acc[j] += qpos[c + j] * kmax[c + j] + qneg[c + j] * kmin[c + j];
-    for (; c < d; c++)
-        acc[0] += qpos[c] * kmax[c] + qneg[c] * kmin[c];
-    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-}
-
 /* The top-k pages of head h for a store of `tokens` tokens by the queries q [G][d], ascending,
- * into hd->pick; returns their count and adds the digest bytes read to *bytes. Ranks by the
- * log of the mean over g of the per-g softmax (the _ref's order), accumulated in log space so
- * that far-below pages keep their order instead of underflowing to equal zeros. */
+ * into hd->pick; returns their count and adds the digest bytes read to *bytes. */
 static int select_pages(const struct kvcap_freekv *f, struct head *hd, const float *q,
                         int64_t tokens, uint64_t *bytes)
 {
-    int lo, hi, d = f->d;
+    int lo, hi;
     candidates(f, (int)pages_for(f, tokens), &lo, &hi);
-    int nc = hi - lo;
-    if (nc <= f->k) { /* everything fits: no scores needed */
-        for (int i = 0; i < nc; i++)
-            hd->pick[i] = lo + i;
-        return nc;
-    }
-    size_t cap = (size_t)f->cap_pages;
-    float *raw = hd->score, *m = raw + cap, *s = m + cap;
-    float *qpos = hd->qsplit, *qneg = qpos + d;
-    for (int g = 0; g < f->G; g++) {
-        for (int c = 0; c < d; c++) {
-            float x = q[(size_t)g * d + c];
-            qpos[c] = x > 0 ? x : 0;
-            qneg[c] = x < 0 ? x : 0;
-        }
-        float mx = -INFINITY;
-        for (int i = 0; i < nc; i++) {
-            const float *kmax = hd->dig + (size_t)(lo + i) * 2 * d;
-            raw[i] = digest_score(qpos, qneg, kmax, kmax + d, d);
-            mx = raw[i] > mx ? raw[i] : mx;
-        }
-        float sum = 0;
-        for (int i = 0; i < nc; i++)
-            sum += expf(raw[i] - mx);
-        float lse = mx + logf(sum);
-        for (int i = 0; i < nc; i++) {
-            float lp = raw[i] - lse; /* log softmax of page i for query g */
-            if (g == 0) {
-                m[i] = lp;
-                s[i] = 1;
-            } else if (lp > m[i]) {
-                s[i] = s[i] * expf(m[i] - lp) + 1;
-                m[i] = lp;
-            } else {
-                s[i] += expf(lp - m[i]);
-            }
-        }
-    }
-    for (int i = 0; i < nc; i++)
-        raw[i] = m[i] + logf(s[i]); /* log Σ_g softmax: the mean up to the constant log G */
-    int n = kvcap_topk_indices(raw, nc, f->k, hd->pick, hd->work);
-    for (int i = 0; i < n; i++)
-        hd->pick[i] += lo;
-    *bytes += (uint64_t)nc * 2 * d * sizeof(float);
-    return n;
+    return kvcap_freekv_select(hd->dig, lo, hi, q, f->G, f->d, f->k, hd->score, hd->qsplit,
+                               hd->work, hd->pick, bytes);
 }
 
 /* Slot s of head h in pool buffer buf (K or V): page_size rows of d, one contiguous block. */
@@ -699,25 +575,6 @@ static void run_job(struct kvcap_freekv *f)
 
 /* ---- decode --------------------------------------------------------------------------------- */
 
-/* Mean over g of cos(q_g, p_g), clamped to [-1, 1]; a zero vector is at cosine 0 from anything
- * but another zero vector (a head whose query vanished has moved). */
-static double group_cosine(const float *q, const float *p, int G, int d)
-{
-    double total = 0;
-    for (int g = 0; g < G; g++) {
-        double qq = 0, pp = 0, qp = 0;
-        for (int c = 0; c < d; c++) {
-            double a = q[(size_t)g * d + c], b = p[(size_t)g * d + c];
-            qq += a * a;
-            pp += b * b;
-            qp += a * b;
-        }
-        total += qq > 0 && pp > 0 ? qp / sqrt(qq * pp) : (qq == 0 && pp == 0 ? 1.0 : 0.0);
-    }
-    double c = total / G;
-    return c > 1 ? 1 : c < -1 ? -1 : c;
-}
-
 static int must_correct(const struct kvcap_freekv *f, const struct head *hd)
 {
     if (f->p.tau >= 1)
@@ -726,7 +583,7 @@ static int must_correct(const struct kvcap_freekv *f, const struct head *hd)
         return 0;
     if (hd->prev_step != f->step - 1 || hd->prev_step < 0) /* nothing to compare with */
         return 1;
-    return group_cosine(hd->q_cur, hd->q_prev, f->G, f->d) < f->p.tau;
+    return kvcap_freekv_group_cosine(hd->q_cur, hd->q_prev, f->G, f->d) < f->p.tau;
 }
 
 /* The filled rows of page p of head h, straight from the store (sinks, window). */

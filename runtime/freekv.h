@@ -17,49 +17,7 @@
 #include <stdint.h>
 
 #include "kernels/attention.h"
-
-struct kvcap_freekv_params {
-    int page_size;     /* tokens per page, >= 1 (32) */
-    int budget_tokens; /* tokens attended per KV head per step, sinks + window + top-k (2048);
-                        * at least (sink_pages + window_pages + 1) pages */
-    int sink_pages;    /* first pages, always attended, >= 0 (1) */
-    int window_pages;  /* last pages (the newest, partial one included), always attended, >= 1:
-                        * the page being written is never a top-k candidate (2) */
-    float tau;         /* correction threshold on the group-mean query cosine (0.9);
-                        * tau >= 1: every step corrects; tau <= -1: no step does */
-};
-
-/* The defaults written in parentheses above. */
-struct kvcap_freekv_params kvcap_freekv_default_params(void);
-
-/* Counts over (step, KV head) pairs since creation; last_*: the most recent step only (its
- * attends and the recall its step_done queued). Every head-step of a non-empty store is exactly
- * one of: hidden, waited, a correction, a resync.
- *  - hidden: served by the speculative selection (and its recall) made with the previous
- *    step's queries, which had completed before the attend came. A state without a worker runs
- *    it inside step_done, so there it is always complete (tests).
- *  - waited: served by the speculative selection, but attend had to wait for the worker to
- *    finish it (the wait is on the critical path, the selection's work partly too).
- *  - correction: a speculative selection existed, but the head's group-mean query cosine was
- *    below τ: selected and recalled with the current queries on the critical path.
- *  - resync (a re-selection): no usable speculative selection — the head's first step, a step
- *    after one it skipped, or a store that grew by more than window_pages candidate pages since
- *    the selection (see attend) — selected with the current queries on the critical path, like
- *    a correction, but not counted as one. A store that grew less (one token per step, or a
- *    store that does not grow at all) keeps its speculation. */
-struct kvcap_freekv_stats {
-    int64_t steps;          /* kvcap_freekv_step_done calls */
-    int64_t corrections;    /* head-steps corrected on the critical path */
-    int64_t pages_recalled; /* pages copied store → pool (speculative, corrective, resync);
-                             * pages found in a pool buffer are moved there, not counted */
-    uint64_t bytes_recalled;
-    int last_corrections, last_pages_recalled;
-    uint64_t last_bytes_recalled;
-    int64_t resyncs;
-    int last_resyncs;
-    int64_t hidden, waited;
-    int last_hidden, last_waited;
-};
+#include "kernels/freekv.h"
 
 /* One background thread shared by every FreeKV state of a cache; runs queued next-step
  * selections in submission order. On Linux it runs under SCHED_BATCH, so waking it never
@@ -126,16 +84,5 @@ enum kvcap_status kvcap_freekv_digest(const struct kvcap_freekv *f, int h, int p
                                       float *kmin);
 int kvcap_freekv_selection(const struct kvcap_freekv *f, int h, int *pages, int cap);
 int kvcap_freekv_window_start(const struct kvcap_freekv *f, int h);
-
-/* Oracle of the selection for one KV head over `n_pages` pages: digests kmax, kmin
- * [n_pages][d]; q [G][d]. Page score = mean over g of softmax over pages of
- * Σ_c max(q_gc·kmax_c, q_gc·kmin_c); the top `k` pages among those that are neither sinks
- * (the first sink_pages) nor window (the last window_pages) go to sel (ascending), returns
- * their count (all candidates when there are at most k; -1 when out of memory). Double
- * precision, no shortcuts. score (NULL: not wanted) receives [n_pages] the page scores, NaN for
- * sinks and window: tests use them to accept a different pick between near-equal pages. */
-int kvcap_freekv_select_ref(const float *kmax, const float *kmin, int n_pages, const float *q,
-                            int G, int d, int sink_pages, int window_pages, int k, int *sel,
-                            double *score);
 
 #endif

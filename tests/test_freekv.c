@@ -20,6 +20,7 @@
 #include <cmocka.h>
 
 #include "kernels/attention.h"
+#include "kernels/freekv.h"
 #include "runtime/freekv.h"
 #include "kvcap.h"
 #include "common/rng.h"
@@ -468,6 +469,53 @@ static void test_select_ref_by_hand(void **state)
         assert_int_equal(kvcap_freekv_select_ref(kd, kd, 6, q, 1, 1, 0, 1, 2, sel, NULL), 2);
         assert_int_equal(sel[0], 3);
         assert_int_equal(sel[1], 4);
+    }
+}
+
+/* The fast selection (kvcap_freekv_select) against the oracle on random digests: the same
+ * pages, up to trades between pages whose oracle scores tie within SELECT_TIE_REL_TOL. */
+static void test_select_matches_ref(void **state)
+{
+    (void)state;
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 7);
+    const int shapes[][5] = {/* pages, G, d, sinks + window, k */
+                             {40, 7, 64, 3, 8}, {9, 1, 3, 2, 4}, {200, 4, 128, 3, 16},
+                             {6, 2, 8, 3, 5}};
+    for (size_t t = 0; t < sizeof shapes / sizeof shapes[0]; t++) {
+        int np = shapes[t][0], G = shapes[t][1], d = shapes[t][2], k = shapes[t][4];
+        int sinks = 1, window = shapes[t][3] - 1;
+        float *dig = malloc(sizeof(float) * (size_t)np * 2 * d);
+        float *kmax = malloc(sizeof(float) * (size_t)np * d);
+        float *kmin = malloc(sizeof(float) * (size_t)np * d);
+        float *q = malloc(sizeof(float) * (size_t)G * d);
+        float *score = malloc(sizeof(float) * 3 * (size_t)np), qsplit[2 * 128];
+        int *work = malloc(sizeof(int) * (size_t)np), *got = malloc(sizeof(int) * (size_t)np);
+        int *want = malloc(sizeof(int) * (size_t)np);
+        double *ref_score = malloc(sizeof(double) * (size_t)np);
+        fill_random(&r, kmin, (size_t)np * d, -0.5, 1.0);
+        fill_random(&r, q, (size_t)G * d, 0.0, 1.0);
+        for (int p = 0; p < np; p++)
+            for (int c = 0; c < d; c++) {
+                float spread = (float)fabs(kvcap_rng_normal(&r));
+                kmax[(size_t)p * d + c] = kmin[(size_t)p * d + c] + spread;
+                dig[((size_t)p * 2) * d + c] = kmax[(size_t)p * d + c];
+                dig[((size_t)p * 2 + 1) * d + c] = kmin[(size_t)p * d + c];
+            }
+        int lo = sinks, hi = np - window;
+        uint64_t bytes = 0;
+        int ngot = kvcap_freekv_select(dig, lo, hi, q, G, d, k, score, qsplit, work, got, &bytes);
+        int nwant = kvcap_freekv_select_ref(kmax, kmin, np, q, G, d, sinks, window, k, want,
+                                            ref_score);
+        char what[64];
+        snprintf(what, sizeof what, "select %d pages, G %d, d %d, k %d", np, G, d, k);
+        check_selection(got, ngot, want, nwant, ref_score, what);
+        if (hi - lo > k)
+            assert_int_equal(bytes, (uint64_t)(hi - lo) * 2 * d * sizeof(float));
+        else
+            assert_int_equal(bytes, 0);
+        free(dig), free(kmax), free(kmin), free(q), free(score), free(work), free(got);
+        free(want), free(ref_score);
     }
 }
 
@@ -978,6 +1026,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_bad_params),
         cmocka_unit_test(test_select_ref_by_hand),
+        cmocka_unit_test(test_select_matches_ref),
         cmocka_unit_test(test_scripted_stats),
         cmocka_unit_test(test_tau_one_follows_current_queries),
         cmocka_unit_test(test_tau_minus_one_follows_previous_queries),

@@ -1,9 +1,9 @@
 /* freekv_cuda.h — FreeKV (DESIGN §7) on a CUDA device for one (sequence, layer): the host
  * store in pinned memory, the page pool, the digests, the selection, the recall and the
- * attention over the selected pages (kernels/cuda/freekv.cu). The CPU state of
- * runtime/freekv.h is the oracle: same parameters, same selection rule, same fill rule for the
- * pool buffers, same statistics. Builds without CUDA link kernels/cuda/freekv_stub.c, which
- * answers KVCAP_ERR_UNSUPPORTED to every call.
+ * attention over the selected pages (kernels/cuda/freekv.cu). The selection's oracle is
+ * kernels/freekv.h (kvcap_freekv_select_ref) and the CPU state of runtime/freekv.h is the
+ * state's: same parameters, same selection rule, same fill rule for the pool buffers, same
+ * statistics. Built only with CUDA.
  *
  * Memory (all allocated at create, sized for `max_tokens`; nothing is allocated per step):
  *  - store, pinned host memory (cudaHostAlloc, mapped): pages of page_size tokens, HND within a
@@ -63,7 +63,7 @@ extern "C" {
 #endif
 
 #include "kernels/attention.h" /* struct kvcap_partial */
-#include "runtime/freekv.h"    /* struct kvcap_freekv_params, struct kvcap_freekv_stats */
+#include "kernels/freekv.h"    /* struct kvcap_freekv_params, struct kvcap_freekv_stats */
 
 /* ---- Host-side layout and bookkeeping (no device touched; testable anywhere) ---------------- */
 
