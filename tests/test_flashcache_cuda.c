@@ -1,10 +1,10 @@
-/* test_flashcache_cuda.c — FlashCache's device scoring (kernels/cuda/policies_cuda.h) against the
+/* test_flashcache_cuda.c — FlashCache's device scoring (kernels/cuda/flashcache_cuda.h) against the
  * CPU. First the argument checks, which need no device; then, with a device: deviations and
  * energies of (layer, head) batches in F32, F16 and BF16 against kvcap_flashcache_deviation_ref
  * (n from 1 to 8192: powers of two, primes, 100; ω at both band edges; strided per-layer
  * buffers with NaN in every gap; outputs and scratch poisoned with NaN; more layers and heads
- * than one launch takes), bit-identical reruns, top-k indices identical to kvcap_topk_indices
- * (ties, NaN, ±0, ±inf, per-row keep), and planted outliers found end to end.
+ * than one launch takes), bit-identical reruns, and planted outliers found end to end through
+ * the device top-k (tests/test_select_cuda.c tests that op on its own).
  * Without a device (or without CUDA in the build) it reports itself skipped (exit 77). */
 #include <math.h>
 #include <setjmp.h>
@@ -17,7 +17,8 @@
 
 #include <cmocka.h>
 
-#include "kernels/cuda/policies_cuda.h"
+#include "kernels/cuda/flashcache_cuda.h"
+#include "kernels/cuda/select_cuda.h"
 #include "kernels/flashcache.h"
 #include "common/rng.h"
 #include "common/dtype.h"
@@ -70,7 +71,6 @@ static void test_arguments(void **state)
     assert_int_equal(kvcap_cuda_flashcache_scratch_bytes(NULL), 0);
 
     float x = 0;
-    int i = 0;
     struct kvcap_energy e;
     const void *ptr[1] = {&x};
     struct kvcap_cuda_kv kv = {ptr, ptr, KVCAP_DTYPE_F32, 64, 64 * 64, 1, 1};
@@ -78,22 +78,6 @@ static void test_arguments(void **state)
                      ARG_STATUS);
 #ifdef KVCAP_WITH_CUDA
     assert_non_null(strstr(kvcap_last_error(), "plan is NULL"));
-#endif
-
-    assert_int_equal(kvcap_cuda_topk(NULL, 8, 8, 1, 2, NULL, &i, 2, NULL), ARG_STATUS);
-#ifdef KVCAP_WITH_CUDA
-    assert_non_null(strstr(kvcap_last_error(), "score is NULL"));
-#endif
-    assert_int_equal(kvcap_cuda_topk(&x, 8, 8, 1, 2, NULL, NULL, 2, NULL), ARG_STATUS);
-    assert_int_equal(kvcap_cuda_topk(&x, 8, -1, 1, 2, NULL, &i, 2, NULL), ARG_STATUS);
-    assert_int_equal(kvcap_cuda_topk(&x, 8, 8, 0, 2, NULL, &i, 2, NULL), ARG_STATUS);
-    assert_int_equal(kvcap_cuda_topk(&x, 7, 8, 2, 2, NULL, &i, 2, NULL), ARG_STATUS); /* ld_score */
-    assert_int_equal(kvcap_cuda_topk(&x, 8, 8, 2, 3, NULL, &i, 2, NULL), ARG_STATUS); /* ld_idx */
-#ifdef KVCAP_WITH_CUDA
-    assert_non_null(strstr(kvcap_last_error(), "ld_idx"));
-    /* nothing to keep: valid, and nothing is enqueued (so no device is needed) */
-    assert_int_equal(kvcap_cuda_topk(&x, 8, 0, 3, 5, NULL, &i, 0, NULL), KVCAP_OK);
-    assert_int_equal(kvcap_cuda_topk(&x, 8, 8, 3, 0, NULL, &i, 0, NULL), KVCAP_OK);
 #endif
 }
 
@@ -446,96 +430,6 @@ static void test_deviation_arguments(void **state)
     span_free(&s);
 }
 
-/* ---- Top-k ----------------------------------------------------------------------------------- */
-
-enum score_kind {
-    UNIFORM, /* distinct almost surely */
-    TIES,    /* four values, 10% NaN, 10% ±0 */
-    FLAT,    /* all equal: every choice is a tie */
-    RAMP     /* ascending with ±inf at the ends: the top is at the highest indices */
-};
-
-static float score_value(struct kvcap_rng *r, enum score_kind kind, int i, int n)
-{
-    switch (kind) {
-    case UNIFORM:
-        return (float)kvcap_rng_uniform(r);
-    case TIES: {
-        uint64_t u = kvcap_rng_below(r, 10);
-        if (u == 0)
-            return NAN;
-        if (u == 1)
-            return kvcap_rng_below(r, 2) ? 0.0f : -0.0f;
-        return (float)kvcap_rng_below(r, 4) - 1.5f;
-    }
-    case FLAT:
-        return 0.25f;
-    case RAMP:
-    default:
-        return i == 0 ? -INFINITY : i == n - 1 ? INFINITY : (float)i;
-    }
-}
-
-/* `batch` rows of n scores (row stride n + 3) on the device; keep_per_row used when keeps is
- * set. Every row must equal kvcap_topk_indices, and idx past the kept count stay untouched. */
-static void topk_case(struct kvcap_rng *r, int n, int batch, enum score_kind kind, int keep,
-                      const int *keeps)
-{
-    const size_t ld = (size_t)n + 3, ld_idx = (size_t)n + 1;
-    float *sc = alloc_f(ld * batch);
-    int *got = malloc(sizeof(int) * ld_idx * batch), *want = malloc(sizeof(int) * (n + 1));
-    int *work = malloc(sizeof(int) * (n + 1));
-    assert_true(got && want && work);
-    for (int b = 0; b < batch; b++)
-        for (size_t i = 0; i < ld; i++)
-            sc[b * ld + i] = i < (size_t)n ? score_value(r, kind, (int)i, n) : NAN;
-    float *dsc = dalloc(sizeof(float) * ld * batch);
-    int *didx = dalloc(sizeof(int) * ld_idx * batch), *dkeep = NULL;
-    upload(dsc, sc, sizeof(float) * ld * batch);
-    poison(didx, sizeof(int) * ld_idx * batch);
-    if (keeps) {
-        dkeep = dalloc(sizeof(int) * batch);
-        upload(dkeep, keeps, sizeof(int) * batch);
-    }
-    assert_int_equal(kvcap_cuda_topk(dsc, ld, n, batch, keep, dkeep, didx, ld_idx, NULL),
-                     KVCAP_OK);
-    sync_ok(NULL);
-    download(got, didx, sizeof(int) * ld_idx * batch);
-    for (int b = 0; b < batch; b++) {
-        int k = keeps ? keeps[b] : keep;
-        int cnt = kvcap_topk_indices(sc + b * ld, n, k, want, work);
-        const int *g = got + b * ld_idx;
-        for (int i = 0; i < cnt; i++)
-            if (g[i] != want[i])
-                fail_msg("n = %d, kind %d, row %d, keep %d: idx[%d] = %d, CPU %d", n, (int)kind, b,
-                         k, i, g[i], want[i]);
-        for (size_t i = (size_t)cnt; i < ld_idx; i++)
-            if (g[i] != -1)
-                fail_msg("n = %d, row %d, keep %d: idx[%zu] = %d written past the kept count", n,
-                         b, k, i, g[i]);
-    }
-    cudaFree(dsc), cudaFree(didx), cudaFree(dkeep);
-    free(sc), free(got), free(want), free(work);
-}
-
-static void test_topk(void **state)
-{
-    (void)state;
-    struct kvcap_rng r;
-    kvcap_rng_seed(&r, 11);
-    static const int ns[] = {1, 2, 100, 513, 2048, 8192, 40000};
-    for (size_t a = 0; a < sizeof ns / sizeof *ns; a++) {
-        const int n = ns[a];
-        const int keeps[] = {0, 1, n / 3, n - 1, n, n + 5};
-        for (int kind = UNIFORM; kind <= RAMP; kind++)
-            for (size_t t = 0; t < sizeof keeps / sizeof *keeps; t++)
-                topk_case(&r, n, 3, (enum score_kind)kind, keeps[t], NULL);
-        int per_row[6] = {n / 2, 0, n, -3, 1, n + 9};
-        for (int kind = UNIFORM; kind <= RAMP; kind++)
-            topk_case(&r, n, 6, (enum score_kind)kind, 0, per_row);
-    }
-}
-
 /* ---- End to end: planted outliers ------------------------------------------------------------ */
 
 /* Smooth K/V with N_OUTLIERS spiked tokens per pair: the device deviations, then the device
@@ -599,7 +493,6 @@ int main(void)
         cmocka_unit_test(test_arguments),
         cmocka_unit_test(test_deviation_arguments),
         cmocka_unit_test(test_deviation_small),
-        cmocka_unit_test(test_topk),
         cmocka_unit_test(test_outliers),
         cmocka_unit_test(test_deviation_large),
     };

@@ -1,4 +1,4 @@
-/* test_vlcache_cuda.c — VL-Cache's device scoring (kernels/cuda/policies_cuda.h) against the CPU
+/* test_vlcache_cuda.c — VL-Cache's device scoring (kernels/cuda/vlcache_cuda.h) against the CPU
  * oracle kvcap_vlcache_head_ref. First the argument checks, which need no device; then, with a
  * device: token scores, sparsity counts and layer sparsities of (layer, KV head) batches over
  * dtypes, G, d (64 to 256, and 80), τ and m (1 to 4096, m = τ, tiles cut by causality), more
@@ -16,7 +16,7 @@
 
 #include <cmocka.h>
 
-#include "kernels/cuda/policies_cuda.h"
+#include "kernels/cuda/vlcache_cuda.h"
 #include "common/rng.h"
 #include "common/dtype.h"
 #include "kernels/vlcache.h"

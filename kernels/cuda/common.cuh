@@ -13,7 +13,6 @@
 
 extern "C" {
 #include "common/internal.h"
-#include "kernels/cuda/policies_cuda.h"
 }
 
 // Layers per launch. Their device pointers travel in the kernel parameters (two tables of 128

@@ -33,6 +33,7 @@
 #include "kernels/cuda/common.cuh"
 
 #include "kernels/cuda/attention_cuda.h"
+#include "kernels/cuda/select_cuda.h"
 #include "kernels/cuda/freekv_cuda.h"
 
 #define FKV_OPS 64          // ops per by-value list in a launch's parameters (~0.8 KiB)

@@ -1,6 +1,8 @@
 /* policies_stub.c — the device FlashCache / VL-Cache entry points (cuda/policies_cuda.h) of a
  * build without CUDA: every call answers KVCAP_ERR_UNSUPPORTED and writes nothing. */
-#include "kernels/cuda/policies_cuda.h"
+#include "kernels/cuda/flashcache_cuda.h"
+#include "kernels/cuda/select_cuda.h"
+#include "kernels/cuda/vlcache_cuda.h"
 #include "common/internal.h"
 
 static enum kvcap_status no_cuda(const char *fn)

@@ -1,4 +1,4 @@
-// vlcache.cu — VL-Cache's scoring on a CUDA device (policies_cuda.h, DESIGN §6): the causal
+// vlcache.cu — VL-Cache's scoring on a CUDA device (vlcache_cuda.h, DESIGN §6): the causal
 // softmax of the tau·G post-vision query rows of each KV head over the m prompt keys, its
 // column sums (token scores) and sparsity counts, for every (layer, KV head) pair in one call.
 //
@@ -20,6 +20,7 @@
 #include <stdlib.h>
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/vlcache_cuda.h"
 
 static const char OP[] = "vlcache";
 
