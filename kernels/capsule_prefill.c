@@ -1,0 +1,160 @@
+/* capsule_prefill.c — KVCapsule at prefill for one KV head (capsule_prefill.h): the readable
+ * oracle first (plain loops in double, the spec), then the fast form (an sgemm per tile). */
+#include <cblas.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/capsule_prefill.h"
+#include "kernels/activation.h"
+#include "kernels/rope.h"
+#include "common/internal.h"
+
+/* The argument check both forms share. */
+static enum kvcap_status check(const char *fn, const struct kvcap_model_geometry *g,
+                               const struct kvcap_bucket *b,
+                               const struct kvcap_capsule_prefill_maps *mp, int n, int d,
+                               const float *k, const float *v, enum kvcap_dtype storage,
+                               const void *hs, const void *vt, const void *mu)
+{
+    KVCAP_RETURN_IF(!g || !b || !mp || !k || !v || !hs || !vt || !mu, KVCAP_ERR_INVALID_ARGUMENT,
+                    "%s: NULL argument", fn);
+    KVCAP_RETURN_IF(d < 1 || n < 1 || (int64_t)b->rows * b->cols != n, KVCAP_ERR_INVALID_ARGUMENT,
+                    "%s: %d tokens of head_dim %d on a %dx%d grid", fn, n, d, b->rows, b->cols);
+    int m = b->structure == KVCAP_STRUCTURE_TILED ? b->tile_rows * b->tile_cols : n;
+    KVCAP_RETURN_IF(mp->m != m || m < 1 || n % m != 0, KVCAP_ERR_INVALID_ARGUMENT,
+                    "%s: maps of %d points for tiles of %d", fn, mp->m, m);
+    KVCAP_RETURN_IF(mp->rk < 1 || mp->rk > m || mp->h < 1 || mp->rv < 1 || mp->rv > m ||
+                        !mp->mask || !mp->w1 || !mp->b1 || !mp->u,
+                    KVCAP_ERR_INVALID_ARGUMENT, "%s: maps with rk %d, h %d, rv %d of %d points",
+                    fn, mp->rk, mp->h, mp->rv, m);
+    for (int r = 0; r < mp->rk; r++)
+        KVCAP_RETURN_IF(mp->mask[r] < 0 || mp->mask[r] >= m, KVCAP_ERR_INVALID_ARGUMENT,
+                        "%s: mask[%d] = %d is not a point of a %d-point tile", fn, r,
+                        (int)mp->mask[r], m);
+    KVCAP_RETURN_IF(!kvcap_dtype_is_storage(storage), KVCAP_ERR_INVALID_ARGUMENT,
+                    "%s: storage %s is not F32, F16 or BF16", fn, kvcap_dtype_name(storage));
+    return KVCAP_OK;
+}
+
+/* ---- The oracle ------------------------------------------------------------------------------ */
+
+enum kvcap_status kvcap_capsule_prefill_ref(const struct kvcap_model_geometry *g,
+                                            const struct kvcap_bucket *bucket,
+                                            const struct kvcap_capsule_prefill_maps *maps, int n,
+                                            int d, int64_t p0, const float *k, const float *v,
+                                            enum kvcap_dtype storage, void *hs, void *vt, void *mu)
+{
+    KVCAP_TRY(check("kvcap_capsule_prefill_ref", g, bucket, maps, n, d, k, v, storage, hs, vt,
+                    mu));
+    const int m = maps->m, tiles = n / m, h = maps->h, rv = maps->rv;
+    float *kr = malloc(sizeof(float) * (size_t)n * d); /* K' = R(-p0) K */
+    float *hf = malloc(sizeof(float) * (size_t)tiles * h * d);
+    float *vf = malloc(sizeof(float) * (size_t)tiles * rv * d);
+    float *muf = malloc(sizeof(float) * (size_t)d);
+    double *mean = malloc(sizeof(double) * (size_t)d);
+    if (!kr || !hf || !vf || !muf || !mean) {
+        free(kr), free(hf), free(vf), free(muf), free(mean);
+        return kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "kvcap_capsule_prefill_ref: out of memory");
+    }
+    memcpy(kr, k, sizeof(float) * (size_t)n * d);
+    kvcap_rope_rotate_ref(g, kr, (size_t)n, (size_t)d, -(double)p0);
+
+    /* μ: the mean of the span's values, per channel. */
+    for (int c = 0; c < d; c++) {
+        double s = 0;
+        for (int j = 0; j < n; j++)
+            s += v[(size_t)j * d + c];
+        mean[c] = s / n;
+        muf[c] = (float)mean[c];
+    }
+    for (int t = 0; t < tiles; t++) {
+        /* H_t[i][c] = φ(b1[i] + Σ_r W1[r][i] · K'[token of mask point r][c]) */
+        for (int i = 0; i < h; i++)
+            for (int c = 0; c < d; c++) {
+                double s = maps->b1[i];
+                for (int r = 0; r < maps->rk; r++) {
+                    size_t j = kvcap_bucket_token(bucket, t, maps->mask[r]);
+                    s += (double)maps->w1[(size_t)r * h + i] * kr[j * d + c];
+                }
+                float x = (float)s;
+                hf[((size_t)t * h + i) * d + c] = maps->gelu ? kvcap_gelu(x) : x;
+            }
+        /* Ṽ_t[r][c] = Σ_p U[r][p] · (V[token of point p][c] − μ[c]) */
+        for (int r = 0; r < rv; r++)
+            for (int c = 0; c < d; c++) {
+                double s = 0;
+                for (int p = 0; p < m; p++) {
+                    size_t j = kvcap_bucket_token(bucket, t, p);
+                    s += (double)maps->u[(size_t)r * m + p] * (v[j * d + c] - mean[c]);
+                }
+                vf[((size_t)t * rv + r) * d + c] = (float)s;
+            }
+    }
+    kvcap_convert_from_f32(storage, hf, (size_t)tiles * h * d, hs);
+    kvcap_convert_from_f32(storage, vf, (size_t)tiles * rv * d, vt);
+    kvcap_convert_from_f32(storage, muf, (size_t)d, mu);
+    free(kr), free(hf), free(vf), free(muf), free(mean);
+    return KVCAP_OK;
+}
+
+/* ---- The fast form --------------------------------------------------------------------------- */
+
+size_t kvcap_capsule_prefill_scratch_floats(const struct kvcap_capsule_prefill_maps *maps, int d)
+{
+    if (!maps || d < 1)
+        return 0;
+    int wide = maps->h > maps->rv ? maps->h : maps->rv;
+    return ((size_t)maps->m + (size_t)wide + 1) * (size_t)d;
+}
+
+enum kvcap_status kvcap_capsule_prefill(const struct kvcap_model_geometry *g,
+                                        const struct kvcap_bucket *bucket,
+                                        const struct kvcap_capsule_prefill_maps *maps, int n,
+                                        int d, int64_t p0, float *k, const float *v,
+                                        enum kvcap_dtype storage, void *hs, void *vt, void *mu,
+                                        float *scratch)
+{
+    KVCAP_TRY(check("kvcap_capsule_prefill", g, bucket, maps, n, d, k, v, storage, hs, vt, mu));
+    KVCAP_RETURN_IF(!scratch, KVCAP_ERR_INVALID_ARGUMENT, "kvcap_capsule_prefill: NULL scratch");
+    const struct kvcap_capsule_prefill_maps *u = maps;
+    const int m = u->m, tiles = n / m;
+    const size_t es = kvcap_dtype_size(storage);
+    float *tile = scratch;                 /* [m][d] */
+    float *out = tile + (size_t)m * d;     /* [max(h, rv)][d] */
+    float *muf = out + (size_t)(u->h > u->rv ? u->h : u->rv) * d; /* [d] */
+    kvcap_rope_rotate(g, k, (size_t)n, (size_t)d, -(double)p0);
+    for (int ch = 0; ch < d; ch++) {
+        double sum = 0;
+        for (int j = 0; j < n; j++)
+            sum += v[(size_t)j * d + ch];
+        muf[ch] = (float)(sum / n);
+    }
+    for (int t = 0; t < tiles; t++) {
+        /* H_t = φ(W1ᵀ K'[M] + b1 1ᵀ): [h][d] */
+        for (int r = 0; r < u->rk; r++)
+            memcpy(tile + (size_t)r * d, k + kvcap_bucket_token(bucket, t, u->mask[r]) * (size_t)d,
+                   sizeof(float) * (size_t)d);
+        for (int i = 0; i < u->h; i++)
+            for (int ch = 0; ch < d; ch++)
+                out[(size_t)i * d + ch] = u->b1[i];
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, u->h, d, u->rk, 1.0f, u->w1, u->h,
+                    tile, d, 1.0f, out, d);
+        if (u->gelu)
+            for (size_t i = 0; i < (size_t)u->h * d; i++)
+                out[i] = kvcap_gelu(out[i]);
+        kvcap_convert_from_f32(storage, out, (size_t)u->h * d,
+                               (char *)hs + (size_t)t * u->h * d * es);
+        /* Ṽ_t = U (V_t − 1μᵀ): [rv][d] */
+        for (int p = 0; p < m; p++) {
+            const float *row = v + kvcap_bucket_token(bucket, t, p) * (size_t)d;
+            for (int ch = 0; ch < d; ch++)
+                tile[(size_t)p * d + ch] = row[ch] - muf[ch];
+        }
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, u->rv, d, m, 1.0f, u->u, m, tile,
+                    d, 0.0f, out, d);
+        kvcap_convert_from_f32(storage, out, (size_t)u->rv * d,
+                               (char *)vt + (size_t)t * u->rv * d * es);
+    }
+    kvcap_convert_from_f32(storage, muf, (size_t)d, mu);
+    return KVCAP_OK;
+}

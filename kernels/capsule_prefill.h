@@ -1,0 +1,50 @@
+/* capsule_prefill.h — KVCapsule at prefill (DESIGN §4), one KV head of one span: the keys are
+ * made offset-free (K' = R(−p0) K), the retained rows of each tile go through the first
+ * reconstructor layer, H_t = φ(W1ᵀ K'[M_t] + b1 1ᵀ), and the centred values through the basis,
+ * Ṽ_t = U (V_t − 1μᵀ), μ the values' mean over the span. Only H, Ṽ and μ are kept: decode
+ * attends over them (kvcap_capsule_attend, kernels/attention.h). The device twin is
+ * kernels/cuda/capsule_prefill.cu; the test, tests/test_capsule_prefill.c. */
+#ifndef KVCAP_CAPSULE_PREFILL_H
+#define KVCAP_CAPSULE_PREFILL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvcap.h"
+
+/* The prefill half of one (layer, KV head, bucket)'s maps, in f32: m points per tile (m = n for
+ * a dense bucket), the rk retained points `mask` of a tile (point indices 0..m−1), the first
+ * reconstructor layer W1 [rk][h] and b1 [h] with φ = GELU (gelu != 0) or the identity, and the
+ * value basis U [rv][m]. */
+struct kvcap_capsule_prefill_maps {
+    int m, rk, h, rv, gelu;
+    const int32_t *mask;
+    const float *w1, *b1, *u;
+};
+
+/* One KV head of a span of n tokens laid on `bucket` (tiles = n / m, token order of
+ * kvcap_bucket_token), head_dim d, starting at position p0 (RoPE by g). k, v: [n][d] f32.
+ * Writes, in `storage` (F32, F16 or BF16): hs [tiles][h][d], vt [tiles][rv][d], mu [d].
+ * KVCAP_ERR_INVALID_ARGUMENT for NULL pointers, sizes that do not fit (n not a multiple of m,
+ * m not the bucket's tile size, a mask point out of range) or a non-storage dtype;
+ * KVCAP_ERR_OUT_OF_MEMORY (the oracle's working memory). Nothing is written on an error. */
+enum kvcap_status kvcap_capsule_prefill_ref(const struct kvcap_model_geometry *g,
+                                            const struct kvcap_bucket *bucket,
+                                            const struct kvcap_capsule_prefill_maps *maps, int n,
+                                            int d, int64_t p0, const float *k, const float *v,
+                                            enum kvcap_dtype storage, void *hs, void *vt,
+                                            void *mu);
+
+/* The same, fast: sgemm per tile, RoPE through kvcap_rope_rotate. `k` is rotated in place
+ * (it holds K' afterwards) and `scratch` holds kvcap_capsule_prefill_scratch_floats() floats. */
+enum kvcap_status kvcap_capsule_prefill(const struct kvcap_model_geometry *g,
+                                        const struct kvcap_bucket *bucket,
+                                        const struct kvcap_capsule_prefill_maps *maps, int n,
+                                        int d, int64_t p0, float *k, const float *v,
+                                        enum kvcap_dtype storage, void *hs, void *vt, void *mu,
+                                        float *scratch);
+
+/* Floats of scratch kvcap_capsule_prefill needs: (m + max(h, rv) + 1) · d. */
+size_t kvcap_capsule_prefill_scratch_floats(const struct kvcap_capsule_prefill_maps *maps, int d);
+
+#endif /* KVCAP_CAPSULE_PREFILL_H */

@@ -1,0 +1,217 @@
+/* test_capsule_prefill.c — KVCapsule's prefill (kernels/capsule_prefill.h): the fast form (an
+ * sgemm per tile, RoPE once per call) against the double oracle on random spans — dense and
+ * tiled buckets, RoPE off, either pairing, a partial rotary dimension and M-RoPE, offsets from
+ * 0 to 4000, GELU and linear φ, every storage dtype — and named errors that write nothing. */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "kernels/capsule_prefill.h"
+#include "common/dtype.h"
+#include "common/rng.h"
+#include "tests/test_numeric.h"
+#include "tests/test_status.h"
+
+/* ‖fast − ref‖ / ‖ref‖ per output tensor. F32: the fast sums run in f32 over at most m = 64
+ * terms of size ~1 (a few ulps × sqrt(terms), ~1e-6) after a rotation whose f32 angles cost
+ * ~1e-6 relative at positions up to ~5000 (tests/test_rope.c), and GELU of an argument off by
+ * that much moves by as much. F16 and BF16 store the results: where the two f32 values
+ * straddle a rounding boundary they land one storage ulp apart (2^-10 and 2^-7 relative), a
+ * bound the norm-wise error cannot exceed. */
+#define PREFILL_F32_TOL 1e-5
+#define PREFILL_F16_TOL 1e-3
+#define PREFILL_BF16_TOL 8e-3
+
+static struct kvcap_model_geometry geometry(enum kvcap_rope_type type,
+                                            enum kvcap_rope_pairing pairing, int d, int rope_dim)
+{
+    struct kvcap_model_geometry g = {.name = "prefill", .n_layers = 1, .n_q_heads = 2,
+                                     .n_kv_heads = 1, .head_dim = d, .rope_type = type,
+                                     .rope_pairing = pairing, .rope_theta = 10000.0,
+                                     .rope_dim = rope_dim};
+    if (type == KVCAP_ROPE_MROPE) {
+        g.n_rope_sections = 3;
+        g.rope_sections[0] = d / 8, g.rope_sections[1] = d / 8;
+        g.rope_sections[2] = d / 2 - d / 4;
+    }
+    return g;
+}
+
+struct maps {
+    struct kvcap_capsule_prefill_maps m;
+    int32_t *mask;
+    float *w1, *b1, *u;
+};
+
+/* Random maps: rk distinct mask points, W1 and U scaled so outputs stay ~1. */
+static struct maps maps_new(struct kvcap_rng *r, int m, int rk, int h, int rv, int gelu)
+{
+    struct maps s;
+    s.mask = malloc(sizeof(int32_t) * (size_t)rk);
+    s.w1 = alloc_f((size_t)rk * h);
+    s.b1 = alloc_f((size_t)h);
+    s.u = alloc_f((size_t)rv * m);
+    int *perm = malloc(sizeof(int) * (size_t)m);
+    for (int p = 0; p < m; p++)
+        perm[p] = p;
+    for (int p = m - 1; p > 0; p--) {
+        int q = (int)kvcap_rng_below(r, (uint64_t)p + 1), t = perm[p];
+        perm[p] = perm[q], perm[q] = t;
+    }
+    for (int i = 0; i < rk; i++)
+        s.mask[i] = perm[i];
+    free(perm);
+    fill_random(r, s.w1, (size_t)rk * h, 0.0, 1.0 / sqrt((double)rk));
+    fill_random(r, s.b1, (size_t)h, 0.0, 0.3);
+    fill_random(r, s.u, (size_t)rv * m, 0.0, 1.0 / sqrt((double)m));
+    s.m = (struct kvcap_capsule_prefill_maps){m, rk, h, rv, gelu, s.mask, s.w1, s.b1, s.u};
+    return s;
+}
+
+static void maps_free(struct maps *s)
+{
+    free(s->mask), free(s->w1), free(s->b1), free(s->u);
+}
+
+static void compare(enum kvcap_dtype dt, const void *got, const void *want, size_t n,
+                    const char *what)
+{
+    float *a = alloc_f(n), *b = alloc_f(n);
+    expect_ok(kvcap_convert_to_f32(dt, got, n, a));
+    expect_ok(kvcap_convert_to_f32(dt, want, n, b));
+    double tol = dt == KVCAP_DTYPE_F32 ? PREFILL_F32_TOL
+                 : dt == KVCAP_DTYPE_F16 ? PREFILL_F16_TOL
+                                         : PREFILL_BF16_TOL;
+    assert_close(a, b, n, tol, what);
+    free(a), free(b);
+}
+
+struct shape {
+    int rows, cols, tile_rows, tile_cols; /* tile 0 x 0: dense */
+    int d, rk, h, rv;
+};
+
+static void run_case(struct kvcap_rng *r, const struct shape *sh,
+                     const struct kvcap_model_geometry *g, int64_t p0, int gelu,
+                     enum kvcap_dtype dt)
+{
+    struct kvcap_bucket b = {sh->rows, sh->cols,
+                             sh->tile_rows ? KVCAP_STRUCTURE_TILED : KVCAP_STRUCTURE_DENSE,
+                             sh->tile_rows, sh->tile_cols};
+    const int n = sh->rows * sh->cols, d = sh->d;
+    const int m = sh->tile_rows ? sh->tile_rows * sh->tile_cols : n, tiles = n / m;
+    struct maps mp = maps_new(r, m, sh->rk, sh->h, sh->rv, gelu);
+    float *k = alloc_f((size_t)n * d), *v = alloc_f((size_t)n * d), *kw = alloc_f((size_t)n * d);
+    fill_random(r, k, (size_t)n * d, 0.0, 1.0);
+    fill_random(r, v, (size_t)n * d, 0.5, 1.0); /* a non-zero mean: μ matters */
+    memcpy(kw, k, sizeof(float) * (size_t)n * d);
+    size_t es = kvcap_dtype_size(dt);
+    size_t nh = (size_t)tiles * sh->h * d, nv = (size_t)tiles * sh->rv * d;
+    unsigned char *hs[2], *vt[2], *mu[2];
+    for (int i = 0; i < 2; i++) {
+        hs[i] = malloc(nh * es), vt[i] = malloc(nv * es), mu[i] = malloc((size_t)d * es);
+    }
+    size_t ns = kvcap_capsule_prefill_scratch_floats(&mp.m, d);
+    float *scratch = alloc_f(ns);
+    expect_ok(kvcap_capsule_prefill_ref(g, &b, &mp.m, n, d, p0, k, v, dt, hs[0], vt[0], mu[0]));
+    expect_ok(kvcap_capsule_prefill(g, &b, &mp.m, n, d, p0, kw, v, dt, hs[1], vt[1], mu[1],
+                                    scratch));
+    char what[160];
+    snprintf(what, sizeof what, "%dx%d tile %dx%d, d %d, rope %d/%d, p0 %lld, gelu %d, %s",
+             sh->rows, sh->cols, sh->tile_rows, sh->tile_cols, d, (int)g->rope_type,
+             (int)g->rope_pairing, (long long)p0, gelu, kvcap_dtype_name(dt));
+    compare(dt, hs[1], hs[0], nh, what);
+    compare(dt, vt[1], vt[0], nv, what);
+    compare(dt, mu[1], mu[0], (size_t)d, what);
+    for (int i = 0; i < 2; i++)
+        free(hs[i]), free(vt[i]), free(mu[i]);
+    free(k), free(v), free(kw), free(scratch);
+    maps_free(&mp);
+}
+
+static void test_fast_matches_ref(void **state)
+{
+    (void)state;
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 31);
+    static const struct shape shapes[] = {
+        {4, 6, 0, 0, 32, 6, 5, 4},     /* dense: one tile of 24 points */
+        {8, 8, 4, 4, 64, 6, 6, 6},     /* tiled 4x4: 4 tiles of 16 points */
+        {6, 4, 2, 2, 24, 2, 3, 1},     /* tiny tiles, h > rk */
+        {8, 8, 0, 0, 16, 16, 16, 16},  /* dense 64 points, every map as wide as allowed */
+    };
+    static const enum kvcap_dtype dts[] = {KVCAP_DTYPE_F32, KVCAP_DTYPE_F16, KVCAP_DTYPE_BF16};
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        int d = shapes[s].d;
+        const struct kvcap_model_geometry gs[] = {
+            geometry(KVCAP_ROPE_NONE, KVCAP_ROPE_PAIRING_HALF, d, 0),
+            geometry(KVCAP_ROPE_ROPE, KVCAP_ROPE_PAIRING_HALF, d, 0),
+            geometry(KVCAP_ROPE_ROPE, KVCAP_ROPE_PAIRING_ADJACENT, d, d / 2), /* partial */
+            geometry(KVCAP_ROPE_MROPE, KVCAP_ROPE_PAIRING_HALF, d, 0),
+        };
+        for (size_t gi = 0; gi < sizeof gs / sizeof gs[0]; gi++)
+            for (size_t t = 0; t < 3; t++) {
+                static const int64_t p0s[] = {0, 37, 4000};
+                run_case(&r, &shapes[s], &gs[gi], p0s[(gi + t) % 3], (int)((s + t) % 2),
+                         dts[t]);
+            }
+    }
+}
+
+/* Bad arguments are named and nothing is written. */
+static void test_errors(void **state)
+{
+    (void)state;
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 5);
+    struct kvcap_model_geometry g = geometry(KVCAP_ROPE_ROPE, KVCAP_ROPE_PAIRING_HALF, 8, 0);
+    struct kvcap_bucket b = {4, 4, KVCAP_STRUCTURE_TILED, 2, 2};
+    struct maps mp = maps_new(&r, 4, 2, 3, 2, 1);
+    float k[16 * 8], v[16 * 8], out[64], scratch[128];
+    fill_random(&r, k, 16 * 8, 0, 1);
+    fill_random(&r, v, 16 * 8, 0, 1);
+    for (int i = 0; i < 64; i++)
+        out[i] = NAN;
+    struct kvcap_capsule_prefill_maps bad = mp.m;
+    expect_error(kvcap_capsule_prefill_ref(&g, &b, &mp.m, 15, 8, 0, k, v, KVCAP_DTYPE_F32, out,
+                                           out, out),
+                 KVCAP_ERR_INVALID_ARGUMENT, "15 tokens", "4x4 grid");
+    bad.m = 16;
+    expect_error(kvcap_capsule_prefill(&g, &b, &bad, 16, 8, 0, k, v, KVCAP_DTYPE_F32, out, out,
+                                       out, scratch),
+                 KVCAP_ERR_INVALID_ARGUMENT, "maps of 16 points", "tiles of 4");
+    int32_t far[2] = {1, 4};
+    bad = mp.m;
+    bad.mask = far;
+    expect_error(kvcap_capsule_prefill_ref(&g, &b, &bad, 16, 8, 0, k, v, KVCAP_DTYPE_F16, out,
+                                           out, out),
+                 KVCAP_ERR_INVALID_ARGUMENT, "mask[1] = 4", NULL);
+    expect_error(kvcap_capsule_prefill(&g, &b, &mp.m, 16, 8, 0, k, v, KVCAP_DTYPE_F64, out, out,
+                                       out, scratch),
+                 KVCAP_ERR_INVALID_ARGUMENT, "F64", NULL);
+    expect_error(kvcap_capsule_prefill(&g, &b, &mp.m, 16, 8, 0, k, v, KVCAP_DTYPE_F32, out, out,
+                                       out, NULL),
+                 KVCAP_ERR_INVALID_ARGUMENT, "scratch", NULL);
+    expect_error(kvcap_capsule_prefill_ref(&g, &b, NULL, 16, 8, 0, k, v, KVCAP_DTYPE_F32, out,
+                                           out, out),
+                 KVCAP_ERR_INVALID_ARGUMENT, "NULL", NULL);
+    for (int i = 0; i < 64; i++)
+        assert_true(isnan(out[i]));
+    maps_free(&mp);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_fast_matches_ref),
+        cmocka_unit_test(test_errors),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
