@@ -506,3 +506,11 @@ enum kvcap_status kvcap_make_dirs(const char *dir)
                     "%s: not a folder", dir);
     return KVCAP_OK;
 }
+
+#ifndef KVCAP_WITH_CUDA
+/* A build without CUDA has no devices (kernels/cuda/device.cu answers in a CUDA build). */
+int kvcap_cuda_device_count(void)
+{
+    return 0;
+}
+#endif

@@ -2,9 +2,8 @@
  * KVCAP_MEMORY_CUDA): memory and copies, the kernels that store rows at prefill and append,
  * the KVCapsule state computed from device K/V, and the two small decode kernels around the
  * attention calls of kernels/cuda/attention_cuda.h (query preparation, merge of per-unit
- * partials into the output). runtime/cache_device.c drives them; runtime/cache_cuda.cu
- * implements them and runtime/cache_cuda_stub.c answers KVCAP_ERR_UNSUPPORTED in a build
- * without CUDA.
+ * partials into the output). runtime/cache_device.c (the device store) drives them;
+ * runtime/cache_cuda.cu implements them. Built only with CUDA.
  *
  * Every call makes ctx->device current for its duration (restoring the caller's device) and
  * enqueues on ctx->stream (a cudaStream_t; NULL: the legacy default stream). Only the calls

@@ -1,4 +1,4 @@
-/* cache_device.c — a cache kept in CUDA device memory (params.memory = KVCAP_MEMORY_CUDA): the
+/* cache_device.c — the CUDA device store (store.h; params.memory = KVCAP_MEMORY_CUDA): the
  * same segments as a host cache (plain rows [kv_heads][cap][d], KVCapsule H, Ṽ, μ) allocated on
  * the device and filled there, and decode steps that only enqueue work on the cache's stream.
  *
@@ -165,7 +165,7 @@ static enum kvcap_status check_capsule_limits(const struct kvcap_cache *c)
     return KVCAP_OK;
 }
 
-enum kvcap_status kvcap_device_create(struct kvcap_cache *c, int device)
+static enum kvcap_status device_create(struct kvcap_cache *c, int device)
 {
     struct kvcap_device *dv = calloc(1, sizeof *dv);
     KVCAP_RETURN_IF(!dv, KVCAP_ERR_OUT_OF_MEMORY, "device cache: out of memory");
@@ -192,7 +192,7 @@ enum kvcap_status kvcap_device_create(struct kvcap_cache *c, int device)
     return kvcap_dev_upload_sync(&dv->ctx, dv->overflow, &zero, sizeof zero);
 }
 
-void kvcap_device_free(struct kvcap_cache *c)
+static void device_free(struct kvcap_cache *c)
 {
     struct kvcap_device *dv = c->dev;
     if (!dv)
@@ -211,17 +211,17 @@ void kvcap_device_free(struct kvcap_cache *c)
     c->dev = NULL;
 }
 
-void kvcap_device_set_stream(struct kvcap_cache *c, void *stream)
+static void device_set_stream(struct kvcap_cache *c, void *stream)
 {
     c->dev->ctx.stream = stream;
 }
 
-void kvcap_device_layer_changed(struct kvcap_cache *c, int layer)
+static void device_layer_changed(struct kvcap_cache *c, int layer)
 {
     c->dev->layers[layer].dirty = 1;
 }
 
-void kvcap_device_segment_free(struct kvcap_segment *seg)
+static void device_segment_free(struct kvcap_segment *seg)
 {
     int dev = seg->dev - 1;
     kvcap_dev_free(dev, seg->k), kvcap_dev_free(dev, seg->v), kvcap_dev_free(dev, seg->hs);
@@ -302,9 +302,9 @@ static enum kvcap_status alloc_rows(struct kvcap_cache *c, int cap, void **k, vo
     return st;
 }
 
-enum kvcap_status kvcap_device_fill(struct kvcap_cache *c, struct kvcap_segment *seg,
-                                    const struct kvcap_tensor_view *k,
-                                    const struct kvcap_tensor_view *v, const int *tokens, int n)
+static enum kvcap_status device_fill(struct kvcap_cache *c, struct kvcap_segment *seg,
+                                     const struct kvcap_tensor_view *k,
+                                     const struct kvcap_tensor_view *v, const int *tokens, int n)
 {
     int cap = n > 0 ? n : 1;
     seg->dev = 1 + c->dev->ctx.device;
@@ -324,10 +324,10 @@ enum kvcap_status kvcap_device_fill(struct kvcap_cache *c, struct kvcap_segment 
     return KVCAP_OK;
 }
 
-enum kvcap_status kvcap_device_capsule_prefill(struct kvcap_cache *c, int layer,
-                                               struct kvcap_segment *seg,
-                                               const struct kvcap_tensor_view *k,
-                                               const struct kvcap_tensor_view *v)
+static enum kvcap_status device_capsule_prefill(struct kvcap_cache *c, int layer,
+                                                struct kvcap_segment *seg,
+                                                const struct kvcap_tensor_view *k,
+                                                const struct kvcap_tensor_view *v)
 {
     const struct kvcap_artifact *a = c->artifact;
     const struct kvcap_bucket *bk = &a->buckets[seg->bucket];
@@ -366,7 +366,7 @@ enum kvcap_status kvcap_device_capsule_prefill(struct kvcap_cache *c, int layer,
 
 /* Generated rows: room for `cap` rows, keeping the rows held. Waits for the stream (the old
  * rows are copied on it, then freed). */
-enum kvcap_status kvcap_device_reserve(struct kvcap_cache *c, struct kvcap_segment *seg, int cap)
+static enum kvcap_status device_reserve(struct kvcap_cache *c, struct kvcap_segment *seg, int cap)
 {
     if (cap <= seg->cap)
         return KVCAP_OK;
@@ -615,15 +615,15 @@ static enum kvcap_status ensure_built(struct kvcap_cache *c, int layer, const ch
 
 /* ---- Decode ------------------------------------------------------------------------------- */
 
-enum kvcap_status kvcap_device_append(struct kvcap_cache *c, int seq, int layer,
-                                      const struct kvcap_tensor_view *k,
-                                      const struct kvcap_tensor_view *v, int grow_to)
+static enum kvcap_status device_append(struct kvcap_cache *c, int seq, int layer,
+                                       const struct kvcap_tensor_view *k,
+                                       const struct kvcap_tensor_view *v, int grow_to)
 {
     struct kvcap_device *dv = c->dev;
     struct kvcap_segment *gen = &kvcap_cache_seq_layer(c, seq, layer)->gen;
     if (grow_to > 0) {
         KVCAP_TRY(refuse_in_capture(c, "the generated rows are full and must grow", layer));
-        KVCAP_TRY(kvcap_device_reserve(c, gen, grow_to));
+        KVCAP_TRY(device_reserve(c, gen, grow_to));
         dv->layers[layer].dirty = 1;
     }
     KVCAP_TRY(ensure_built(c, layer, "the layer's descriptors must be rebuilt (spans added or "
@@ -666,8 +666,8 @@ static void read_bytes(const struct kvcap_cache *c, int layer, uint64_t *bytes, 
     *maps = m_all;
 }
 
-enum kvcap_status kvcap_device_attend(struct kvcap_cache *c, int layer, const float *q, float *out,
-                                      float *lse)
+static enum kvcap_status device_attend(struct kvcap_cache *c, int layer, const float *q, float *out,
+                                       float *lse)
 {
     struct kvcap_device *dv = c->dev;
     KVCAP_TRY(ensure_built(c, layer, "the layer's descriptors must be rebuilt (spans added or "
@@ -702,7 +702,7 @@ enum kvcap_status kvcap_device_attend(struct kvcap_cache *c, int layer, const fl
 
 /* ---- Host bookkeeping after replays -------------------------------------------------------- */
 
-enum kvcap_status kvcap_device_sync(struct kvcap_cache *c)
+static enum kvcap_status device_sync(struct kvcap_cache *c)
 {
     struct kvcap_device *dv = c->dev;
     KVCAP_TRY(kvcap_dev_sync(&dv->ctx));
@@ -743,3 +743,96 @@ enum kvcap_status kvcap_device_sync(struct kvcap_cache *c)
     }
     return st;
 }
+
+/* ---- The store (store.h) ---------------------------------------------------------------------- */
+
+/* What a device cache (params.memory = KVCAP_MEMORY_CUDA) can serve, checked once the runtime
+ * config is loaded; the device itself last, so every other error is reported without one. */
+static enum kvcap_status device_supports(const struct kvcap_cache *c,
+                                         const struct kvcap_cache_params *p)
+{
+    static const char *const kinds[3] = {"vision", "text", "generated"};
+    for (int k = 0; k < 3; k++) {
+        enum kvcap_policy pol = c->cfg.policy[k];
+        KVCAP_RETURN_IF(pol != KVCAP_POLICY_FULL && pol != KVCAP_POLICY_STREAMING &&
+                            pol != KVCAP_POLICY_KVCAPSULE,
+                        KVCAP_ERR_UNSUPPORTED,
+                        "runtime config: policies.%s is '%s', which a device cache "
+                        "(params.memory = KVCAP_MEMORY_CUDA) does not offer (full, streaming, "
+                        "kvcapsule)",
+                        kinds[k], kvcap_policy_name(pol));
+    }
+    /* The fallback serves kvcapsule's spans without a bucket: it matters only with kvcapsule
+     * (its default, flashcache, must then be overridden in the config). */
+    enum kvcap_policy fb = c->cfg.fallback;
+    KVCAP_RETURN_IF(c->cfg.policy[KVCAP_SPAN_VISION] == KVCAP_POLICY_KVCAPSULE &&
+                        fb != KVCAP_FALLBACK_NONE && fb != KVCAP_POLICY_FULL &&
+                        fb != KVCAP_POLICY_STREAMING,
+                    KVCAP_ERR_UNSUPPORTED,
+                    "runtime config: fallback is '%s', which a device cache (params.memory = "
+                    "KVCAP_MEMORY_CUDA) does not offer (full, streaming or none)",
+                    kvcap_policy_name(fb));
+    int G = c->g.n_q_heads / c->g.n_kv_heads, d = c->g.head_dim;
+    KVCAP_RETURN_IF(G > KVCAP_CUDA_ATTN_MAX_NQ || d % 8 != 0 || d < KVCAP_CUDA_ATTN_MIN_D ||
+                        d > KVCAP_CUDA_ATTN_MAX_D,
+                    KVCAP_ERR_UNSUPPORTED,
+                    "params.model: G = %d query heads per KV head and head_dim %d; the device "
+                    "kernels serve G <= %d and head_dim a multiple of 8 in %d..%d",
+                    G, d, KVCAP_CUDA_ATTN_MAX_NQ, KVCAP_CUDA_ATTN_MIN_D, KVCAP_CUDA_ATTN_MAX_D);
+    KVCAP_RETURN_IF(c->n_seqs > 65535, KVCAP_ERR_UNSUPPORTED,
+                    "params.n_seqs: %d; a device cache serves at most 65535 sequences", c->n_seqs);
+    int n = kvcap_cuda_device_count();
+    KVCAP_RETURN_IF(n == 0, KVCAP_ERR_UNSUPPORTED,
+                    "params.memory: KVCAP_MEMORY_CUDA needs a CUDA device and none is visible");
+    KVCAP_RETURN_IF(p->cuda_device < 0 || p->cuda_device >= n, KVCAP_ERR_INVALID_ARGUMENT,
+                    "params.cuda_device: %d is outside 0..%d", p->cuda_device, n - 1);
+    return KVCAP_OK;
+}
+
+static int device_offers(enum kvcap_policy p)
+{
+    return p == KVCAP_POLICY_FULL || p == KVCAP_POLICY_STREAMING || p == KVCAP_POLICY_KVCAPSULE;
+}
+
+static enum kvcap_status device_create_store(struct kvcap_cache *c,
+                                             const struct kvcap_cache_params *p)
+{
+    return device_create(c, p->cuda_device);
+}
+
+/* One generated token of (seq, layer): enqueued; the host advances its count of rows. */
+static enum kvcap_status device_append_token(struct kvcap_cache *c, int seq, int layer,
+                                             const struct kvcap_tensor_view *k,
+                                             const struct kvcap_tensor_view *v)
+{
+    struct kvcap_segment *gen = &kvcap_cache_seq_layer(c, seq, layer)->gen;
+    int grow_to, row = kvcap_segment_gen_row(c, gen, &grow_to);
+    KVCAP_TRY(device_append(c, seq, layer, k, v, grow_to));
+    if (row == gen->n_rows)
+        gen->n_rows++;
+    return KVCAP_OK;
+}
+
+static enum kvcap_status device_stream(struct kvcap_cache *c, void *stream)
+{
+    device_set_stream(c, stream);
+    return KVCAP_OK;
+}
+
+const struct kvcap_store_i kvcap_store_cuda = {
+    .name = "cuda",
+    .host_memory = 0,
+    .offers = device_offers,
+    .supports = device_supports,
+    .create = device_create_store,
+    .free = device_free,
+    .reserve = device_reserve,
+    .fill = device_fill,
+    .capsule_prefill = device_capsule_prefill,
+    .segment_free = device_segment_free,
+    .layer_changed = device_layer_changed,
+    .append = device_append_token,
+    .attend = device_attend,
+    .set_stream = device_stream,
+    .sync = device_sync,
+};

@@ -1,94 +1,17 @@
-/* cache_internal.h — the cache's data structures and the policy interface. A policy turns one
- * prefill span of one layer (all KV heads) into a segment, and may finish it once every layer
- * of the span is in (cross-layer budgets). At decode the cache attends over three shapes of
- * state: plain rows (full, streaming, flashcache, vlcache), KVCapsule compressed state, and
- * the FreeKV paged store of the sequence-layer. New policies plug in here (one file each:
- * policy_<name>.c). */
+/* cache_internal.h — the policy interface and the helpers policies and stores share (views:
+ * view.c; segments: segment.c). A policy turns one prefill span of one layer (all KV heads)
+ * into a segment, and may finish it once every layer of the span is in (cross-layer budgets).
+ * At decode the store attends over three shapes of state: plain rows (full, streaming,
+ * flashcache, vlcache), KVCapsule compressed state, and the FreeKV paged store of the
+ * sequence-layer. New policies plug in here (one file each: policy_<name>.c); the data model is
+ * cache_state.h, the stores' interface store.h. */
 #ifndef KVCAP_CACHE_INTERNAL_H
 #define KVCAP_CACHE_INTERNAL_H
 
 #include <stdint.h>
 
-#include "runtime/artifact.h"
-#include "kernels/attention.h"
-#include "configs/config.h"
-#include "runtime/freekv.h"
-#include "common/internal.h"
-
-/* The stored state of one span at one layer, all KV heads. */
-struct kvcap_segment {
-    enum kvcap_span_kind kind;
-    enum kvcap_policy policy;
-    int n_tokens, rows, cols, p0; /* the span as the engine described it */
-    /* plain rows: [kv_heads][cap][head_dim] in the storage dtype, n_rows kept */
-    void *k, *v;
-    int n_rows, cap;
-    /* Prefill done, finish (cross-layer compression) not yet: the rows are all n_tokens,
-     * and `score` ([kv_heads][n_tokens] f32, policy-defined, may be NULL) and `weight` (the
-     * layer's share) wait for kvcap_cache_end_prefill. */
-    int pending;
-    float *score;
-    double weight;
-    int64_t seen; /* generated tail: tokens appended so far (streaming keeps a ring) */
-    /* KVCapsule: [kv_heads][tiles][h][d], [kv_heads][tiles][rv][d], [kv_heads][d] */
-    int bucket, tiles, h, rv;
-    void *hs, *vt, *mu;
-    int dev; /* 1 + the CUDA device holding k, v, hs, vt, mu; 0: host memory */
-};
-
-struct kvcap_seq_layer {
-    struct kvcap_segment *segs;
-    int n_segs, cap_segs;
-    struct kvcap_segment gen; /* generated tokens (no rows when their policy is freekv) */
-    /* Post-vision queries (kvcap_cache_add_post_queries), token-major [n_post][q_heads][d]. */
-    float *post_q;
-    int n_post;
-    /* Every token routed to FreeKV (spans and generated), in order; NULL when none. */
-    struct kvcap_freekv *freekv;
-    int64_t freekv_tokens_by_kind[3];
-};
-
-struct kvcap_recorder;
-struct kvcap_pool;
-
-/* Per-thread scratch of attend, grown before each parallel region. */
-struct kvcap_thread_scratch {
-    float *qrot;    /* offset-free queries of the spans of one bucket: [spans][G][d] */
-    struct kvcap_capsule_span *spans;
-    float *work;    /* kvcap_capsule_attend scratch */
-    size_t qrot_cap, spans_cap, work_cap;
-};
-
-struct kvcap_cache {
-    struct kvcap_model_geometry g;
-    int n_seqs, threads;
-    enum kvcap_dtype storage;
-    const struct kvcap_artifact *artifact;
-    struct kvcap_runtime_config cfg;
-    struct kvcap_seq_layer *layers; /* [n_seqs][n_layers] */
-    struct kvcap_thread_scratch *scratch; /* [threads] */
-    /* attend's partial results, [KV head][part][sequence] of (mx[G], sum[G], o[G][d]): each KV
-     * head's rows are cut into `parts` slices so that all threads have work at batch 1 */
-    float *parts;
-    size_t parts_cap;
-    int n_parts;
-    struct kvcap_recorder *recorder;      /* record mode, else NULL */
-    struct kvcap_pool *pool;              /* threads of attend, unless the engine's: */
-    kvcap_parallel_for_fn parallel_for;
-    void *parallel_user;
-    struct kvcap_freekv_worker *freekv_worker; /* started with the first FreeKV state */
-    int64_t tokens_by_kind[3], spans_fallback;
-    uint64_t last_read, last_map_read;
-    double compress_seconds;
-    int reserve_tokens;       /* params.reserve_tokens */
-    struct kvcap_device *dev; /* device caches (cache_device.c), else NULL */
-};
-
-static inline struct kvcap_seq_layer *kvcap_cache_seq_layer(const struct kvcap_cache *c, int seq,
-                                                            int layer)
-{
-    return &c->layers[(size_t)seq * c->g.n_layers + (size_t)layer];
-}
+#include "runtime/cache_state.h"
+#include "runtime/record.h"
 
 /* What a policy does with a prefill span. */
 struct kvcap_policy_impl {
@@ -121,9 +44,12 @@ void kvcap_view_read(const struct kvcap_tensor_view *v, int head, int t0, int n,
 enum kvcap_status kvcap_view_check(const struct kvcap_tensor_view *v, const char *what, int heads,
                                    int n, int d);
 
+/* KVCAP_ERR_NUMERIC naming `what` and where, for a NaN or Inf among n tokens of a host view. */
+enum kvcap_status kvcap_view_check_finite(const struct kvcap_tensor_view *v, const char *what,
+                                          int heads, int n, int d);
+
 /* Plain-row storage of a segment: (re)allocates room for `cap` rows per head, keeping rows. */
-enum kvcap_status kvcap_segment_reserve(const struct kvcap_cache *c, struct kvcap_segment *seg,
-                                        int cap);
+enum kvcap_status kvcap_segment_reserve(struct kvcap_cache *c, struct kvcap_segment *seg, int cap);
 /* Stores f32 rows ([n][d]) as rows [r0, r0+n) of head h. */
 void kvcap_segment_store(const struct kvcap_cache *c, struct kvcap_segment *seg, int head, int r0,
                          int n, const float *k, const float *v);
@@ -163,59 +89,12 @@ enum kvcap_status kvcap_cache_freekv(struct kvcap_cache *c, struct kvcap_seq_lay
 /* Runs fn(ctx, task, thread) for every task on the engine's threads (params.parallel_for) or
  * on the cache's pool; returns when all are done. */
 void kvcap_cache_parallel(struct kvcap_cache *c, int n_tasks, kvcap_task_fn fn, void *ctx);
-void kvcap_segment_release(struct kvcap_segment *seg);
+/* Frees a segment's stored state through the cache's store (not the struct). */
+void kvcap_segment_release(const struct kvcap_cache *c, struct kvcap_segment *seg);
+
+/* Row of the next generated token; *grow_to > 0 when the rows must first grow to that many. */
+int kvcap_segment_gen_row(const struct kvcap_cache *c, const struct kvcap_segment *gen,
+                          int *grow_to);
 uint64_t kvcap_segment_bytes(const struct kvcap_cache *c, const struct kvcap_segment *seg);
-
-/* ---- Device caches (cache_device.c) ------------------------------------------------------ */
-/* A cache with params.memory = KVCAP_MEMORY_CUDA: its segments hold device memory (seg->dev)
- * and cache.c hands the calls below the work a host cache does itself. */
-
-struct kvcap_device;
-/* Device state for `device` (validated): uploads the artifact's maps. Freed by
- * kvcap_device_free also on failure. */
-enum kvcap_status kvcap_device_create(struct kvcap_cache *c, int device);
-void kvcap_device_free(struct kvcap_cache *c);
-void kvcap_device_set_stream(struct kvcap_cache *c, void *stream);
-/* The segments of `layer` changed: its decode descriptors are rebuilt before the next step. */
-void kvcap_device_layer_changed(struct kvcap_cache *c, int layer);
-void kvcap_device_segment_free(struct kvcap_segment *seg);
-/* kvcap_segment_fill, kvcap_segment_reserve and the KVCapsule prefill on the device. */
-enum kvcap_status kvcap_device_fill(struct kvcap_cache *c, struct kvcap_segment *seg,
-                                    const struct kvcap_tensor_view *k,
-                                    const struct kvcap_tensor_view *v, const int *tokens, int n);
-enum kvcap_status kvcap_device_reserve(struct kvcap_cache *c, struct kvcap_segment *seg, int cap);
-enum kvcap_status kvcap_device_capsule_prefill(struct kvcap_cache *c, int layer,
-                                               struct kvcap_segment *seg,
-                                               const struct kvcap_tensor_view *k,
-                                               const struct kvcap_tensor_view *v);
-/* Enqueues one generated token of (seq, layer), growing the generated rows to `grow_to` rows
- * first when > 0; the caller advances the host's counts. */
-enum kvcap_status kvcap_device_append(struct kvcap_cache *c, int seq, int layer,
-                                      const struct kvcap_tensor_view *k,
-                                      const struct kvcap_tensor_view *v, int grow_to);
-/* Enqueues the attention of `layer` and sets c->last_read, c->last_map_read. */
-enum kvcap_status kvcap_device_attend(struct kvcap_cache *c, int layer, const float *q, float *out,
-                                      float *lse);
-enum kvcap_status kvcap_device_sync(struct kvcap_cache *c);
-
-/* ---- Record mode (record.c) -------------------------------------------------------------- */
-enum kvcap_status kvcap_recorder_create(const struct kvcap_model_geometry *g, int n_seqs,
-                                        const char *dir, struct kvcap_recorder **out);
-void kvcap_recorder_free(struct kvcap_recorder *r); /* writes pending spans first */
-/* Span number `index` of `seq` (its position among the sequence's spans, as the cache counts
- * them) at `layer`. Refuses a grid the dataset format cannot hold (kvcap_dataset_check_grid). */
-enum kvcap_status kvcap_recorder_span(struct kvcap_recorder *r, int seq, int layer, int index,
-                                      const struct kvcap_span_desc *span,
-                                      const struct kvcap_tensor_view *k,
-                                      const struct kvcap_tensor_view *v);
-enum kvcap_status kvcap_recorder_post_queries(struct kvcap_recorder *r, int seq, int layer,
-                                              const float *q, int n);
-enum kvcap_status kvcap_recorder_decode_queries(struct kvcap_recorder *r, int layer,
-                                                const float *q);
-/* The prefill of `seq` ended (kvcap_cache_end_prefill succeeded): its spans are complete and
- * may be written. */
-void kvcap_recorder_end_prefill(struct kvcap_recorder *r, int seq);
-/* Writes the spans of every sequence whose prefill has ended; keeps the others. */
-enum kvcap_status kvcap_recorder_flush(struct kvcap_recorder *r);
 
 #endif

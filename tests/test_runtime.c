@@ -655,6 +655,16 @@ static void test_invalid_calls_leave_cache_usable(void **state)
     expect_status(kvcap_cache_create(&p, &bad), KVCAP_ERR_INVALID_ARGUMENT, "params.record_dir");
     assert_null(bad);
 
+    /* device memory where no device can serve it (a build without CUDA, or no device): refused,
+     * naming params.memory */
+    if (kvcap_cuda_device_count() == 0) {
+        kvcap_cache_default_params(&p);
+        p.model = g;
+        p.memory = KVCAP_MEMORY_CUDA;
+        expect_status(kvcap_cache_create(&p, &bad), KVCAP_ERR_UNSUPPORTED, "params.memory");
+        assert_null(bad);
+    }
+
     struct kvcap_cache *c = make_cache(&g, 1, KVCAP_DTYPE_F16, a, NULL);
     static float kv[2 * 2 * 16 * 64];
     struct kvcap_tensor_view k = hnd(kv, 16, 64), v = hnd(kv + 2 * 16 * 64, 16, 64);

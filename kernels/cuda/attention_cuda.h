@@ -1,8 +1,7 @@
 /* attention_cuda.h — decode attention on a CUDA device (kernels/cuda/attention.cu): plain K/V
  * rows by flash-decoding and the fused KVCapsule path (DESIGN §4), with partial results in the
  * layout of struct kvcap_partial, so CPU and GPU partials mean the same and merge the same way.
- * Builds without CUDA link kernels/cuda/attention_stub.c instead, which answers
- * KVCAP_ERR_UNSUPPORTED to every call.
+ * Built only with CUDA; the CPU oracles are kernels/attention.h.
  *
  * Conventions of every function here:
  *  - Pointers marked "device" are CUDA device (or managed) memory; everything else is host

@@ -14,8 +14,8 @@
  *  - Outputs are written (not accumulated), every element of them, in a deterministic order:
  *    the same inputs give the same bits.
  *  - Statuses: KVCAP_ERR_INVALID_ARGUMENT naming the argument, checked before anything is
- *    enqueued (nothing is written then); KVCAP_ERR_UNSUPPORTED for a build without CUDA, no
- *    device, or libcufft missing; KVCAP_ERR_DEVICE naming the CUDA or cuFFT call that failed
+ *    enqueued (nothing is written then); KVCAP_ERR_UNSUPPORTED for no device, or libcufft
+ *    missing; KVCAP_ERR_DEVICE naming the CUDA or cuFFT call that failed
  *    (KVCAP_ERR_OUT_OF_MEMORY when that failure was an allocation). A launch error is caught at
  *    the launch; a fault inside a kernel surfaces at the caller's next synchronisation, as for
  *    any asynchronous CUDA work. Nothing here prints or exits.

@@ -1,0 +1,138 @@
+/* segment.c — a segment's plain rows (reserve, store, fill through the cache's store), the
+ * eviction FlashCache and VL-Cache share (keep the top rows, commit), the generated tail's next
+ * row, release and bytes. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/select.h"
+#include "runtime/cache_internal.h"
+
+enum kvcap_status kvcap_segment_reserve(struct kvcap_cache *c, struct kvcap_segment *seg, int cap)
+{
+    if (cap <= seg->cap)
+        return KVCAP_OK;
+    return c->store->reserve(c, seg, cap);
+}
+
+
+void kvcap_segment_store(const struct kvcap_cache *c, struct kvcap_segment *seg, int head, int r0,
+                         int n, const float *k, const float *v)
+{
+    size_t d = (size_t)c->g.head_dim, es = kvcap_dtype_size(c->storage);
+    size_t off = ((size_t)head * (size_t)seg->cap + (size_t)r0) * d * es;
+    kvcap_convert_from_f32(c->storage, k, (size_t)n * d, (char *)seg->k + off);
+    kvcap_convert_from_f32(c->storage, v, (size_t)n * d, (char *)seg->v + off);
+}
+
+enum kvcap_status kvcap_segment_fill(struct kvcap_cache *c, struct kvcap_segment *seg,
+                                     const struct kvcap_tensor_view *k,
+                                     const struct kvcap_tensor_view *v, const int *tokens, int n)
+{
+    return c->store->fill(c, seg, k, v, tokens, n);
+}
+
+/* Copies, for each head h, the rows keep[h][0..n_keep) (ascending) of seg into a new allocation
+ * of exactly n_keep rows. keep: [kv_heads][n_keep]. */
+static enum kvcap_status copy_kept(const struct kvcap_cache *c, const struct kvcap_segment *seg,
+                                   const int *keep, int n_keep, struct kvcap_kept_rows *out)
+{
+    size_t d = (size_t)c->g.head_dim, H = (size_t)c->g.n_kv_heads;
+    size_t es = kvcap_dtype_size(c->storage), row = d * es;
+    size_t cap = n_keep > 0 ? (size_t)n_keep : 1;
+    char *k = malloc(H * cap * row), *v = malloc(H * cap * row);
+    if (!k || !v) {
+        free(k), free(v);
+        return kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "cache: out of memory compacting a span");
+    }
+    for (size_t h = 0; h < H; h++)
+        for (int i = 0; i < n_keep; i++) {
+            size_t from = (h * (size_t)seg->cap + (size_t)keep[h * (size_t)n_keep + i]) * row;
+            memcpy(k + (h * cap + (size_t)i) * row, (const char *)seg->k + from, row);
+            memcpy(v + (h * cap + (size_t)i) * row, (const char *)seg->v + from, row);
+        }
+    *out = (struct kvcap_kept_rows){k, v, n_keep, (int)cap};
+    return KVCAP_OK;
+}
+
+void kvcap_segment_commit(struct kvcap_segment *seg, struct kvcap_kept_rows *kept)
+{
+    free(seg->k), free(seg->v);
+    seg->k = kept->k;
+    seg->v = kept->v;
+    seg->cap = kept->cap;
+    seg->n_rows = kept->n_keep;
+    *kept = (struct kvcap_kept_rows){0};
+}
+
+void kvcap_kept_rows_free(struct kvcap_kept_rows *kept)
+{
+    if (!kept)
+        return;
+    free(kept->k), free(kept->v);
+    *kept = (struct kvcap_kept_rows){0};
+}
+
+enum kvcap_status kvcap_segment_keep_top(const struct kvcap_cache *c,
+                                         const struct kvcap_segment *seg, const float *score,
+                                         size_t head_stride, int lo, int hi, int budget,
+                                         struct kvcap_kept_rows *out)
+{
+    int H = c->g.n_kv_heads, n = seg->n_rows;
+    budget = budget < 0 ? 0 : (budget > hi - lo ? hi - lo : budget);
+    int kept = lo + budget + (n - hi);
+    int *keep = malloc(sizeof(int) * ((size_t)H * kept + (size_t)(hi - lo) + 1));
+    KVCAP_RETURN_IF(!keep, KVCAP_ERR_OUT_OF_MEMORY, "cache: out of memory evicting a span");
+    int *work = keep + (size_t)H * kept;
+    for (int h = 0; h < H; h++) {
+        int *kh = keep + (size_t)h * kept, at = 0;
+        for (int j = 0; j < lo; j++)
+            kh[at++] = j;
+        int got = kvcap_topk_indices(score + (size_t)h * head_stride, hi - lo, budget, kh + at,
+                                     work);
+        for (int i = 0; i < got; i++)
+            kh[at + i] += lo;
+        at += got;
+        for (int j = hi; j < n; j++)
+            kh[at++] = j;
+    }
+    enum kvcap_status st = copy_kept(c, seg, keep, kept, out);
+    free(keep);
+    return st;
+}
+
+void kvcap_segment_release(const struct kvcap_cache *c, struct kvcap_segment *seg)
+{
+    c->store->segment_free(seg);
+    free(seg->score);
+    seg->k = seg->v = seg->hs = seg->vt = seg->mu = NULL;
+    seg->score = NULL;
+    seg->n_rows = seg->cap = 0;
+}
+
+uint64_t kvcap_segment_bytes(const struct kvcap_cache *c, const struct kvcap_segment *seg)
+{
+    uint64_t H = (uint64_t)c->g.n_kv_heads, d = (uint64_t)c->g.head_dim;
+    uint64_t es = kvcap_dtype_size(c->storage);
+    if (seg->policy == KVCAP_POLICY_KVCAPSULE && seg->hs)
+        return H * ((uint64_t)seg->tiles * (uint64_t)(seg->h + seg->rv) * d + d) * es;
+    return H * 2 * (uint64_t)seg->cap * d * es; /* what is allocated, not only used */
+}
+
+/* Row of the next generated token; *grow_to > 0 when the rows must first grow to that many:
+ * params.reserve_tokens (64 when 0; streaming needs no more than its ring) the first time, then
+ * twice as many. Streaming keeps the first `sinks` generated tokens, then a ring of the last
+ * `window`. Host and device caches grow alike. */
+int kvcap_segment_gen_row(const struct kvcap_cache *c, const struct kvcap_segment *gen,
+                          int *grow_to)
+{
+    int row = gen->n_rows;
+    int sinks = c->cfg.streaming.sinks, window = c->cfg.streaming.window;
+    int streaming = gen->policy == KVCAP_POLICY_STREAMING;
+    if (streaming && gen->seen >= sinks + window)
+        row = sinks + (int)((gen->seen - sinks) % window);
+    int first = c->reserve_tokens > 0 ? c->reserve_tokens : 64;
+    if (c->reserve_tokens > 0 && streaming && first > sinks + window)
+        first = sinks + window;
+    *grow_to = row >= gen->cap ? (gen->cap ? 2 * gen->cap : first) : 0;
+    return row;
+}
