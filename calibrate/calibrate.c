@@ -154,13 +154,13 @@ static int omp_threads(void)
 
 /* Adds unit i's pending columns to its Grams: the only step that differs between the CPU and
  * the CUDA path (gpu non-NULL), which fill the same batch buffers the same way. */
-static enum kvcap_status flush(struct kvcap_gpu_gram *gpu, size_t i, struct kvcap_calib_unit *u,
-                               struct accumulator *a, double *flops)
+static enum kvcap_status flush(struct kvcap_calib_cuda_gram *gpu, size_t i,
+                               struct kvcap_calib_unit *u, struct accumulator *a, double *flops)
 {
     if (a->cols == 0)
         return KVCAP_OK;
     if (gpu) {
-        KVCAP_TRY(kvcap_gpu_gram_flush(gpu, omp_thread(), i, a->cols));
+        KVCAP_TRY(kvcap_calib_cuda_gram_flush(gpu, omp_thread(), i, a->cols));
     } else {
         cblas_dsyrk(CblasRowMajor, CblasUpper, CblasNoTrans, u->m, (int)a->cols, 1.0, a->kbuf,
                     (int)a->cap, 1.0, u->k_gram, u->m);
@@ -180,7 +180,7 @@ static void symmetrize(double *g, int m)
 }
 
 /* Frees the accumulators; the batch buffers of a CUDA run belong to *gpu, freed with it. */
-static void free_accumulators(struct accumulator *acc, size_t n, struct kvcap_gpu_gram **gpu)
+static void free_accumulators(struct accumulator *acc, size_t n, struct kvcap_calib_cuda_gram **gpu)
 {
     for (size_t i = 0; acc && i < n; i++) {
         if (!*gpu) {
@@ -192,7 +192,7 @@ static void free_accumulators(struct accumulator *acc, size_t n, struct kvcap_gp
         acc[i].train = NULL;
     }
     free(acc);
-    kvcap_gpu_gram_free(*gpu);
+    kvcap_calib_cuda_gram_free(*gpu);
     *gpu = NULL;
 }
 
@@ -305,7 +305,7 @@ static enum kvcap_status append_samples(float **buf, size_t *cols, size_t *cap, 
 
 /* One (layer, head) of one training span into the accumulators of its matching buckets. */
 static enum kvcap_status accumulate_head(struct kvcap_calib_state *state, struct accumulator *acc,
-                                         struct kvcap_gpu_gram *gpu,
+                                         struct kvcap_calib_cuda_gram *gpu,
                                          const struct kvcap_calibrate_options *o,
                                          const struct kvcap_span_view *span, int l, int h,
                                          unsigned bits, int trained, struct scratch *sc,
@@ -339,7 +339,8 @@ static enum kvcap_status accumulate_head(struct kvcap_calib_state *state, struct
  * (device AUTO) a setup failure is a warning and *device becomes the CPU. */
 static enum kvcap_status gpu_setup(struct kvcap_calib_state *state, const struct accumulator *acc,
                                    size_t n_units, int lanes, int fallback,
-                                   struct kvcap_gpu_gram **gpu, enum kvcap_calib_device *device)
+                                   struct kvcap_calib_cuda_gram **gpu,
+                                   enum kvcap_calib_device *device)
 {
     int *m = malloc(sizeof *m * n_units);
     size_t *cap = malloc(sizeof *cap * n_units);
@@ -354,10 +355,10 @@ static enum kvcap_status gpu_setup(struct kvcap_calib_state *state, const struct
         v[i] = state->units[i].v_gram;
     }
     if (st == KVCAP_OK) {
-        struct kvcap_gpu_gram_params p = {n_units, m, cap, k, v, lanes};
+        struct kvcap_calib_cuda_gram_params p = {n_units, m, cap, k, v, lanes};
         if (fallback)
             kvcap_quiet_push();
-        st = kvcap_gpu_gram_create(&p, gpu);
+        st = kvcap_calib_cuda_gram_create(&p, gpu);
         if (fallback)
             kvcap_quiet_pop();
         if (st != KVCAP_OK && fallback) {
@@ -408,18 +409,18 @@ enum kvcap_status kvcap_calibrate(const struct kvcap_calib_config *cfg,
         size_t per_span = (size_t)span_columns(&state->buckets[i % (size_t)B], d);
         acc[i].cap = per_span * (per_span >= 1024 ? 1 : (1024 + per_span - 1) / per_span);
     }
-    struct kvcap_gpu_gram *gpu = NULL;
+    struct kvcap_calib_cuda_gram *gpu = NULL;
     if (st == KVCAP_OK && device == KVCAP_CALIB_DEVICE_CUDA)
         st = gpu_setup(state, acc, n_units, threads, o->device == KVCAP_CALIB_DEVICE_AUTO, &gpu,
                        &device);
     report->device = device;
     report->train_device = KVCAP_CALIB_DEVICE_CPU;
     if (st == KVCAP_OK && gpu)
-        st = kvcap_gpu_device_name(report->device_name, sizeof report->device_name);
+        st = kvcap_calib_cuda_device_name(report->device_name, sizeof report->device_name);
     for (size_t i = 0; st == KVCAP_OK && i < n_units; i++) {
         size_t m = (size_t)state->units[i].m;
         if (gpu) {
-            kvcap_gpu_gram_buffers(gpu, i, &acc[i].kbuf, &acc[i].vbuf);
+            kvcap_calib_cuda_gram_buffers(gpu, i, &acc[i].kbuf, &acc[i].vbuf);
             continue;
         }
         acc[i].kbuf = malloc(sizeof(double) * m * acc[i].cap);
@@ -486,7 +487,7 @@ enum kvcap_status kvcap_calibrate(const struct kvcap_calib_config *cfg,
     if (st == KVCAP_OK)
         st = kvcap_parallel_status(&tail_err);
     if (st == KVCAP_OK && gpu) /* the Grams come back in the layout the CPU path leaves */
-        st = kvcap_gpu_gram_finish(gpu);
+        st = kvcap_calib_cuda_gram_finish(gpu);
 #pragma omp parallel for schedule(dynamic)
     for (size_t i = 0; i < n_units; i++) {
         if (st != KVCAP_OK)
@@ -511,7 +512,7 @@ enum kvcap_status kvcap_calibrate(const struct kvcap_calib_config *cfg,
     if (gpu) {
         for (size_t i = 0; i < n_units; i++)
             acc[i].kbuf = acc[i].vbuf = NULL;
-        kvcap_gpu_gram_free(gpu);
+        kvcap_calib_cuda_gram_free(gpu);
         gpu = NULL;
     }
 
@@ -566,10 +567,10 @@ enum kvcap_status kvcap_calibrate(const struct kvcap_calib_config *cfg,
             struct kvcap_train_report tr;
             int gelu = cfg->keys.activation == KVCAP_ACTIVATION_GELU;
             if (train_device == KVCAP_CALIB_DEVICE_CUDA) {
-                st = kvcap_gpu_keys_train(acc[i].train, acc[i].train_cap, acc[i].train_cols,
-                                          val[i], val_cap[i], val_cols[i], &cfg->keys.train,
-                                          gelu, &u->keys, &out, &tr,
-                                          o->device == KVCAP_CALIB_DEVICE_AUTO);
+                st = kvcap_calib_cuda_keys_train(acc[i].train, acc[i].train_cap, acc[i].train_cols,
+                                                 val[i], val_cap[i], val_cols[i], &cfg->keys.train,
+                                                 gelu, &u->keys, &out, &tr,
+                                                 o->device == KVCAP_CALIB_DEVICE_AUTO);
                 if (st == KVCAP_OK && !tr.on_device)
                     train_device = KVCAP_CALIB_DEVICE_CPU;
             } else {

@@ -19,7 +19,7 @@ struct kvcap_calibrate_options {
     void (*progress)(const char *phase, int64_t done, int64_t total, void *user);
     void *user;
     /* Where the Grams are accumulated, the value PCA runs and the key maps are trained
-     * (keys.method trained; gpu.h). AUTO (the default): CUDA when a device is visible, else
+     * (keys.method trained; calib_cuda.h). AUTO (the default): CUDA when a device is visible, else
      * the CPU, and the CPU with a warning if the device cannot be set up (e.g. the Grams, or
      * a unit's training columns, do not fit in its memory); CUDA: the device or
      * KVCAP_ERR_UNSUPPORTED / the setup's error. Loading and preprocessing the spans,

@@ -1,7 +1,7 @@
 /* device.c — choosing where calibration runs: the --device names, and what "auto" becomes. */
 #include <string.h>
 
-#include "calibrate/gpu.h"
+#include "calibrate/calib_cuda.h"
 #include "common/internal.h"
 
 static const char *const device_names[] = {"auto", "cpu", "cuda"};
@@ -23,7 +23,7 @@ const char *kvcap_calib_device_name(enum kvcap_calib_device d)
 
 const char *kvcap_calib_cuda_unavailable(void)
 {
-    if (!kvcap_gpu_built())
+    if (!kvcap_calib_cuda_built())
         return "this build of kvcap has no CUDA support (configured with KVCAP_CUDA=OFF)";
     if (kvcap_cuda_device_count() == 0)
         return "no CUDA device is visible to this process";

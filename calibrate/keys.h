@@ -71,7 +71,7 @@ struct kvcap_train_report {
     double final_train_mse, final_val_mse; /* the returned maps */
     int steps_run;
     int kept_init; /* 1 if the initialisation was better on validation and was returned */
-    int on_device; /* 1 if the steps and MSEs ran on a CUDA device (kvcap_gpu_keys_train) */
+    int on_device; /* 1 if the steps and MSEs ran on a CUDA device (kvcap_calib_cuda_keys_train) */
 };
 
 /* The trained path (the paper's Algorithm 2). Starting from `init` (a closed-form fit; if

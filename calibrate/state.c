@@ -175,7 +175,7 @@ static enum kvcap_status fit_values_gpu(struct kvcap_calib_state *s, int fallbac
     size_t *todo = malloc(sizeof *todo * n);
     const double **mats = malloc(sizeof *mats * n);
     int *sizes = malloc(sizeof *sizes * n), m_max = 0;
-    struct kvcap_gpu_eigen *e = NULL;
+    struct kvcap_calib_cuda_eigen *e = NULL;
     enum kvcap_status st = KVCAP_OK;
     if (!todo || !mats || !sizes)
         st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "value PCA: out of memory (%zu units)", n);
@@ -191,7 +191,7 @@ static enum kvcap_status fit_values_gpu(struct kvcap_calib_state *s, int fallbac
     if (st == KVCAP_OK && count > 0) {
         if (fallback)
             kvcap_quiet_push();
-        st = kvcap_gpu_eigen_create(m_max, &e);
+        st = kvcap_calib_cuda_eigen_create(m_max, &e);
         if (fallback)
             kvcap_quiet_pop();
         if (st != KVCAP_OK && fallback) {
@@ -216,7 +216,8 @@ static enum kvcap_status fit_values_gpu(struct kvcap_calib_state *s, int fallbac
     if (st == KVCAP_OK && count > 0) {
         struct gpu_values g = {s, todo};
         int failed = -1;
-        st = kvcap_gpu_dsyevd_batch(e, (int)count, mats, sizes, gpu_values_consume, &g, &failed);
+        st = kvcap_calib_cuda_dsyevd_batch(e, (int)count, mats, sizes, gpu_values_consume, &g,
+                                           &failed);
         if (st != KVCAP_OK && failed >= 0) {
             int l, h, b;
             unit_position(s, todo[failed], &l, &h, &b);
@@ -231,7 +232,7 @@ static enum kvcap_status fit_values_gpu(struct kvcap_calib_state *s, int fallbac
         u->v_eigval = NULL;
         u->v_eigvec = NULL;
     }
-    kvcap_gpu_eigen_free(e);
+    kvcap_calib_cuda_eigen_free(e);
     free(todo), free(mats), free(sizes);
     return st;
 }

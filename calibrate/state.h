@@ -8,7 +8,7 @@
 #include <stdint.h>
 
 #include "configs/config.h"
-#include "calibrate/gpu.h"
+#include "calibrate/calib_cuda.h"
 #include "calibrate/keys.h"
 #include "formats/schema.h"
 

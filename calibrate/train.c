@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "calibrate/gpu.h"
+#include "calibrate/calib_cuda.h"
 #include "common/internal.h"
 #include "calibrate/keys.h"
 #include "common/rng.h"
@@ -749,7 +749,7 @@ static const float *next_batch(struct batcher *bt, int m, size_t *ld)
 
 /* Everything kvcap_keys_train owns, freed in one place whatever happened. On a CUDA device
  * (gpu non-NULL) the steps, the gradient, the Adam moments and every MSE live there
- * (calibrate/gpu.h): the host keeps the network's shape and scalars, computes the start, the
+ * (calibrate/calib_cuda.h): the host keeps the network's shape and scalars, computes the start, the
  * hardening and the batch order, and holds θ only when it is fetched (after the relaxed phase,
  * at an improving checkpoint); work, the batch buffer, adam and grad stay unallocated. */
 struct trainer {
@@ -758,7 +758,7 @@ struct trainer {
     struct batcher batches;
     struct adam adam;
     float *grad;
-    struct kvcap_gpu_train *gpu;
+    struct kvcap_calib_cuda_train *gpu;
     struct kvcap_key_maps best, cand;
     double best_val;
     /* where checkpoints are scored: x_val, or x_train when there is no validation set */
@@ -776,7 +776,7 @@ static void trainer_free(struct trainer *tr)
     free(tr->adam.m1);
     free(tr->adam.m2);
     free(tr->grad);
-    kvcap_gpu_train_free(tr->gpu);
+    kvcap_calib_cuda_train_free(tr->gpu);
     kvcap_key_maps_free(&tr->best);
     kvcap_key_maps_free(&tr->cand);
 }
@@ -786,7 +786,7 @@ static enum kvcap_status maps_mse(struct trainer *tr, const struct kvcap_key_map
                                   double *mse)
 {
     if (tr->gpu)
-        return kvcap_gpu_train_maps_mse(tr->gpu, k, on_val, mse);
+        return kvcap_calib_cuda_train_maps_mse(tr->gpu, k, on_val, mse);
     double energy;
     return kvcap_key_maps_mse(k, on_val ? tr->xv : tr->xt, on_val ? tr->ldv : tr->ldt,
                               on_val ? tr->nv : tr->nt, mse, &energy);
@@ -799,10 +799,10 @@ static enum kvcap_status checkpoint(struct trainer *tr, int *kept_init)
     double mse;
     if (tr->gpu) {
         /* scored where θ is; fetched only when it is kept */
-        KVCAP_TRY(kvcap_gpu_train_score(tr->gpu, &tr->hard, &mse));
+        KVCAP_TRY(kvcap_calib_cuda_train_score(tr->gpu, &tr->hard, &mse));
         if (!(mse < tr->best_val))
             return KVCAP_OK;
-        KVCAP_TRY(kvcap_gpu_train_fetch(tr->gpu, &tr->hard));
+        KVCAP_TRY(kvcap_calib_cuda_train_fetch(tr->gpu, &tr->hard));
         kvcap_train_net_to_maps(&tr->hard, &tr->cand);
     } else {
         double energy;
@@ -835,7 +835,7 @@ static enum kvcap_status step(struct trainer *tr, struct kvcap_train_net *net,
     double loss;
     if (tr->gpu) {
         const size_t *pick = kvcap_train_order_next(&tr->batches.order);
-        return kvcap_gpu_train_step(tr->gpu, net, pick, cfg->lr, &loss, finite);
+        return kvcap_calib_cuda_train_step(tr->gpu, net, pick, cfg->lr, &loss, finite);
     }
     size_t ld;
     const float *xb = next_batch(&tr->batches, net->m, &ld);
@@ -859,7 +859,7 @@ static enum kvcap_status run_phase(struct trainer *tr, struct kvcap_train_net *n
 {
     *taken = 0;
     if (tr->gpu)
-        KVCAP_TRY(kvcap_gpu_train_load(tr->gpu, net));
+        KVCAP_TRY(kvcap_calib_cuda_train_load(tr->gpu, net));
     else
         adam_reset(&tr->adam, net->n_params);
     if (checkpoints)
@@ -883,7 +883,7 @@ static enum kvcap_status run_phase(struct trainer *tr, struct kvcap_train_net *n
     }
     /* the relaxed θ is hardened on the host */
     if (tr->gpu && !net->rows && steps > 0)
-        KVCAP_TRY(kvcap_gpu_train_fetch(tr->gpu, net));
+        KVCAP_TRY(kvcap_calib_cuda_train_fetch(tr->gpu, net));
     return KVCAP_OK;
 }
 
@@ -901,10 +901,12 @@ static enum kvcap_status gpu_setup(struct trainer *tr, int m, int h, size_t batc
     } else {
         /* no validation set: the training columns are scored, uploaded once */
         const int val_is_train = tr->xv == tr->xt && tr->ldv == tr->ldt && tr->nv == tr->nt;
-        struct kvcap_gpu_train_params p = {m, h, tr->xt, tr->ldt, tr->nt,
-                                           val_is_train ? NULL : tr->xv, tr->ldv,
-                                           val_is_train ? 0 : tr->nv, batch};
-        st = kvcap_gpu_train_create(&p, &tr->gpu);
+        struct kvcap_calib_cuda_train_params p = {m,       h,
+                                                  tr->xt,  tr->ldt,
+                                                  tr->nt,  val_is_train ? NULL : tr->xv,
+                                                  tr->ldv, val_is_train ? 0 : tr->nv,
+                                                  batch};
+        st = kvcap_calib_cuda_train_create(&p, &tr->gpu);
     }
     if (fallback)
         kvcap_quiet_pop();
@@ -976,11 +978,11 @@ static enum kvcap_status train_run(struct trainer *tr, const struct kvcap_train_
     if (taken == cfg->finetune_steps && cfg->finetune_steps > 0) {
         /* and once more for the fine-tuned first layer: the last checkpoint */
         if (tr->gpu)
-            KVCAP_TRY(kvcap_gpu_train_fetch(tr->gpu, &tr->hard));
+            KVCAP_TRY(kvcap_calib_cuda_train_fetch(tr->gpu, &tr->hard));
         KVCAP_TRY(kvcap_train_net_fit_readout(&tr->hard, tr->xt, tr->ldt, tr->nt, READOUT_RIDGE,
                                               &solved));
         if (solved && tr->gpu)
-            KVCAP_TRY(kvcap_gpu_train_load(tr->gpu, &tr->hard));
+            KVCAP_TRY(kvcap_calib_cuda_train_load(tr->gpu, &tr->hard));
         if (solved)
             KVCAP_TRY(checkpoint(tr, &rep->kept_init));
     }
@@ -1099,12 +1101,12 @@ enum kvcap_status kvcap_keys_train(const float *x_train, size_t ld_train, size_t
                       report, 0, 0);
 }
 
-enum kvcap_status kvcap_gpu_keys_train(const float *x_train, size_t ld_train, size_t n_train,
-                                       const float *x_val, size_t ld_val, size_t n_val,
-                                       const struct kvcap_train_config *cfg, int gelu,
-                                       const struct kvcap_key_maps *init,
-                                       struct kvcap_key_maps *out,
-                                       struct kvcap_train_report *report, int fallback)
+enum kvcap_status kvcap_calib_cuda_keys_train(const float *x_train, size_t ld_train, size_t n_train,
+                                              const float *x_val, size_t ld_val, size_t n_val,
+                                              const struct kvcap_train_config *cfg, int gelu,
+                                              const struct kvcap_key_maps *init,
+                                              struct kvcap_key_maps *out,
+                                              struct kvcap_train_report *report, int fallback)
 {
     return keys_train(x_train, ld_train, n_train, x_val, ld_val, n_val, cfg, gelu, init, out,
                       report, 1, fallback != 0);

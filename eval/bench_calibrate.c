@@ -13,7 +13,7 @@
 
 #include "calibrate/calibrate.h"
 #include "cli/cli.h"
-#include "calibrate/gpu.h"
+#include "calibrate/calib_cuda.h"
 #include "common/internal.h"
 #include "common/rng.h"
 
@@ -106,7 +106,7 @@ static void rm_dataset(const char *dir, int shards)
 struct ceilings {
     double roof, at512, eig_bare; /* CPU dsyrk GF/s (best k, k = 512), bare dsyevd seconds */
     int best_k;
-    struct kvcap_gpu_peak peak; /* CUDA: best of each figure */
+    struct kvcap_calib_cuda_peak peak; /* CUDA: best of each figure */
 };
 
 static enum kvcap_status measure_ceilings(int cpu, int gpu, int m, struct ceilings *c)
@@ -119,8 +119,8 @@ static enum kvcap_status measure_ceilings(int cpu, int gpu, int m, struct ceilin
         c->eig_bare = c->eig_bare == 0.0 || e < c->eig_bare ? e : c->eig_bare;
     }
     if (gpu) {
-        struct kvcap_gpu_peak p;
-        KVCAP_TRY(kvcap_gpu_peak_measure(m, &p));
+        struct kvcap_calib_cuda_peak p;
+        KVCAP_TRY(kvcap_calib_cuda_peak_measure(m, &p));
         if (p.dsyrk_gflops > c->peak.dsyrk_gflops)
             c->peak.dsyrk_gflops = p.dsyrk_gflops, c->peak.dsyrk_k = p.dsyrk_k;
         if (p.dgemm_gflops > c->peak.dgemm_gflops)
@@ -272,7 +272,7 @@ int main(int argc, char **argv)
     struct ceilings ceil = {0};
     char gpu_name[128] = "";
     if (run_gpu)
-        st = kvcap_gpu_device_name(gpu_name, sizeof gpu_name);
+        st = kvcap_calib_cuda_device_name(gpu_name, sizeof gpu_name);
     if (st == KVCAP_OK)
         st = measure_ceilings(run_cpu, run_gpu, m, &ceil);
     struct job cpu = {0}, gpu = {0};

@@ -73,7 +73,7 @@ class DeviceScope {
             return cuda_fail(e_, (op));                                                            \
     } while (0)
 
-cudaStream_t stream_of(const kvcap_dev_ctx *x)
+cudaStream_t stream_of(const kvcap_cache_cuda_ctx *x)
 {
     return static_cast<cudaStream_t>(x->stream);
 }
@@ -114,7 +114,7 @@ __device__ __forceinline__ int dtype_bytes(int dtype)
 }
 
 // Start of the row of (head, token) of a view, as cache.c's view_row.
-__device__ __forceinline__ const void *view_row(const kvcap_dev_view &v, int head, int token)
+__device__ __forceinline__ const void *view_row(const kvcap_cache_cuda_view &v, int head, int token)
 {
     const int64_t es = dtype_bytes(v.dtype);
     if (v.pages) {
@@ -127,8 +127,8 @@ __device__ __forceinline__ const void *view_row(const kvcap_dev_view &v, int hea
 
 // Channel c of a row rotated by the table rr (row[a] = cos, row[b] = sin of pair (a, b)), with
 // the products and the sum rounded one by one as kvcap_rope_rotate does on the host.
-__device__ __forceinline__ float rotated(const void *row, int dtype, int c, const kvcap_dev_rope &r,
-                                         const float *rr)
+__device__ __forceinline__ float rotated(const void *row, int dtype, int c,
+                                         const kvcap_cache_cuda_rope &r, const float *rr)
 {
     if (!r.on || c >= r.rope_dim)
         return load_any(row, (size_t)c, dtype);
@@ -151,7 +151,7 @@ __device__ __forceinline__ float rotated(const void *row, int dtype, int c, cons
 }
 
 // kvcap_bucket_token: token of point p of tile t.
-__device__ __forceinline__ int grid_token(const kvcap_dev_grid &g, int t, int p)
+__device__ __forceinline__ int grid_token(const kvcap_cache_cuda_grid &g, int t, int p)
 {
     if (!g.tiled)
         return p;
@@ -175,8 +175,8 @@ __device__ __forceinline__ bool partial_empty(float mx, float sum)
 // ---- Kernels ----------------------------------------------------------------------------------
 
 template <typename T>
-__global__ void fill_rows_kernel(kvcap_dev_view src, const int *tokens, int n, int heads, int d,
-                                 T *dst, int cap)
+__global__ void fill_rows_kernel(kvcap_cache_cuda_view src, const int *tokens, int n, int heads,
+                                 int d, T *dst, int cap)
 {
     const size_t total = (size_t)heads * n * d;
     for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < total;
@@ -191,7 +191,8 @@ __global__ void fill_rows_kernel(kvcap_dev_view src, const int *tokens, int n, i
 
 // μ of one head: one thread per channel summing in double in token order, as the host does.
 template <typename T>
-__global__ void capsule_mu_kernel(kvcap_dev_view v, int head, int n, int d, T *mu, float *mu_f32)
+__global__ void capsule_mu_kernel(kvcap_cache_cuda_view v, int head, int n, int d, T *mu,
+                                  float *mu_f32)
 {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= d)
@@ -206,8 +207,9 @@ __global__ void capsule_mu_kernel(kvcap_dev_view v, int head, int n, int d, T *m
 
 // H_t[i][c] = φ(b1[i] + Σ_r W1[r][i] K'[M_r of tile t][c]).
 template <typename T>
-__global__ void capsule_hidden_kernel(kvcap_dev_view k, int head, int d, kvcap_dev_rope rope,
-                                      const float *rr, kvcap_dev_grid grid, kvcap_dev_unit u,
+__global__ void capsule_hidden_kernel(kvcap_cache_cuda_view k, int head, int d,
+                                      kvcap_cache_cuda_rope rope, const float *rr,
+                                      kvcap_cache_cuda_grid grid, kvcap_cache_cuda_unit u,
                                       int tiles, T *hs)
 {
     const size_t total = (size_t)tiles * u.h * d;
@@ -227,8 +229,9 @@ __global__ void capsule_hidden_kernel(kvcap_dev_view k, int head, int d, kvcap_d
 
 // Ṽ_t[i][c] = Σ_p U[i][p] (V[point p of tile t][c] − μ[c]).
 template <typename T>
-__global__ void capsule_values_kernel(kvcap_dev_view v, int head, int d, kvcap_dev_grid grid,
-                                      kvcap_dev_unit u, int tiles, const float *mu_f32, T *vt)
+__global__ void capsule_values_kernel(kvcap_cache_cuda_view v, int head, int d,
+                                      kvcap_cache_cuda_grid grid, kvcap_cache_cuda_unit u,
+                                      int tiles, const float *mu_f32, T *vt)
 {
     const size_t total = (size_t)tiles * u.rv * d;
     for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < total;
@@ -250,7 +253,7 @@ __global__ void capsule_values_kernel(kvcap_dev_view v, int head, int d, kvcap_d
 // One block: every thread reads the counter before the barrier, thread 0 advances it after.
 template <typename T>
 __global__ void __launch_bounds__(APPEND_THREADS)
-    append_kernel(kvcap_dev_append a, int heads, int d)
+    append_kernel(kvcap_cache_cuda_append a, int heads, int d)
 {
     const int64_t seen = *a.seen;
     const int64_t ring = (int64_t)a.sinks + a.window;
@@ -277,7 +280,8 @@ __global__ void __launch_bounds__(APPEND_THREADS)
 
 __global__ void prepare_queries_kernel(const float *q, int n_seqs, int q_heads, int d,
                                        float *q_copy, int n_rot, const int *rot_seq,
-                                       const float *rot_rows, kvcap_dev_rope rope, float *qrot)
+                                       const float *rot_rows, kvcap_cache_cuda_rope rope,
+                                       float *qrot)
 {
     const size_t per = (size_t)q_heads * d, total = (size_t)(n_seqs + n_rot) * per;
     for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < total;
@@ -340,7 +344,8 @@ enum kvcap_status launched(const char *op)
 
 // ---- Memory and copies ------------------------------------------------------------------------
 
-extern "C" enum kvcap_status kvcap_dev_malloc(const kvcap_dev_ctx *x, size_t bytes, void **out)
+extern "C" enum kvcap_status kvcap_cache_cuda_malloc(const kvcap_cache_cuda_ctx *x, size_t bytes,
+                                                     void **out)
 {
     ENTER(x, "malloc");
     *out = NULL;
@@ -348,7 +353,7 @@ extern "C" enum kvcap_status kvcap_dev_malloc(const kvcap_dev_ctx *x, size_t byt
     return KVCAP_OK;
 }
 
-extern "C" void kvcap_dev_free(int device, void *p)
+extern "C" void kvcap_cache_cuda_free(int device, void *p)
 {
     if (!p)
         return;
@@ -357,7 +362,8 @@ extern "C" void kvcap_dev_free(int device, void *p)
         (void)cudaGetLastError();
 }
 
-extern "C" enum kvcap_status kvcap_dev_host_malloc(const kvcap_dev_ctx *x, size_t bytes, void **out)
+extern "C" enum kvcap_status kvcap_cache_cuda_host_malloc(const kvcap_cache_cuda_ctx *x,
+                                                          size_t bytes, void **out)
 {
     ENTER(x, "host malloc");
     *out = NULL;
@@ -365,14 +371,14 @@ extern "C" enum kvcap_status kvcap_dev_host_malloc(const kvcap_dev_ctx *x, size_
     return KVCAP_OK;
 }
 
-extern "C" void kvcap_dev_host_free(void *p)
+extern "C" void kvcap_cache_cuda_host_free(void *p)
 {
     if (p && cudaFreeHost(p) != cudaSuccess)
         (void)cudaGetLastError();
 }
 
-extern "C" enum kvcap_status kvcap_dev_upload_sync(const kvcap_dev_ctx *x, void *dst,
-                                                   const void *src, size_t bytes)
+extern "C" enum kvcap_status kvcap_cache_cuda_upload_sync(const kvcap_cache_cuda_ctx *x, void *dst,
+                                                          const void *src, size_t bytes)
 {
     ENTER(x, "upload");
     if (bytes == 0)
@@ -382,8 +388,8 @@ extern "C" enum kvcap_status kvcap_dev_upload_sync(const kvcap_dev_ctx *x, void 
     return KVCAP_OK;
 }
 
-extern "C" enum kvcap_status kvcap_dev_upload(const kvcap_dev_ctx *x, void *dst, const void *src,
-                                              size_t bytes)
+extern "C" enum kvcap_status kvcap_cache_cuda_upload(const kvcap_cache_cuda_ctx *x, void *dst,
+                                                     const void *src, size_t bytes)
 {
     ENTER(x, "upload");
     if (bytes == 0)
@@ -392,8 +398,9 @@ extern "C" enum kvcap_status kvcap_dev_upload(const kvcap_dev_ctx *x, void *dst,
     return KVCAP_OK;
 }
 
-extern "C" enum kvcap_status kvcap_dev_download_sync(const kvcap_dev_ctx *x, void *dst,
-                                                     const void *src, size_t bytes)
+extern "C" enum kvcap_status kvcap_cache_cuda_download_sync(const kvcap_cache_cuda_ctx *x,
+                                                            void *dst, const void *src,
+                                                            size_t bytes)
 {
     ENTER(x, "download");
     if (bytes == 0)
@@ -403,9 +410,9 @@ extern "C" enum kvcap_status kvcap_dev_download_sync(const kvcap_dev_ctx *x, voi
     return KVCAP_OK;
 }
 
-extern "C" enum kvcap_status kvcap_dev_copy_2d(const kvcap_dev_ctx *x, void *dst, size_t dpitch,
-                                               const void *src, size_t spitch, size_t width,
-                                               size_t height)
+extern "C" enum kvcap_status kvcap_cache_cuda_copy_2d(const kvcap_cache_cuda_ctx *x, void *dst,
+                                                      size_t dpitch, const void *src, size_t spitch,
+                                                      size_t width, size_t height)
 {
     ENTER(x, "copy");
     if (width == 0 || height == 0)
@@ -416,14 +423,14 @@ extern "C" enum kvcap_status kvcap_dev_copy_2d(const kvcap_dev_ctx *x, void *dst
     return KVCAP_OK;
 }
 
-extern "C" enum kvcap_status kvcap_dev_sync(const kvcap_dev_ctx *x)
+extern "C" enum kvcap_status kvcap_cache_cuda_sync(const kvcap_cache_cuda_ctx *x)
 {
     ENTER(x, "stream synchronize");
     CUDA_TRY(cudaStreamSynchronize(stream_of(x)), "stream synchronize");
     return KVCAP_OK;
 }
 
-extern "C" int kvcap_dev_capturing(const kvcap_dev_ctx *x)
+extern "C" int kvcap_cache_cuda_capturing(const kvcap_cache_cuda_ctx *x)
 {
     DeviceScope scope(x->device);
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
@@ -436,9 +443,11 @@ extern "C" int kvcap_dev_capturing(const kvcap_dev_ctx *x)
 
 // ---- Prefill ----------------------------------------------------------------------------------
 
-extern "C" enum kvcap_status kvcap_dev_fill_rows(const kvcap_dev_ctx *x, const kvcap_dev_view *src,
-                                                 const int *tokens, int n, int heads, int d,
-                                                 void *dst, int cap, enum kvcap_dtype storage)
+extern "C" enum kvcap_status kvcap_cache_cuda_fill_rows(const kvcap_cache_cuda_ctx *x,
+                                                        const kvcap_cache_cuda_view *src,
+                                                        const int *tokens, int n, int heads, int d,
+                                                        void *dst, int cap,
+                                                        enum kvcap_dtype storage)
 {
     ENTER(x, "fill rows");
     const size_t total = (size_t)heads * n * d;
@@ -466,10 +475,10 @@ extern "C" enum kvcap_status kvcap_dev_fill_rows(const kvcap_dev_ctx *x, const k
 namespace {
 
 template <typename T>
-void capsule_launch(cudaStream_t st, const kvcap_dev_view &k, const kvcap_dev_view &v, int head,
-                    int n, int d, const kvcap_dev_rope &rope, const float *rr,
-                    const kvcap_dev_grid &grid, const kvcap_dev_unit &u, int tiles, void *hs,
-                    void *vt, void *mu, float *mu_f32)
+void capsule_launch(cudaStream_t st, const kvcap_cache_cuda_view &k, const kvcap_cache_cuda_view &v,
+                    int head, int n, int d, const kvcap_cache_cuda_rope &rope, const float *rr,
+                    const kvcap_cache_cuda_grid &grid, const kvcap_cache_cuda_unit &u, int tiles,
+                    void *hs, void *vt, void *mu, float *mu_f32)
 {
     capsule_mu_kernel<T><<<(d + 127) / 128, 128, 0, st>>>(v, head, n, d, static_cast<T *>(mu),
                                                           mu_f32);
@@ -484,11 +493,11 @@ void capsule_launch(cudaStream_t st, const kvcap_dev_view &k, const kvcap_dev_vi
 
 } // namespace
 
-extern "C" enum kvcap_status kvcap_dev_capsule_prefill(
-    const kvcap_dev_ctx *x, const kvcap_dev_view *k, const kvcap_dev_view *v, int head, int n,
-    int d, const kvcap_dev_rope *rope, const float *rope_row, const kvcap_dev_grid *grid,
-    const kvcap_dev_unit *unit, int tiles, enum kvcap_dtype storage, void *hs, void *vt, void *mu,
-    float *mu_f32)
+extern "C" enum kvcap_status kvcap_cache_cuda_capsule_prefill(
+    const kvcap_cache_cuda_ctx *x, const kvcap_cache_cuda_view *k, const kvcap_cache_cuda_view *v,
+    int head, int n, int d, const kvcap_cache_cuda_rope *rope, const float *rope_row,
+    const kvcap_cache_cuda_grid *grid, const kvcap_cache_cuda_unit *unit, int tiles,
+    enum kvcap_dtype storage, void *hs, void *vt, void *mu, float *mu_f32)
 {
     ENTER(x, "kvcapsule prefill");
     cudaStream_t st = stream_of(x);
@@ -511,9 +520,10 @@ extern "C" enum kvcap_status kvcap_dev_capsule_prefill(
 
 // ---- Decode -----------------------------------------------------------------------------------
 
-extern "C" enum kvcap_status kvcap_dev_append_token(const kvcap_dev_ctx *x,
-                                                    const kvcap_dev_append *a, int heads, int d,
-                                                    enum kvcap_dtype storage)
+extern "C" enum kvcap_status kvcap_cache_cuda_append_token(const kvcap_cache_cuda_ctx *x,
+                                                           const kvcap_cache_cuda_append *a,
+                                                           int heads, int d,
+                                                           enum kvcap_dtype storage)
 {
     ENTER(x, "append");
     cudaStream_t st = stream_of(x);
@@ -531,11 +541,11 @@ extern "C" enum kvcap_status kvcap_dev_append_token(const kvcap_dev_ctx *x,
     return launched("append");
 }
 
-extern "C" enum kvcap_status kvcap_dev_prepare_queries(const kvcap_dev_ctx *x, const float *q,
-                                                       int n_seqs, int q_heads, int d,
-                                                       float *q_copy, int n_rot,
-                                                       const int *rot_seq, const float *rot_rows,
-                                                       const kvcap_dev_rope *rope, float *qrot)
+extern "C" enum kvcap_status
+kvcap_cache_cuda_prepare_queries(const kvcap_cache_cuda_ctx *x, const float *q, int n_seqs,
+                                 int q_heads, int d, float *q_copy, int n_rot, const int *rot_seq,
+                                 const float *rot_rows, const kvcap_cache_cuda_rope *rope,
+                                 float *qrot)
 {
     ENTER(x, "prepare queries");
     const size_t total = (size_t)(n_seqs + n_rot) * q_heads * d;
@@ -544,11 +554,10 @@ extern "C" enum kvcap_status kvcap_dev_prepare_queries(const kvcap_dev_ctx *x, c
     return launched("prepare queries");
 }
 
-extern "C" enum kvcap_status kvcap_dev_merge_finish(const kvcap_dev_ctx *x, const float *mx,
-                                                    const float *sum, const float *o,
-                                                    int n_units, const int *unit_begin,
-                                                    int n_seqs, int kv_heads, int G, int d,
-                                                    float *out, float *lse)
+extern "C" enum kvcap_status
+kvcap_cache_cuda_merge_finish(const kvcap_cache_cuda_ctx *x, const float *mx, const float *sum,
+                              const float *o, int n_units, const int *unit_begin, int n_seqs,
+                              int kv_heads, int G, int d, float *out, float *lse)
 {
     ENTER(x, "merge");
     dim3 grid((unsigned)(kv_heads * G), (unsigned)n_seqs);

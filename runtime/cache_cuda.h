@@ -7,8 +7,8 @@
  *
  * Every call makes ctx->device current for its duration (restoring the caller's device) and
  * enqueues on ctx->stream (a cudaStream_t; NULL: the legacy default stream). Only the calls
- * named *_sync, kvcap_dev_free and kvcap_dev_host_free wait; kernels never allocate. CUDA
- * failures are KVCAP_ERR_DEVICE (KVCAP_ERR_OUT_OF_MEMORY for allocations) naming the call. */
+ * named *_sync, kvcap_cache_cuda_free and kvcap_cache_cuda_host_free wait; kernels never allocate.
+ * CUDA failures are KVCAP_ERR_DEVICE (KVCAP_ERR_OUT_OF_MEMORY for allocations) naming the call. */
 #ifndef KVCAP_CACHE_CUDA_H
 #define KVCAP_CACHE_CUDA_H
 
@@ -23,42 +23,45 @@ extern "C" {
 
 struct kvcap_cuda_rows_problem; /* kernels/cuda/attention_cuda.h */
 
-struct kvcap_dev_ctx {
+struct kvcap_cache_cuda_ctx {
     int device;
     void *stream;
 };
 
 /* ---- Memory and copies -------------------------------------------------------------------- */
 
-enum kvcap_status kvcap_dev_malloc(const struct kvcap_dev_ctx *x, size_t bytes, void **out);
+enum kvcap_status kvcap_cache_cuda_malloc(const struct kvcap_cache_cuda_ctx *x, size_t bytes,
+                                          void **out);
 /* Waits for the device's work (cudaFree); NULL is a no-op. */
-void kvcap_dev_free(int device, void *p);
+void kvcap_cache_cuda_free(int device, void *p);
 /* Pinned host memory, for copies enqueued inside a decode step. */
-enum kvcap_status kvcap_dev_host_malloc(const struct kvcap_dev_ctx *x, size_t bytes, void **out);
-void kvcap_dev_host_free(void *p);
+enum kvcap_status kvcap_cache_cuda_host_malloc(const struct kvcap_cache_cuda_ctx *x, size_t bytes,
+                                               void **out);
+void kvcap_cache_cuda_host_free(void *p);
 
 /* Host → device from any host memory, waiting until done (creation and prefill). */
-enum kvcap_status kvcap_dev_upload_sync(const struct kvcap_dev_ctx *x, void *dst, const void *src,
-                                        size_t bytes);
+enum kvcap_status kvcap_cache_cuda_upload_sync(const struct kvcap_cache_cuda_ctx *x, void *dst,
+                                               const void *src, size_t bytes);
 /* Host → device, enqueued: src must be pinned and stay unchanged until the stream is past it. */
-enum kvcap_status kvcap_dev_upload(const struct kvcap_dev_ctx *x, void *dst, const void *src,
-                                   size_t bytes);
-/* Device → host after the stream's work, waiting. */
-enum kvcap_status kvcap_dev_download_sync(const struct kvcap_dev_ctx *x, void *dst,
+enum kvcap_status kvcap_cache_cuda_upload(const struct kvcap_cache_cuda_ctx *x, void *dst,
                                           const void *src, size_t bytes);
+/* Device → host after the stream's work, waiting. */
+enum kvcap_status kvcap_cache_cuda_download_sync(const struct kvcap_cache_cuda_ctx *x, void *dst,
+                                                 const void *src, size_t bytes);
 /* Device → device, enqueued: `height` rows of `width` bytes, pitches in bytes. */
-enum kvcap_status kvcap_dev_copy_2d(const struct kvcap_dev_ctx *x, void *dst, size_t dpitch,
-                                    const void *src, size_t spitch, size_t width, size_t height);
+enum kvcap_status kvcap_cache_cuda_copy_2d(const struct kvcap_cache_cuda_ctx *x, void *dst,
+                                           size_t dpitch, const void *src, size_t spitch,
+                                           size_t width, size_t height);
 /* Waits until the stream's work is done; reports an earlier asynchronous failure. */
-enum kvcap_status kvcap_dev_sync(const struct kvcap_dev_ctx *x);
+enum kvcap_status kvcap_cache_cuda_sync(const struct kvcap_cache_cuda_ctx *x);
 /* 1 when the stream is being captured into a graph (nothing may allocate or wait then). */
-int kvcap_dev_capturing(const struct kvcap_dev_ctx *x);
+int kvcap_cache_cuda_capturing(const struct kvcap_cache_cuda_ctx *x);
 
 /* ---- Prefill ------------------------------------------------------------------------------ */
 
 /* A K or V view of device memory (struct kvcap_tensor_view) whose page table, if any, has been
  * copied to the device. */
-struct kvcap_dev_view {
+struct kvcap_cache_cuda_view {
     const void *base;
     const void *const *pages; /* device array of device pointers, or NULL */
     int page_size;
@@ -69,22 +72,23 @@ struct kvcap_dev_view {
 /* Rows [0, n) of each of `heads` heads of dst ([heads][cap][d] in `storage`) = tokens
  * tokens[0..n) (device array; NULL: 0..n-1) of the view, converted through f32 as the host
  * cache does (round to nearest even). */
-enum kvcap_status kvcap_dev_fill_rows(const struct kvcap_dev_ctx *x, const struct kvcap_dev_view *src,
-                                      const int *tokens, int n, int heads, int d, void *dst,
-                                      int cap, enum kvcap_dtype storage);
+enum kvcap_status kvcap_cache_cuda_fill_rows(const struct kvcap_cache_cuda_ctx *x,
+                                             const struct kvcap_cache_cuda_view *src,
+                                             const int *tokens, int n, int heads, int d, void *dst,
+                                             int cap, enum kvcap_dtype storage);
 
 /* The rotation that undoes a span's start offset (K' = R(-p0) K, rope.h): for each rotation
  * pair (a, b), row[a] = cos and row[b] = sin of its angle, as kvcap_rope_rotate computes them;
  * channels past rope_dim are not rotated. */
 #define KVCAP_DEV_MAX_D 256
-struct kvcap_dev_rope {
+struct kvcap_cache_cuda_rope {
     int on;       /* 0: ROPE_NONE, keys and queries are used as they are */
     int adjacent; /* pairing: 1 adjacent (2i, 2i+1), 0 half (i, i + rope_dim/2) */
     int rope_dim;
 };
 
 /* Maps of one (layer, KV head, bucket) in device memory, f32 (artifact.h). */
-struct kvcap_dev_unit {
+struct kvcap_cache_cuda_unit {
     const int32_t *mask; /* [rk] */
     const float *w1;     /* [rk][h] */
     const float *b1;     /* [h] */
@@ -95,23 +99,21 @@ struct kvcap_dev_unit {
 };
 
 /* Grid order of a bucket (kvcap_bucket_token). */
-struct kvcap_dev_grid {
+struct kvcap_cache_cuda_grid {
     int tiled, cols, tile_rows, tile_cols;
 };
 
 /* KVCapsule state of one span for KV head `head` (policy_kvcapsule.c, DESIGN §4), from n
  * tokens of device views k and v: mu [d] = mean of V, hs [tiles][h][d] = φ(W1ᵀ K'[M] + b1 1ᵀ)
  * per tile with K' = R(-p0) K, vt [tiles][rv][d] = U (V_t − 1μᵀ), written in `storage`.
- * rope_row: device [d] floats (struct kvcap_dev_rope's table for -p0); mu_f32: device [d]
+ * rope_row: device [d] floats (struct kvcap_cache_cuda_rope's table for -p0); mu_f32: device [d]
  * floats of scratch. */
-enum kvcap_status kvcap_dev_capsule_prefill(const struct kvcap_dev_ctx *x,
-                                            const struct kvcap_dev_view *k,
-                                            const struct kvcap_dev_view *v, int head, int n, int d,
-                                            const struct kvcap_dev_rope *rope,
-                                            const float *rope_row, const struct kvcap_dev_grid *grid,
-                                            const struct kvcap_dev_unit *unit, int tiles,
-                                            enum kvcap_dtype storage, void *hs, void *vt, void *mu,
-                                            float *mu_f32);
+enum kvcap_status kvcap_cache_cuda_capsule_prefill(
+    const struct kvcap_cache_cuda_ctx *x, const struct kvcap_cache_cuda_view *k,
+    const struct kvcap_cache_cuda_view *v, int head, int n, int d,
+    const struct kvcap_cache_cuda_rope *rope, const float *rope_row,
+    const struct kvcap_cache_cuda_grid *grid, const struct kvcap_cache_cuda_unit *unit, int tiles,
+    enum kvcap_dtype storage, void *hs, void *vt, void *mu, float *mu_f32);
 
 /* ---- Decode ------------------------------------------------------------------------------- */
 
@@ -120,7 +122,7 @@ enum kvcap_status kvcap_dev_capsule_prefill(const struct kvcap_dev_ctx *x,
  * rows then sinks + (seen − sinks) mod window. The kernel writes the row of every head,
  * sets problems[h].n for h < heads to the rows now held and increments *seen; a row at or past
  * cap is not written, *seen is left and *overflow set to 1. */
-struct kvcap_dev_append {
+struct kvcap_cache_cuda_append {
     const void *k, *v;           /* device: the token's row of head 0 */
     enum kvcap_dtype k_dtype, v_dtype;
     int64_t k_head_stride, v_head_stride; /* elements between heads */
@@ -130,26 +132,28 @@ struct kvcap_dev_append {
     struct kvcap_cuda_rows_problem *problems; /* device: one per head, consecutive */
     int *overflow;               /* device flag */
 };
-enum kvcap_status kvcap_dev_append_token(const struct kvcap_dev_ctx *x,
-                                         const struct kvcap_dev_append *a, int heads, int d,
-                                         enum kvcap_dtype storage);
+enum kvcap_status kvcap_cache_cuda_append_token(const struct kvcap_cache_cuda_ctx *x,
+                                                const struct kvcap_cache_cuda_append *a, int heads,
+                                                int d, enum kvcap_dtype storage);
 
 /* q_copy = q ([n_seqs][q_heads][d]), and for each of n_rot KVCapsule spans r, qrot[r] =
  * R(-p0_r) q[rot_seq[r]] ([q_heads][d]) with rot_rows[r] ([d], the span's table). All device. */
-enum kvcap_status kvcap_dev_prepare_queries(const struct kvcap_dev_ctx *x, const float *q,
-                                            int n_seqs, int q_heads, int d, float *q_copy,
-                                            int n_rot, const int *rot_seq, const float *rot_rows,
-                                            const struct kvcap_dev_rope *rope, float *qrot);
+enum kvcap_status kvcap_cache_cuda_prepare_queries(const struct kvcap_cache_cuda_ctx *x,
+                                                   const float *q, int n_seqs, int q_heads, int d,
+                                                   float *q_copy, int n_rot, const int *rot_seq,
+                                                   const float *rot_rows,
+                                                   const struct kvcap_cache_cuda_rope *rope,
+                                                   float *qrot);
 
 /* Per-unit partials (mx, sum, o of attention.h) of a layer: unit u of KV head h, query g at
  * row (h * n_units + u) * G + g. For each sequence s (its units are unit_begin[s] ..
  * unit_begin[s+1] − 1, device array) and query head hq = h * G + g: merges the units by
  * log-sum-exp, writes out[s][hq][:] = o / sum (0 when nothing was attended) and, when lse is
  * not NULL, lse[s][hq] = mx + log(sum) (-inf when nothing was attended). */
-enum kvcap_status kvcap_dev_merge_finish(const struct kvcap_dev_ctx *x, const float *mx,
-                                         const float *sum, const float *o, int n_units,
-                                         const int *unit_begin, int n_seqs, int kv_heads, int G,
-                                         int d, float *out, float *lse);
+enum kvcap_status kvcap_cache_cuda_merge_finish(const struct kvcap_cache_cuda_ctx *x,
+                                                const float *mx, const float *sum, const float *o,
+                                                int n_units, const int *unit_begin, int n_seqs,
+                                                int kv_heads, int G, int d, float *out, float *lse);
 
 #ifdef __cplusplus
 }

@@ -42,13 +42,14 @@ struct dev_layer {
 };
 
 struct kvcap_device {
-    struct kvcap_dev_ctx ctx;
-    struct kvcap_dev_rope rope;
+    struct kvcap_cache_cuda_ctx ctx;
+    struct kvcap_cache_cuda_rope rope;
     void *maps;                   /* device: every unit's maps, one allocation */
-    struct kvcap_dev_unit *units; /* host table [layers][kv_heads][buckets] of device pointers */
-    int *overflow;                /* device flag of kvcap_dev_append_token */
-    struct dev_layer *layers;     /* [n_layers] */
-    int *gen_problem;             /* [n_layers][n_seqs], the layers' arrays */
+    struct kvcap_cache_cuda_unit
+        *units;               /* host table [layers][kv_heads][buckets] of device pointers */
+    int *overflow;            /* device flag of kvcap_cache_cuda_append_token */
+    struct dev_layer *layers; /* [n_layers] */
+    int *gen_problem;         /* [n_layers][n_seqs], the layers' arrays */
     /* Shared by every layer (their work is ordered on the one stream): per-unit partials,
      * the copied and the rotated queries, the attention calls' scratch. */
     void *work;
@@ -72,15 +73,16 @@ static size_t section(size_t *total, size_t bytes)
     return off;
 }
 
-static const struct kvcap_dev_unit *dev_unit(const struct kvcap_cache *c, int l, int h, int b)
+static const struct kvcap_cache_cuda_unit *dev_unit(const struct kvcap_cache *c, int l, int h,
+                                                    int b)
 {
     return &c->dev->units[((size_t)l * c->g.n_kv_heads + (size_t)h) * c->artifact->n_buckets +
                           (size_t)b];
 }
 
-/* The rotation table of position `pos` (struct kvcap_dev_rope): kvcap_rope_rotate applied to a
- * row holding 1 in the first channel of every pair and 0 in the second leaves cos there and sin
- * in the second, exactly as it rotates any row. */
+/* The rotation table of position `pos` (struct kvcap_cache_cuda_rope): kvcap_rope_rotate applied
+ * to a row holding 1 in the first channel of every pair and 0 in the second leaves cos there and
+ * sin in the second, exactly as it rotates any row. */
 static void rope_row(const struct kvcap_model_geometry *g, double pos, float *row)
 {
     int d = g->head_dim, rd = g->rope_dim ? g->rope_dim : d;
@@ -115,7 +117,7 @@ static enum kvcap_status upload_maps(struct kvcap_cache *c)
                                  : kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "device cache: out of "
                                               "memory staging %zu bytes of maps", total);
     if (st == KVCAP_OK)
-        st = kvcap_dev_malloc(&dv->ctx, total, &dv->maps);
+        st = kvcap_cache_cuda_malloc(&dv->ctx, total, &dv->maps);
     for (size_t i = 0; st == KVCAP_OK && i < n_units; i++) {
         const struct kvcap_unit_maps *u = &a->units[i];
         const void *src[6] = {u->mask, u->w1, u->b1, u->w2, u->b2, u->u};
@@ -126,17 +128,21 @@ static enum kvcap_status upload_maps(struct kvcap_cache *c)
             if (bytes[j])
                 memcpy(image + off[6 * i + j], src[j], bytes[j]);
         char *base = dv->maps;
-        struct kvcap_dev_unit du = {(const int32_t *)(base + off[6 * i]),
-                                    (const float *)(base + off[6 * i + 1]),
-                                    (const float *)(base + off[6 * i + 2]),
-                                    (const float *)(base + off[6 * i + 3]),
-                                    (const float *)(base + off[6 * i + 4]),
-                                    (const float *)(base + off[6 * i + 5]),
-                                    u->m, u->rk, u->h, u->rv, u->gelu};
+        struct kvcap_cache_cuda_unit du = {(const int32_t *)(base + off[6 * i]),
+                                           (const float *)(base + off[6 * i + 1]),
+                                           (const float *)(base + off[6 * i + 2]),
+                                           (const float *)(base + off[6 * i + 3]),
+                                           (const float *)(base + off[6 * i + 4]),
+                                           (const float *)(base + off[6 * i + 5]),
+                                           u->m,
+                                           u->rk,
+                                           u->h,
+                                           u->rv,
+                                           u->gelu};
         dv->units[i] = du;
     }
     if (st == KVCAP_OK)
-        st = kvcap_dev_upload_sync(&dv->ctx, dv->maps, image, total);
+        st = kvcap_cache_cuda_upload_sync(&dv->ctx, dv->maps, image, total);
     free(image);
     free(off);
     return st;
@@ -187,9 +193,9 @@ static enum kvcap_status device_create(struct kvcap_cache *c, int device)
         KVCAP_TRY(check_capsule_limits(c));
         KVCAP_TRY(upload_maps(c));
     }
-    KVCAP_TRY(kvcap_dev_malloc(&dv->ctx, sizeof(int), (void **)&dv->overflow));
+    KVCAP_TRY(kvcap_cache_cuda_malloc(&dv->ctx, sizeof(int), (void **)&dv->overflow));
     static const int zero = 0;
-    return kvcap_dev_upload_sync(&dv->ctx, dv->overflow, &zero, sizeof zero);
+    return kvcap_cache_cuda_upload_sync(&dv->ctx, dv->overflow, &zero, sizeof zero);
 }
 
 static void device_free(struct kvcap_cache *c)
@@ -199,11 +205,11 @@ static void device_free(struct kvcap_cache *c)
         return;
     int dev = dv->ctx.device;
     for (int l = 0; dv->layers && l < c->g.n_layers; l++)
-        kvcap_dev_free(dev, dv->layers[l].table);
-    kvcap_dev_free(dev, dv->work);
-    kvcap_dev_free(dev, dv->maps);
-    kvcap_dev_free(dev, dv->overflow);
-    kvcap_dev_host_free(dv->staging);
+        kvcap_cache_cuda_free(dev, dv->layers[l].table);
+    kvcap_cache_cuda_free(dev, dv->work);
+    kvcap_cache_cuda_free(dev, dv->maps);
+    kvcap_cache_cuda_free(dev, dv->overflow);
+    kvcap_cache_cuda_host_free(dv->staging);
     free(dv->layers);
     free(dv->gen_problem);
     free(dv->units);
@@ -224,8 +230,9 @@ static void device_layer_changed(struct kvcap_cache *c, int layer)
 static void device_segment_free(struct kvcap_segment *seg)
 {
     int dev = seg->dev - 1;
-    kvcap_dev_free(dev, seg->k), kvcap_dev_free(dev, seg->v), kvcap_dev_free(dev, seg->hs);
-    kvcap_dev_free(dev, seg->vt), kvcap_dev_free(dev, seg->mu);
+    kvcap_cache_cuda_free(dev, seg->k), kvcap_cache_cuda_free(dev, seg->v),
+        kvcap_cache_cuda_free(dev, seg->hs);
+    kvcap_cache_cuda_free(dev, seg->vt), kvcap_cache_cuda_free(dev, seg->mu);
 }
 
 /* ---- Prefill ------------------------------------------------------------------------------ */
@@ -233,7 +240,7 @@ static void device_segment_free(struct kvcap_segment *seg)
 /* Temporary device memory of one prefill call: the views' page tables, then `extra` bytes. */
 struct prefill_temp {
     void *mem;
-    struct kvcap_dev_view k, v;
+    struct kvcap_cache_cuda_view k, v;
     char *extra;
 };
 
@@ -256,20 +263,24 @@ static enum kvcap_status temp_make(struct kvcap_cache *c, const struct kvcap_ten
         memcpy(image + ov, (const void *)v->pages, table_bytes(v, n));
     if (extra_bytes)
         memcpy(image + oe, extra, extra_bytes);
-    enum kvcap_status st = kvcap_dev_malloc(&c->dev->ctx, total, &t->mem);
+    enum kvcap_status st = kvcap_cache_cuda_malloc(&c->dev->ctx, total, &t->mem);
     if (st == KVCAP_OK)
-        st = kvcap_dev_upload_sync(&c->dev->ctx, t->mem, image, total);
+        st = kvcap_cache_cuda_upload_sync(&c->dev->ctx, t->mem, image, total);
     free(image);
     if (st != KVCAP_OK) {
-        kvcap_dev_free(c->dev->ctx.device, t->mem);
+        kvcap_cache_cuda_free(c->dev->ctx.device, t->mem);
         t->mem = NULL;
         return st;
     }
     char *base = t->mem;
-    struct kvcap_dev_view kv = {k->base, k->pages ? (const void *const *)(base + ok) : NULL,
-                                k->page_size, k->dtype, k->head_stride, k->token_stride};
-    struct kvcap_dev_view vv = {v->base, v->pages ? (const void *const *)(base + ov) : NULL,
-                                v->page_size, v->dtype, v->head_stride, v->token_stride};
+    struct kvcap_cache_cuda_view kv = {
+        k->base,        k->pages ? (const void *const *)(base + ok) : NULL,
+        k->page_size,   k->dtype,
+        k->head_stride, k->token_stride};
+    struct kvcap_cache_cuda_view vv = {
+        v->base,        v->pages ? (const void *const *)(base + ov) : NULL,
+        v->page_size,   v->dtype,
+        v->head_stride, v->token_stride};
     t->k = kv;
     t->v = vv;
     t->extra = base + oe;
@@ -280,8 +291,8 @@ static enum kvcap_status temp_make(struct kvcap_cache *c, const struct kvcap_ten
 static enum kvcap_status temp_done(struct kvcap_cache *c, struct prefill_temp *t,
                                    enum kvcap_status st)
 {
-    enum kvcap_status sync = kvcap_dev_sync(&c->dev->ctx);
-    kvcap_dev_free(c->dev->ctx.device, t->mem);
+    enum kvcap_status sync = kvcap_cache_cuda_sync(&c->dev->ctx);
+    kvcap_cache_cuda_free(c->dev->ctx.device, t->mem);
     t->mem = NULL;
     return st != KVCAP_OK ? st : sync;
 }
@@ -291,12 +302,12 @@ static enum kvcap_status alloc_rows(struct kvcap_cache *c, int cap, void **k, vo
     size_t bytes = (size_t)c->g.n_kv_heads * (size_t)cap * (size_t)c->g.head_dim *
                    kvcap_dtype_size(c->storage);
     *k = *v = NULL;
-    enum kvcap_status st = kvcap_dev_malloc(&c->dev->ctx, bytes, k);
+    enum kvcap_status st = kvcap_cache_cuda_malloc(&c->dev->ctx, bytes, k);
     if (st == KVCAP_OK)
-        st = kvcap_dev_malloc(&c->dev->ctx, bytes, v);
+        st = kvcap_cache_cuda_malloc(&c->dev->ctx, bytes, v);
     if (st != KVCAP_OK) {
-        kvcap_dev_free(c->dev->ctx.device, *k);
-        kvcap_dev_free(c->dev->ctx.device, *v);
+        kvcap_cache_cuda_free(c->dev->ctx.device, *k);
+        kvcap_cache_cuda_free(c->dev->ctx.device, *v);
         *k = *v = NULL;
     }
     return st;
@@ -316,9 +327,9 @@ static enum kvcap_status device_fill(struct kvcap_cache *c, struct kvcap_segment
     const int *dtok = tokens ? (const int *)t.extra : NULL;
     int H = c->g.n_kv_heads, d = c->g.head_dim;
     enum kvcap_status st =
-        kvcap_dev_fill_rows(&c->dev->ctx, &t.k, dtok, n, H, d, seg->k, cap, c->storage);
+        kvcap_cache_cuda_fill_rows(&c->dev->ctx, &t.k, dtok, n, H, d, seg->k, cap, c->storage);
     if (st == KVCAP_OK)
-        st = kvcap_dev_fill_rows(&c->dev->ctx, &t.v, dtok, n, H, d, seg->v, cap, c->storage);
+        st = kvcap_cache_cuda_fill_rows(&c->dev->ctx, &t.v, dtok, n, H, d, seg->v, cap, c->storage);
     KVCAP_TRY(temp_done(c, &t, st));
     seg->n_rows = n;
     return KVCAP_OK;
@@ -332,7 +343,7 @@ static enum kvcap_status device_capsule_prefill(struct kvcap_cache *c, int layer
     const struct kvcap_artifact *a = c->artifact;
     const struct kvcap_bucket *bk = &a->buckets[seg->bucket];
     /* Every KV head of a layer and bucket has head 0's h and R_v (kvcap_artifact_open). */
-    const struct kvcap_dev_unit *u0 = dev_unit(c, layer, 0, seg->bucket);
+    const struct kvcap_cache_cuda_unit *u0 = dev_unit(c, layer, 0, seg->bucket);
     int n = seg->n_tokens, d = c->g.head_dim, H = c->g.n_kv_heads;
     seg->tiles = n / u0->m;
     seg->h = u0->h;
@@ -340,9 +351,9 @@ static enum kvcap_status device_capsule_prefill(struct kvcap_cache *c, int layer
     size_t es = kvcap_dtype_size(c->storage);
     size_t per_h = (size_t)seg->tiles * seg->h * d, per_v = (size_t)seg->tiles * seg->rv * d;
     seg->dev = 1 + c->dev->ctx.device;
-    KVCAP_TRY(kvcap_dev_malloc(&c->dev->ctx, (size_t)H * per_h * es, &seg->hs));
-    KVCAP_TRY(kvcap_dev_malloc(&c->dev->ctx, (size_t)H * per_v * es, &seg->vt));
-    KVCAP_TRY(kvcap_dev_malloc(&c->dev->ctx, (size_t)H * d * es, &seg->mu));
+    KVCAP_TRY(kvcap_cache_cuda_malloc(&c->dev->ctx, (size_t)H * per_h * es, &seg->hs));
+    KVCAP_TRY(kvcap_cache_cuda_malloc(&c->dev->ctx, (size_t)H * per_v * es, &seg->vt));
+    KVCAP_TRY(kvcap_cache_cuda_malloc(&c->dev->ctx, (size_t)H * d * es, &seg->mu));
     float row[KVCAP_DEV_MAX_D];
     rope_row(&c->g, -(double)seg->p0, row);
     struct prefill_temp t;
@@ -351,16 +362,16 @@ static enum kvcap_status device_capsule_prefill(struct kvcap_cache *c, int layer
                         &t));
     const float *rr = (const float *)t.extra;
     float *mu_f32 = (float *)t.extra + d;
-    struct kvcap_dev_grid grid = {bk->structure == KVCAP_STRUCTURE_TILED, bk->cols, bk->tile_rows,
-                                  bk->tile_cols};
+    struct kvcap_cache_cuda_grid grid = {bk->structure == KVCAP_STRUCTURE_TILED, bk->cols,
+                                         bk->tile_rows, bk->tile_cols};
     enum kvcap_status st = KVCAP_OK;
     /* heads one after the other on the stream: μ's f32 scratch is reused */
     for (int h = 0; st == KVCAP_OK && h < H; h++)
-        st = kvcap_dev_capsule_prefill(&c->dev->ctx, &t.k, &t.v, h, n, d, &c->dev->rope, rr, &grid,
-                                       dev_unit(c, layer, h, seg->bucket), seg->tiles, c->storage,
-                                       (char *)seg->hs + (size_t)h * per_h * es,
-                                       (char *)seg->vt + (size_t)h * per_v * es,
-                                       (char *)seg->mu + (size_t)h * d * es, mu_f32);
+        st = kvcap_cache_cuda_capsule_prefill(&c->dev->ctx, &t.k, &t.v, h, n, d, &c->dev->rope, rr,
+                                              &grid, dev_unit(c, layer, h, seg->bucket), seg->tiles,
+                                              c->storage, (char *)seg->hs + (size_t)h * per_h * es,
+                                              (char *)seg->vt + (size_t)h * per_v * es,
+                                              (char *)seg->mu + (size_t)h * d * es, mu_f32);
     return temp_done(c, &t, st);
 }
 
@@ -375,22 +386,23 @@ static enum kvcap_status device_reserve(struct kvcap_cache *c, struct kvcap_segm
     size_t row = (size_t)c->g.head_dim * kvcap_dtype_size(c->storage);
     enum kvcap_status st = KVCAP_OK;
     if (seg->n_rows > 0) {
-        st = kvcap_dev_copy_2d(&c->dev->ctx, k, (size_t)cap * row, seg->k, (size_t)seg->cap * row,
-                               (size_t)seg->n_rows * row, (size_t)c->g.n_kv_heads);
+        st = kvcap_cache_cuda_copy_2d(&c->dev->ctx, k, (size_t)cap * row, seg->k,
+                                      (size_t)seg->cap * row, (size_t)seg->n_rows * row,
+                                      (size_t)c->g.n_kv_heads);
         if (st == KVCAP_OK)
-            st = kvcap_dev_copy_2d(&c->dev->ctx, v, (size_t)cap * row, seg->v,
-                                   (size_t)seg->cap * row, (size_t)seg->n_rows * row,
-                                   (size_t)c->g.n_kv_heads);
+            st = kvcap_cache_cuda_copy_2d(&c->dev->ctx, v, (size_t)cap * row, seg->v,
+                                          (size_t)seg->cap * row, (size_t)seg->n_rows * row,
+                                          (size_t)c->g.n_kv_heads);
         if (st == KVCAP_OK)
-            st = kvcap_dev_sync(&c->dev->ctx);
+            st = kvcap_cache_cuda_sync(&c->dev->ctx);
     }
     if (st != KVCAP_OK) {
-        kvcap_dev_free(c->dev->ctx.device, k);
-        kvcap_dev_free(c->dev->ctx.device, v);
+        kvcap_cache_cuda_free(c->dev->ctx.device, k);
+        kvcap_cache_cuda_free(c->dev->ctx.device, v);
         return st;
     }
-    kvcap_dev_free(c->dev->ctx.device, seg->k);
-    kvcap_dev_free(c->dev->ctx.device, seg->v);
+    kvcap_cache_cuda_free(c->dev->ctx.device, seg->k);
+    kvcap_cache_cuda_free(c->dev->ctx.device, seg->v);
     seg->k = k;
     seg->v = v;
     seg->cap = cap;
@@ -402,7 +414,7 @@ static enum kvcap_status device_reserve(struct kvcap_cache *c, struct kvcap_segm
 
 static enum kvcap_status refuse_in_capture(const struct kvcap_cache *c, const char *what, int layer)
 {
-    KVCAP_RETURN_IF(kvcap_dev_capturing(&c->dev->ctx), KVCAP_ERR_STATE,
+    KVCAP_RETURN_IF(kvcap_cache_cuda_capturing(&c->dev->ctx), KVCAP_ERR_STATE,
                     "layer %d: %s while the cache's stream is being captured (this step allocates "
                     "and uploads; run it directly, then capture; params.reserve_tokens avoids "
                     "growth)",
@@ -435,10 +447,10 @@ static enum kvcap_status work_reserve(struct kvcap_cache *c, size_t slot_rows, s
     size_t o_q = section(&total, sizeof(float) * q_rows * qd);
     size_t o_r = section(&total, sizeof(float) * (rot_rows ? rot_rows : 1) * qd);
     size_t o_s = section(&total, scratch_bytes);
-    kvcap_dev_free(dv->ctx.device, dv->work); /* waits for the work that used it */
+    kvcap_cache_cuda_free(dv->ctx.device, dv->work); /* waits for the work that used it */
     dv->work = NULL;
     dv->slot_rows = dv->q_rows = dv->rot_rows = dv->scratch_bytes = 0;
-    KVCAP_TRY(kvcap_dev_malloc(&dv->ctx, total, &dv->work));
+    KVCAP_TRY(kvcap_cache_cuda_malloc(&dv->ctx, total, &dv->work));
     char *w = dv->work;
     dv->mx = (float *)(w + o_mx);
     dv->sum = (float *)(w + o_sum);
@@ -472,7 +484,7 @@ static enum kvcap_status rebuild(struct kvcap_cache *c, int layer)
     const struct kvcap_model_geometry *g = &c->g;
     int H = g->n_kv_heads, G = g->n_q_heads / H, d = g->head_dim, B = c->artifact ? c->artifact->n_buckets : 0;
     size_t es = kvcap_dtype_size(c->storage);
-    KVCAP_TRY(kvcap_dev_sync(&dv->ctx));
+    KVCAP_TRY(kvcap_cache_cuda_sync(&dv->ctx));
 
     /* Sizes: units, problems, spans per bucket. */
     int n_plain = 0, n_rot = 0, max_n = 0;
@@ -499,7 +511,7 @@ static enum kvcap_status rebuild(struct kvcap_cache *c, int layer)
     }
     for (int b = 0; b < B; b++)
         for (int h = 0; spans[b] > 0 && h < H; h++) {
-            const struct kvcap_dev_unit *u = dev_unit(c, layer, h, b);
+            const struct kvcap_cache_cuda_unit *u = dev_unit(c, layer, h, b);
             struct kvcap_capsule_maps m = {u->m, u->h, u->rv, u->w2, u->b2, u->u};
             KVCAP_TRY(kvcap_cuda_capsule_scratch_bytes(&m, spans[b], tiles[b], G, d, &need));
             scratch = need > scratch ? need : scratch;
@@ -515,18 +527,18 @@ static enum kvcap_status rebuild(struct kvcap_cache *c, int layer)
     size_t o_rr = section(&total, sizeof(float) * (size_t)n_rot * d);
     size_t o_se = section(&total, sizeof(int64_t) * (size_t)c->n_seqs);
     if (total > L->table_cap) {
-        kvcap_dev_free(dv->ctx.device, L->table);
+        kvcap_cache_cuda_free(dv->ctx.device, L->table);
         L->table = NULL;
         L->table_cap = 0;
         L->built = 0;
-        KVCAP_TRY(kvcap_dev_malloc(&dv->ctx, total, &L->table));
+        KVCAP_TRY(kvcap_cache_cuda_malloc(&dv->ctx, total, &L->table));
         L->table_cap = total;
     }
     if (total > dv->staging_cap) {
-        kvcap_dev_host_free(dv->staging);
+        kvcap_cache_cuda_host_free(dv->staging);
         dv->staging = NULL;
         dv->staging_cap = 0;
-        KVCAP_TRY(kvcap_dev_host_malloc(&dv->ctx, total, &dv->staging));
+        KVCAP_TRY(kvcap_cache_cuda_host_malloc(&dv->ctx, total, &dv->staging));
         dv->staging_cap = total;
     }
     char *img = dv->staging, *dev = L->table;
@@ -584,7 +596,7 @@ static enum kvcap_status rebuild(struct kvcap_cache *c, int layer)
         }
     }
     ub[c->n_seqs] = u;
-    KVCAP_TRY(kvcap_dev_upload(&dv->ctx, L->table, img, total));
+    KVCAP_TRY(kvcap_cache_cuda_upload(&dv->ctx, L->table, img, total));
     L->problems = (void *)(dev + o_pr);
     L->spans = (void *)(dev + o_sp);
     L->unit_begin = (int *)(dev + o_ub);
@@ -630,12 +642,12 @@ static enum kvcap_status device_append(struct kvcap_cache *c, int seq, int layer
                                      "storage moved)"));
     struct dev_layer *L = &dv->layers[layer];
     int streaming = gen->policy == KVCAP_POLICY_STREAMING;
-    struct kvcap_dev_append a = {
+    struct kvcap_cache_cuda_append a = {
         k->pages ? k->pages[0] : k->base, v->pages ? v->pages[0] : v->base, k->dtype, v->dtype,
         k->head_stride, v->head_stride, gen->k, gen->v, gen->cap,
         streaming ? c->cfg.streaming.sinks : 0, streaming ? c->cfg.streaming.window : 0,
         L->seen + seq, L->problems + L->gen_problem[seq], dv->overflow};
-    return kvcap_dev_append_token(&dv->ctx, &a, c->g.n_kv_heads, c->g.head_dim, c->storage);
+    return kvcap_cache_cuda_append_token(&dv->ctx, &a, c->g.n_kv_heads, c->g.head_dim, c->storage);
 }
 
 /* Bytes the launches read, as the host kernels count them (attention.c): K and V of every
@@ -680,22 +692,23 @@ static enum kvcap_status device_attend(struct kvcap_cache *c, int layer, const f
         struct kvcap_partial all = {dv->mx, dv->sum, dv->o};
         KVCAP_TRY(kvcap_cuda_partial_reset(all, H * L->n_units * G, d, dv->ctx.stream));
     }
-    KVCAP_TRY(kvcap_dev_prepare_queries(&dv->ctx, q, c->n_seqs, g->n_q_heads, d, dv->q_copy,
-                                        L->n_rot, L->rot_seq, L->rot_rows, &dv->rope, dv->qrot));
+    KVCAP_TRY(kvcap_cache_cuda_prepare_queries(&dv->ctx, q, c->n_seqs, g->n_q_heads, d, dv->q_copy,
+                                               L->n_rot, L->rot_seq, L->rot_rows, &dv->rope,
+                                               dv->qrot));
     if (L->n_problems > 0)
         KVCAP_TRY(kvcap_cuda_attend_rows(L->problems, L->n_problems, L->max_n, c->storage, G, d,
                                          scale, dv->scratch, dv->scratch_bytes, dv->ctx.stream));
     for (int b = 0; c->artifact && b < c->artifact->n_buckets; b++)
         for (int h = 0; L->bucket_spans[b] > 0 && h < H; h++) {
-            const struct kvcap_dev_unit *u = dev_unit(c, layer, h, b);
+            const struct kvcap_cache_cuda_unit *u = dev_unit(c, layer, h, b);
             struct kvcap_capsule_maps m = {u->m, u->h, u->rv, u->w2, u->b2, u->u};
             KVCAP_TRY(kvcap_cuda_capsule_attend(
                 &m, L->spans + L->bucket_first[b] + (size_t)h * L->bucket_spans[b],
                 L->bucket_spans[b], L->bucket_tiles[b], c->storage, G, d, scale, dv->scratch,
                 dv->scratch_bytes, dv->ctx.stream));
         }
-    KVCAP_TRY(kvcap_dev_merge_finish(&dv->ctx, dv->mx, dv->sum, dv->o, L->n_units, L->unit_begin,
-                                     c->n_seqs, H, G, d, out, lse));
+    KVCAP_TRY(kvcap_cache_cuda_merge_finish(&dv->ctx, dv->mx, dv->sum, dv->o, L->n_units,
+                                            L->unit_begin, c->n_seqs, H, G, d, out, lse));
     read_bytes(c, layer, &c->last_read, &c->last_map_read);
     return KVCAP_OK;
 }
@@ -705,7 +718,7 @@ static enum kvcap_status device_attend(struct kvcap_cache *c, int layer, const f
 static enum kvcap_status device_sync(struct kvcap_cache *c)
 {
     struct kvcap_device *dv = c->dev;
-    KVCAP_TRY(kvcap_dev_sync(&dv->ctx));
+    KVCAP_TRY(kvcap_cache_cuda_sync(&dv->ctx));
     int64_t *seen = malloc(sizeof(int64_t) * (size_t)c->n_seqs);
     KVCAP_RETURN_IF(!seen, KVCAP_ERR_OUT_OF_MEMORY, "cache sync: out of memory");
     enum kvcap_status st = KVCAP_OK;
@@ -714,7 +727,8 @@ static enum kvcap_status device_sync(struct kvcap_cache *c)
         const struct dev_layer *L = &dv->layers[l];
         if (!L->built)
             continue;
-        st = kvcap_dev_download_sync(&dv->ctx, seen, L->seen, sizeof(int64_t) * (size_t)c->n_seqs);
+        st = kvcap_cache_cuda_download_sync(&dv->ctx, seen, L->seen,
+                                            sizeof(int64_t) * (size_t)c->n_seqs);
         for (int s = 0; st == KVCAP_OK && s < c->n_seqs; s++) {
             struct kvcap_segment *gen = &kvcap_cache_seq_layer(c, s, l)->gen;
             if (L->gen_problem[s] < 0 || seen[s] <= gen->seen)
@@ -731,10 +745,10 @@ static enum kvcap_status device_sync(struct kvcap_cache *c)
     free(seen);
     int flag = 0;
     if (st == KVCAP_OK)
-        st = kvcap_dev_download_sync(&dv->ctx, &flag, dv->overflow, sizeof flag);
+        st = kvcap_cache_cuda_download_sync(&dv->ctx, &flag, dv->overflow, sizeof flag);
     if (st == KVCAP_OK && flag) {
         static const int zero = 0;
-        st = kvcap_dev_upload_sync(&dv->ctx, dv->overflow, &zero, sizeof zero);
+        st = kvcap_cache_cuda_upload_sync(&dv->ctx, dv->overflow, &zero, sizeof zero);
         if (st == KVCAP_OK)
             st = kvcap_fail(KVCAP_ERR_STATE,
                             "cache sync: an append found the generated rows full and did not "

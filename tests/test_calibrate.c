@@ -423,7 +423,7 @@ static void test_device_option(void **state)
     assert_false(kvcap_calib_device_parse("CUDA", &d));
     assert_int_equal(d, KVCAP_CALIB_DEVICE_CPU);
     int have_cuda = kvcap_calib_cuda_unavailable() == NULL;
-    assert_int_equal(have_cuda, kvcap_gpu_built() && kvcap_cuda_device_count() > 0);
+    assert_int_equal(have_cuda, kvcap_calib_cuda_built() && kvcap_cuda_device_count() > 0);
     assert_int_equal(kvcap_calib_device_resolve(KVCAP_CALIB_DEVICE_AUTO, &d), KVCAP_OK);
     assert_int_equal(d, have_cuda ? KVCAP_CALIB_DEVICE_CUDA : KVCAP_CALIB_DEVICE_CPU);
 

@@ -218,15 +218,15 @@ static void test_gram_accumulator(void **state)
             v[i][j] = v_ref[i][j] = kvcap_rng_normal(&rng);
         }
     }
-    struct kvcap_gpu_gram_params p = {UNITS, m, cap, k, v, LANES};
-    struct kvcap_gpu_gram *g = NULL;
-    if (kvcap_gpu_gram_create(&p, &g) != KVCAP_OK)
+    struct kvcap_calib_cuda_gram_params p = {UNITS, m, cap, k, v, LANES};
+    struct kvcap_calib_cuda_gram *g = NULL;
+    if (kvcap_calib_cuda_gram_create(&p, &g) != KVCAP_OK)
         fail_msg("%s", kvcap_last_error());
     for (int round = 0; round < ROUNDS; round++)
         for (int i = 0; i < UNITS; i++) {
             size_t cols = round % 3 == 2 ? cap[i] / 2 + 1 : cap[i];
             double *kb, *vb;
-            kvcap_gpu_gram_buffers(g, (size_t)i, &kb, &vb);
+            kvcap_calib_cuda_gram_buffers(g, (size_t)i, &kb, &vb);
             for (size_t r = 0; r < (size_t)m[i]; r++)
                 for (size_t c = 0; c < cap[i]; c++) { /* junk beyond cols must be ignored */
                     kb[r * cap[i] + c] = c < cols ? kvcap_rng_normal(&rng) : NAN;
@@ -236,13 +236,14 @@ static void test_gram_accumulator(void **state)
                         (int)cap[i], 1.0, k_ref[i], m[i]);
             cblas_dsyrk(CblasRowMajor, CblasUpper, CblasNoTrans, m[i], (int)cols, 1.0, vb,
                         (int)cap[i], 1.0, v_ref[i], m[i]);
-            if (kvcap_gpu_gram_flush(g, (round + i) % LANES, (size_t)i, cols) != KVCAP_OK)
+            if (kvcap_calib_cuda_gram_flush(g, (round + i) % LANES, (size_t)i, cols) != KVCAP_OK)
                 fail_msg("%s", kvcap_last_error());
         }
-    assert_int_equal(kvcap_gpu_gram_flush(g, LANES, 0, 1), KVCAP_ERR_INTERNAL); /* no such lane */
-    if (kvcap_gpu_gram_finish(g) != KVCAP_OK)
+    assert_int_equal(kvcap_calib_cuda_gram_flush(g, LANES, 0, 1),
+                     KVCAP_ERR_INTERNAL); /* no such lane */
+    if (kvcap_calib_cuda_gram_finish(g) != KVCAP_OK)
         fail_msg("%s", kvcap_last_error());
-    kvcap_gpu_gram_free(g);
+    kvcap_calib_cuda_gram_free(g);
     for (int i = 0; i < UNITS; i++) {
         size_t mm = (size_t)m[i] * m[i];
         assert_true(rel_diff(k_ref[i], k[i], mm) <= GRAM_REL_TOL);
@@ -253,7 +254,7 @@ static void test_gram_accumulator(void **state)
                             v[i][(size_t)r * m[i] + c] == v_ref[i][(size_t)r * m[i] + c]);
         free(k[i]), free(v[i]), free(k_ref[i]), free(v_ref[i]);
     }
-    kvcap_gpu_gram_free(NULL);
+    kvcap_calib_cuda_gram_free(NULL);
 }
 
 struct eigen_check {
@@ -326,33 +327,33 @@ static void test_eigen_batch(void **state)
                 mats[i][(size_t)r * n[i] + c] = mats[i][(size_t)c * n[i] + r];
         free(x);
     }
-    struct kvcap_gpu_eigen *e = NULL;
-    if (kvcap_gpu_eigen_create(64, &e) != KVCAP_OK)
+    struct kvcap_calib_cuda_eigen *e = NULL;
+    if (kvcap_calib_cuda_eigen_create(64, &e) != KVCAP_OK)
         fail_msg("%s", kvcap_last_error());
     int failed = 0;
     /* n_max is 64 here: a larger matrix is refused before any work */
-    assert_int_equal(kvcap_gpu_dsyevd_batch(e, COUNT, (const double *const *)mats, n, check_eigen,
-                                            NULL, &failed),
+    assert_int_equal(kvcap_calib_cuda_dsyevd_batch(e, COUNT, (const double *const *)mats, n,
+                                                   check_eigen, NULL, &failed),
                      KVCAP_ERR_INVALID_ARGUMENT);
-    kvcap_gpu_eigen_free(e);
-    if (kvcap_gpu_eigen_create(256, &e) != KVCAP_OK)
+    kvcap_calib_cuda_eigen_free(e);
+    if (kvcap_calib_cuda_eigen_create(256, &e) != KVCAP_OK)
         fail_msg("%s", kvcap_last_error());
     struct eigen_check c = {(const double *const *)mats, n, 0};
-    if (kvcap_gpu_dsyevd_batch(e, COUNT, (const double *const *)mats, n, check_eigen, &c,
-                               &failed) != KVCAP_OK)
+    if (kvcap_calib_cuda_dsyevd_batch(e, COUNT, (const double *const *)mats, n, check_eigen, &c,
+                                      &failed) != KVCAP_OK)
         fail_msg("%s", kvcap_last_error());
     assert_int_equal(c.seen, COUNT);
     assert_int_equal(failed, -1);
     /* a consumer's failure stops the batch, names the matrix, and leaves the handle usable */
-    assert_int_equal(kvcap_gpu_dsyevd_batch(e, COUNT, (const double *const *)mats, n, stop_at_one,
-                                            NULL, &failed),
+    assert_int_equal(kvcap_calib_cuda_dsyevd_batch(e, COUNT, (const double *const *)mats, n,
+                                                   stop_at_one, NULL, &failed),
                      KVCAP_ERR_STATE);
     assert_int_equal(failed, 1);
     c.seen = 0;
-    assert_int_equal(kvcap_gpu_dsyevd_batch(e, COUNT, (const double *const *)mats, n, check_eigen,
-                                            &c, &failed),
+    assert_int_equal(kvcap_calib_cuda_dsyevd_batch(e, COUNT, (const double *const *)mats, n,
+                                                   check_eigen, &c, &failed),
                      KVCAP_OK);
-    kvcap_gpu_eigen_free(e);
+    kvcap_calib_cuda_eigen_free(e);
     for (int i = 0; i < COUNT; i++)
         free(mats[i]);
 }
@@ -470,7 +471,7 @@ int main(void)
         return 77;
     }
     char name[128];
-    if (kvcap_gpu_device_name(name, sizeof name) == KVCAP_OK)
+    if (kvcap_calib_cuda_device_name(name, sizeof name) == KVCAP_OK)
         printf("device: %s\n", name);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_gram_accumulator),

@@ -2,7 +2,7 @@
  * one loss + gradient evaluation against the double reference (relaxed and hard, linear and
  * GELU, whole set and gathered batches), MSEs against kvcap_key_maps_mse, whole runs against
  * kvcap_keys_train, and two runs with one seed bit for bit. First, on every machine, what
- * needs no device: kvcap_gpu_keys_train's argument errors, and its fallback to (or refusal
+ * needs no device: kvcap_calib_cuda_keys_train's argument errors, and its fallback to (or refusal
  * of) the CPU when no device can be used. Then, without a CUDA device, it reports itself
  * skipped (exit 77). */
 #include <math.h>
@@ -17,7 +17,7 @@
 #include <cmocka.h>
 
 #include "configs/config.h"
-#include "calibrate/gpu.h"
+#include "calibrate/calib_cuda.h"
 #include "common/internal.h"
 #include "calibrate/keys.h"
 #include "common/rng.h"
@@ -151,19 +151,22 @@ static void test_arguments_before_device(void **state)
         struct kvcap_key_maps out;
         struct kvcap_train_report rep;
         memset(&out, 0xab, sizeof out);
-        assert_int_equal(kvcap_gpu_keys_train(NULL, p.ld_train, p.n_train, p.val, p.ld_val,
-                                              p.n_val, &cfg, 0, &p.init, &out, &rep, fallback),
+        assert_int_equal(kvcap_calib_cuda_keys_train(NULL, p.ld_train, p.n_train, p.val, p.ld_val,
+                                                     p.n_val, &cfg, 0, &p.init, &out, &rep,
+                                                     fallback),
                          KVCAP_ERR_INVALID_ARGUMENT);
         assert_error_names("x_train");
         assert_null(out.w1); /* left zeroed */
         cfg.lr = -1;
-        assert_int_equal(kvcap_gpu_keys_train(p.train, p.ld_train, p.n_train, p.val, p.ld_val,
-                                              p.n_val, &cfg, 0, &p.init, &out, &rep, fallback),
+        assert_int_equal(kvcap_calib_cuda_keys_train(p.train, p.ld_train, p.n_train, p.val,
+                                                     p.ld_val, p.n_val, &cfg, 0, &p.init, &out,
+                                                     &rep, fallback),
                          KVCAP_ERR_INVALID_ARGUMENT);
         assert_error_names("cfg->lr");
         cfg.lr = run_cfg().lr;
-        assert_int_equal(kvcap_gpu_keys_train(p.train, p.ld_train, p.n_train, p.val, p.ld_val,
-                                              p.n_val, &cfg, 0, &p.init, NULL, &rep, fallback),
+        assert_int_equal(kvcap_calib_cuda_keys_train(p.train, p.ld_train, p.n_train, p.val,
+                                                     p.ld_val, p.n_val, &cfg, 0, &p.init, NULL,
+                                                     &rep, fallback),
                          KVCAP_ERR_INVALID_ARGUMENT);
         assert_error_names("out is NULL");
     }
@@ -190,8 +193,8 @@ static void test_no_device_fallback(void **state)
 
     n_warnings = 0;
     kvcap_log_set(capture_log, NULL, KVCAP_LOG_WARN);
-    enum kvcap_status st = kvcap_gpu_keys_train(p.train, p.ld_train, p.n_train, p.val, p.ld_val,
-                                                p.n_val, &cfg, 1, &p.init, &dev, &rd, 1);
+    enum kvcap_status st = kvcap_calib_cuda_keys_train(
+        p.train, p.ld_train, p.n_train, p.val, p.ld_val, p.n_val, &cfg, 1, &p.init, &dev, &rd, 1);
     kvcap_log_set(NULL, NULL, KVCAP_LOG_WARN);
     assert_int_equal(st, KVCAP_OK);
     assert_int_equal(n_warnings, 1);
@@ -210,8 +213,8 @@ static void test_no_device_fallback(void **state)
     memset(&dev, 0xab, sizeof dev);
     kvcap_log_set(capture_log, NULL, KVCAP_LOG_WARN);
     n_warnings = 0;
-    st = kvcap_gpu_keys_train(p.train, p.ld_train, p.n_train, p.val, p.ld_val, p.n_val, &cfg, 1,
-                              &p.init, &dev, &rd, 0);
+    st = kvcap_calib_cuda_keys_train(p.train, p.ld_train, p.n_train, p.val, p.ld_val, p.n_val, &cfg,
+                                     1, &p.init, &dev, &rd, 0);
     kvcap_log_set(NULL, NULL, KVCAP_LOG_WARN);
     assert_int_equal(st, KVCAP_ERR_UNSUPPORTED);
     assert_error_names("device cuda");
@@ -305,14 +308,14 @@ static void check_loss_grad(int m, int p, int h, size_t n_train, size_t batch, i
     double l_ref = kvcap_train_loss_grad_ref(&net, xb, ldb, batch, g_ref);
     assert_true(isfinite(l_ref));
 
-    struct kvcap_gpu_train *dev = NULL;
-    struct kvcap_gpu_train_params gp = {m, h, x, ld, n_train, NULL, 0, 0, batch};
-    if (kvcap_gpu_train_create(&gp, &dev) != KVCAP_OK)
+    struct kvcap_calib_cuda_train *dev = NULL;
+    struct kvcap_calib_cuda_train_params gp = {m, h, x, ld, n_train, NULL, 0, 0, batch};
+    if (kvcap_calib_cuda_train_create(&gp, &dev) != KVCAP_OK)
         fail_msg("%s", kvcap_last_error());
-    assert_int_equal(kvcap_gpu_train_load(dev, &net), KVCAP_OK);
+    assert_int_equal(kvcap_calib_cuda_train_load(dev, &net), KVCAP_OK);
     fill_nan(g_dev, net.n_params);
     double l_dev = NAN;
-    if (kvcap_gpu_train_loss_grad(dev, &net, pick, &l_dev, g_dev) != KVCAP_OK)
+    if (kvcap_calib_cuda_train_loss_grad(dev, &net, pick, &l_dev, g_dev) != KVCAP_OK)
         fail_msg("%s", kvcap_last_error());
     if (!(rel(l_dev, l_ref) <= LOSS_TOL))
         fail_msg("gelu %d hard %d n %zu: loss %.9g, reference %.9g", gelu, hard, batch, l_dev,
@@ -328,18 +331,18 @@ static void check_loss_grad(int m, int p, int h, size_t n_train, size_t batch, i
     float *keep = alloc_f(net.n_params);
     memcpy(keep, net.theta, sizeof *keep * net.n_params);
     fill_nan(net.theta, net.n_params);
-    assert_int_equal(kvcap_gpu_train_fetch(dev, &net), KVCAP_OK);
+    assert_int_equal(kvcap_calib_cuda_train_fetch(dev, &net), KVCAP_OK);
     assert_memory_equal(net.theta, keep, sizeof *keep * net.n_params);
     /* a batch index beyond the set is refused by name */
     if (pick) {
         size_t save = pick[batch - 1];
         pick[batch - 1] = n_train;
-        assert_int_equal(kvcap_gpu_train_loss_grad(dev, &net, pick, &l_dev, NULL),
+        assert_int_equal(kvcap_calib_cuda_train_loss_grad(dev, &net, pick, &l_dev, NULL),
                          KVCAP_ERR_INVALID_ARGUMENT);
         assert_error_names("batch column");
         pick[batch - 1] = save;
     }
-    kvcap_gpu_train_free(dev);
+    kvcap_calib_cuda_train_free(dev);
     kvcap_train_net_free(&net);
     if (xb != x)
         free(xb);
@@ -373,10 +376,10 @@ static void test_maps_mse_matches_cpu(void **state)
     (void)state;
     struct problem p;
     problem_make(&p, 1500, 2500, 1e-3, 3);
-    struct kvcap_gpu_train *dev = NULL;
-    struct kvcap_gpu_train_params gp = {p.m, p.h, p.train, p.ld_train, p.n_train,
-                                        p.val, p.ld_val, p.n_val, KVCAP_TRAIN_BATCH};
-    if (kvcap_gpu_train_create(&gp, &dev) != KVCAP_OK)
+    struct kvcap_calib_cuda_train *dev = NULL;
+    struct kvcap_calib_cuda_train_params gp = {
+        p.m, p.h, p.train, p.ld_train, p.n_train, p.val, p.ld_val, p.n_val, KVCAP_TRAIN_BATCH};
+    if (kvcap_calib_cuda_train_create(&gp, &dev) != KVCAP_OK)
         fail_msg("%s", kvcap_last_error());
     for (int gelu = 0; gelu <= 1; gelu++) {
         struct kvcap_key_maps k;
@@ -390,13 +393,13 @@ static void test_maps_mse_matches_cpu(void **state)
                                                 on_val ? p.ld_val : p.ld_train,
                                                 on_val ? p.n_val : p.n_train, &want, &energy),
                              KVCAP_OK);
-            assert_int_equal(kvcap_gpu_train_maps_mse(dev, &k, on_val, &got), KVCAP_OK);
+            assert_int_equal(kvcap_calib_cuda_train_maps_mse(dev, &k, on_val, &got), KVCAP_OK);
             if (!(rel(got, want) <= MSE_TOL))
                 fail_msg("gelu %d on_val %d: device MSE %.9g, CPU %.9g", gelu, on_val, got, want);
         }
         kvcap_key_maps_free(&k);
     }
-    kvcap_gpu_train_free(dev);
+    kvcap_calib_cuda_train_free(dev);
     problem_free(&p);
 }
 
@@ -412,8 +415,8 @@ static void expect_run_matches(const struct problem *p, const struct kvcap_train
     assert_int_equal(kvcap_keys_train(p->train, p->ld_train, p->n_train, xv, p->ld_val, nv, cfg,
                                       gelu, &p->init, &cpu, &rc),
                      KVCAP_OK);
-    if (kvcap_gpu_keys_train(p->train, p->ld_train, p->n_train, xv, p->ld_val, nv, cfg, gelu,
-                             &p->init, &dev, &rd, 0) != KVCAP_OK)
+    if (kvcap_calib_cuda_keys_train(p->train, p->ld_train, p->n_train, xv, p->ld_val, nv, cfg, gelu,
+                                    &p->init, &dev, &rd, 0) != KVCAP_OK)
         fail_msg("%s", kvcap_last_error());
     print_message("gelu %d, %zu train / %zu val columns: val MSE %.6g -> CPU %.6g, device %.6g\n",
                   gelu, p->n_train, nv, rc.init_val_mse, rc.final_val_mse, rd.final_val_mse);
@@ -470,11 +473,13 @@ static void test_same_seed_bit_identical(void **state)
     struct kvcap_key_maps a, b;
     struct kvcap_train_report ra, rb;
     for (int gelu = 0; gelu <= 1; gelu++) {
-        assert_int_equal(kvcap_gpu_keys_train(p.train, p.ld_train, p.n_train, p.val, p.ld_val,
-                                              p.n_val, &cfg, gelu, &p.init, &a, &ra, 0),
+        assert_int_equal(kvcap_calib_cuda_keys_train(p.train, p.ld_train, p.n_train, p.val,
+                                                     p.ld_val, p.n_val, &cfg, gelu, &p.init, &a,
+                                                     &ra, 0),
                          KVCAP_OK);
-        assert_int_equal(kvcap_gpu_keys_train(p.train, p.ld_train, p.n_train, p.val, p.ld_val,
-                                              p.n_val, &cfg, gelu, &p.init, &b, &rb, 0),
+        assert_int_equal(kvcap_calib_cuda_keys_train(p.train, p.ld_train, p.n_train, p.val,
+                                                     p.ld_val, p.n_val, &cfg, gelu, &p.init, &b,
+                                                     &rb, 0),
                          KVCAP_OK);
         assert_int_equal(ra.on_device, 1);
         assert_memory_equal(&ra, &rb, sizeof ra);
@@ -505,7 +510,7 @@ int main(void)
         return 77;
     }
     char name[128];
-    if (kvcap_gpu_device_name(name, sizeof name) == KVCAP_OK)
+    if (kvcap_calib_cuda_device_name(name, sizeof name) == KVCAP_OK)
         printf("device: %s\n", name);
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_loss_grad_matches_reference),

@@ -1,5 +1,5 @@
-// gram.cu — the CUDA side of calibration (calibrate/gpu.h): Gram accumulation with cuBLAS DSYRK
-// on device-resident double Grams fed by pinned, double-buffered batches; batched symmetric
+// gram.cu — the CUDA side of calibration (calibrate/calib_cuda.h): Gram accumulation with cuBLAS
+// DSYRK on device-resident double Grams fed by pinned, double-buffered batches; batched symmetric
 // eigen-decompositions with cuSOLVER; and the ceilings the benchmark compares them with.
 //
 // Layout: the host code is row-major, cuBLAS and cuSOLVER are column-major. A row-major m x c
@@ -19,7 +19,7 @@
 #include <cusolverDn.h>
 
 extern "C" {
-#include "calibrate/gpu.h"
+#include "calibrate/calib_cuda.h"
 #include "common/internal.h"
 }
 #include "calibrate/cuda/cuda_check.cuh"
@@ -65,12 +65,12 @@ static double mib(size_t bytes)
     return (double)bytes / (1024.0 * 1024.0);
 }
 
-extern "C" int kvcap_gpu_built(void)
+extern "C" int kvcap_calib_cuda_built(void)
 {
     return 1;
 }
 
-extern "C" enum kvcap_status kvcap_gpu_device_name(char *buf, size_t cap)
+extern "C" enum kvcap_status kvcap_calib_cuda_device_name(char *buf, size_t cap)
 {
     int dev = 0;
     cudaDeviceProp prop;
@@ -106,7 +106,7 @@ struct lane {
     int next;
 };
 
-struct kvcap_gpu_gram {
+struct kvcap_calib_cuda_gram {
     size_t n_units;
     int *m;
     size_t *cap;
@@ -125,7 +125,7 @@ struct kvcap_gpu_gram {
 #define BLAS_RESERVE_PER_LANE ((size_t)64 << 20)
 #define HEADROOM ((size_t)256 << 20)
 
-extern "C" void kvcap_gpu_gram_free(struct kvcap_gpu_gram *g)
+extern "C" void kvcap_calib_cuda_gram_free(struct kvcap_calib_cuda_gram *g)
 {
     if (!g)
         return;
@@ -169,7 +169,8 @@ extern "C" void kvcap_gpu_gram_free(struct kvcap_gpu_gram *g)
     free(g);
 }
 
-static enum kvcap_status gram_setup(struct kvcap_gpu_gram *g, const struct kvcap_gpu_gram_params *p)
+static enum kvcap_status gram_setup(struct kvcap_calib_cuda_gram *g,
+                                    const struct kvcap_calib_cuda_gram_params *p)
 {
     size_t n = p->n_units, grams = 0, batches = 0, slot = 0;
     for (size_t i = 0; i < n; i++) {
@@ -246,14 +247,15 @@ static enum kvcap_status gram_setup(struct kvcap_gpu_gram *g, const struct kvcap
     return KVCAP_OK;
 }
 
-extern "C" enum kvcap_status kvcap_gpu_gram_create(const struct kvcap_gpu_gram_params *p,
-                                                   struct kvcap_gpu_gram **out)
+extern "C" enum kvcap_status
+kvcap_calib_cuda_gram_create(const struct kvcap_calib_cuda_gram_params *p,
+                             struct kvcap_calib_cuda_gram **out)
 {
     KVCAP_RETURN_IF(!p || !out || p->n_units < 1 || p->lanes < 1 || !p->m || !p->cap ||
                         !p->k_gram || !p->v_gram,
                     KVCAP_ERR_INVALID_ARGUMENT, "cuda Grams: bad parameters");
     *out = NULL;
-    struct kvcap_gpu_gram *g = (struct kvcap_gpu_gram *)calloc(1, sizeof *g);
+    struct kvcap_calib_cuda_gram *g = (struct kvcap_calib_cuda_gram *)calloc(1, sizeof *g);
     KVCAP_RETURN_IF(!g, KVCAP_ERR_OUT_OF_MEMORY, "cuda Grams: out of memory");
     size_t n = p->n_units;
     g->n_units = n;
@@ -273,23 +275,23 @@ extern "C" enum kvcap_status kvcap_gpu_gram_create(const struct kvcap_gpu_gram_p
     if (st == KVCAP_OK)
         st = gram_setup(g, p);
     if (st != KVCAP_OK) {
-        kvcap_gpu_gram_free(g);
+        kvcap_calib_cuda_gram_free(g);
         return st;
     }
     *out = g;
     return KVCAP_OK;
 }
 
-extern "C" void kvcap_gpu_gram_buffers(struct kvcap_gpu_gram *g, size_t unit, double **kbuf,
-                                       double **vbuf)
+extern "C" void kvcap_calib_cuda_gram_buffers(struct kvcap_calib_cuda_gram *g, size_t unit,
+                                              double **kbuf, double **vbuf)
 {
     double *k = g->pinned + g->batch_off[unit];
     *kbuf = k;
     *vbuf = k + (size_t)g->m[unit] * g->cap[unit];
 }
 
-extern "C" enum kvcap_status kvcap_gpu_gram_flush(struct kvcap_gpu_gram *g, int lane, size_t unit,
-                                                  size_t cols)
+extern "C" enum kvcap_status kvcap_calib_cuda_gram_flush(struct kvcap_calib_cuda_gram *g, int lane,
+                                                         size_t unit, size_t cols)
 {
     KVCAP_RETURN_IF(lane < 0 || lane >= g->lanes || unit >= g->n_units || cols > g->cap[unit],
                     KVCAP_ERR_INTERNAL, "cuda Grams: flush of unit %zu (%zu columns) on lane %d",
@@ -303,7 +305,7 @@ extern "C" enum kvcap_status kvcap_gpu_gram_flush(struct kvcap_gpu_gram *g, int 
     size_t mm = (size_t)m * (size_t)m, pitch = g->cap[unit] * sizeof(double);
     size_t width = cols * sizeof(double);
     double *kbuf, *vbuf;
-    kvcap_gpu_gram_buffers(g, unit, &kbuf, &vbuf);
+    kvcap_calib_cuda_gram_buffers(g, unit, &kbuf, &vbuf);
     double *dk_gram = g->dgrams + g->gram_off[unit], *dv_gram = dk_gram + mm;
 
     // The slot's device buffers are free once the products that read them last are done.
@@ -332,7 +334,7 @@ extern "C" enum kvcap_status kvcap_gpu_gram_flush(struct kvcap_gpu_gram *g, int 
     return KVCAP_OK;
 }
 
-extern "C" enum kvcap_status kvcap_gpu_gram_finish(struct kvcap_gpu_gram *g)
+extern "C" enum kvcap_status kvcap_calib_cuda_gram_finish(struct kvcap_calib_cuda_gram *g)
 {
     for (int l = 0; l < g->lanes; l++) {
         CUDA_TRY(cudaStreamSynchronize(g->lane[l].copy), "finish Grams");
@@ -356,7 +358,7 @@ extern "C" enum kvcap_status kvcap_gpu_gram_finish(struct kvcap_gpu_gram *g)
 // for n above ~30000, the same class of failure DESIGN §4 records for LAPACKE_ssyevd's
 // workspace query; and it is the interface cuSOLVER keeps extending.
 
-struct kvcap_gpu_eigen {
+struct kvcap_calib_cuda_eigen {
     int n_max;
     cudaStream_t stream;
     cusolverDnHandle_t solver;
@@ -372,7 +374,7 @@ struct kvcap_gpu_eigen {
     cudaEvent_t ready[2]; // results of the matrix in slot s are on the host
 };
 
-extern "C" void kvcap_gpu_eigen_free(struct kvcap_gpu_eigen *e)
+extern "C" void kvcap_calib_cuda_eigen_free(struct kvcap_calib_cuda_eigen *e)
 {
     if (!e)
         return;
@@ -403,7 +405,7 @@ extern "C" void kvcap_gpu_eigen_free(struct kvcap_gpu_eigen *e)
 
 // Grows the workspaces to what Xsyevd needs for order n (queried per size: the need is not
 // documented as monotone in n).
-static enum kvcap_status eigen_workspace(struct kvcap_gpu_eigen *e, int n)
+static enum kvcap_status eigen_workspace(struct kvcap_calib_cuda_eigen *e, int n)
 {
     size_t d_bytes = 0, h_bytes = 0;
     CUSOLVER_TRY(cusolverDnXsyevd_bufferSize(e->solver, e->params, CUSOLVER_EIG_MODE_VECTOR,
@@ -429,7 +431,7 @@ static enum kvcap_status eigen_workspace(struct kvcap_gpu_eigen *e, int n)
     return KVCAP_OK;
 }
 
-static enum kvcap_status eigen_setup(struct kvcap_gpu_eigen *e, int n)
+static enum kvcap_status eigen_setup(struct kvcap_calib_cuda_eigen *e, int n)
 {
     size_t nn = (size_t)n * (size_t)n;
     CUDA_TRY(cudaStreamCreateWithFlags(&e->stream, cudaStreamNonBlocking), "eigen stream");
@@ -457,16 +459,17 @@ static enum kvcap_status eigen_setup(struct kvcap_gpu_eigen *e, int n)
     return eigen_workspace(e, n);
 }
 
-extern "C" enum kvcap_status kvcap_gpu_eigen_create(int n_max, struct kvcap_gpu_eigen **out)
+extern "C" enum kvcap_status kvcap_calib_cuda_eigen_create(int n_max,
+                                                           struct kvcap_calib_cuda_eigen **out)
 {
     KVCAP_RETURN_IF(n_max < 1 || !out, KVCAP_ERR_INVALID_ARGUMENT, "cuda eigen: n_max %d", n_max);
     *out = NULL;
-    struct kvcap_gpu_eigen *e = (struct kvcap_gpu_eigen *)calloc(1, sizeof *e);
+    struct kvcap_calib_cuda_eigen *e = (struct kvcap_calib_cuda_eigen *)calloc(1, sizeof *e);
     KVCAP_RETURN_IF(!e, KVCAP_ERR_OUT_OF_MEMORY, "cuda eigen: out of memory");
     e->n_max = n_max;
     enum kvcap_status st = eigen_setup(e, n_max);
     if (st != KVCAP_OK) {
-        kvcap_gpu_eigen_free(e);
+        kvcap_calib_cuda_eigen_free(e);
         return st;
     }
     *out = e;
@@ -474,7 +477,8 @@ extern "C" enum kvcap_status kvcap_gpu_eigen_create(int n_max, struct kvcap_gpu_
 }
 
 // Enqueues matrix `a` (n x n, full symmetric) into slot s: upload, solve, transpose, download.
-static enum kvcap_status eigen_enqueue(struct kvcap_gpu_eigen *e, int s, const double *a, int n)
+static enum kvcap_status eigen_enqueue(struct kvcap_calib_cuda_eigen *e, int s, const double *a,
+                                       int n)
 {
     size_t nn = (size_t)n * (size_t)n;
     KVCAP_TRY(eigen_workspace(e, n));
@@ -508,11 +512,10 @@ static enum kvcap_status eigen_enqueue(struct kvcap_gpu_eigen *e, int s, const d
     return KVCAP_OK;
 }
 
-extern "C" enum kvcap_status
-kvcap_gpu_dsyevd_batch(struct kvcap_gpu_eigen *e, int count, const double *const *mats,
-                       const int *n,
-                       enum kvcap_status (*consume)(int, const double *, const double *, void *),
-                       void *user, int *failed)
+extern "C" enum kvcap_status kvcap_calib_cuda_dsyevd_batch(
+    struct kvcap_calib_cuda_eigen *e, int count, const double *const *mats, const int *n,
+    enum kvcap_status (*consume)(int, const double *, const double *, void *), void *user,
+    int *failed)
 {
     if (failed)
         *failed = -1;
@@ -592,7 +595,7 @@ static enum kvcap_status elapsed_ms(struct peak_bufs *p, float *ms)
     return KVCAP_OK;
 }
 
-static enum kvcap_status peak_run(struct peak_bufs *p, int m, struct kvcap_gpu_peak *out)
+static enum kvcap_status peak_run(struct peak_bufs *p, int m, struct kvcap_calib_cuda_peak *out)
 {
     enum { KMAX = 4096, REPS = 10 };
     size_t mk = (size_t)m * KMAX, mm = (size_t)m * m;
@@ -657,7 +660,7 @@ static enum kvcap_status peak_run(struct peak_bufs *p, int m, struct kvcap_gpu_p
     return KVCAP_OK;
 }
 
-extern "C" enum kvcap_status kvcap_gpu_peak_measure(int m, struct kvcap_gpu_peak *out)
+extern "C" enum kvcap_status kvcap_calib_cuda_peak_measure(int m, struct kvcap_calib_cuda_peak *out)
 {
     KVCAP_RETURN_IF(m < 1 || !out, KVCAP_ERR_INVALID_ARGUMENT, "cuda peak: m %d", m);
     memset(out, 0, sizeof *out);

@@ -1,8 +1,8 @@
-// train.cu — the trained key maps' optimisation on a CUDA device (calibrate/gpu.h): the loss
-// and gradient of kvcap_train_loss_grad (train.c) with cuBLAS SGEMMs and small kernels, the
+// train.cu — the trained key maps' optimisation on a CUDA device (calibrate/calib_cuda.h): the
+// loss and gradient of kvcap_train_loss_grad (train.c) with cuBLAS SGEMMs and small kernels, the
 // Adam update as a kernel, and the MSEs the checkpoints compare, on device-resident data.
-// train.c drives it (kvcap_gpu_keys_train); the CPU code in train.c is the readable spec, and
-// the comments below name the CPU step each kernel or product mirrors.
+// train.c drives it (kvcap_calib_cuda_keys_train); the CPU code in train.c is the readable spec,
+// and the comments below name the CPU step each kernel or product mirrors.
 //
 // Layout: every matrix is stored row-major exactly as on the host (a row per point or hidden
 // unit, a column per sample channel), and each product is the CPU's cblas_sgemm call passed
@@ -25,7 +25,7 @@
 #include <cuda_runtime.h>
 
 extern "C" {
-#include "calibrate/gpu.h"
+#include "calibrate/calib_cuda.h"
 #include "common/internal.h"
 #include "calibrate/train_internal.h"
 }
@@ -280,7 +280,7 @@ __global__ void adam_update(float *theta, float *m1, float *m2, const float *g, 
 
 // ---- The run's state ---------------------------------------------------------------------------
 
-struct kvcap_gpu_train {
+struct kvcap_calib_cuda_train {
     int m, h;
     size_t n_train, n_val; // n_val == n_train when val aliases train
     size_t batch, width;   // columns per step; columns of the scratch (>= batch)
@@ -328,7 +328,7 @@ template <class T> static int carve(char *base, size_t *off, size_t count, T **o
 }
 
 // The device block's layout; returns its size in bytes, 0 on overflow.
-static size_t layout(struct kvcap_gpu_train *g, char *base, int val_is_train)
+static size_t layout(struct kvcap_calib_cuda_train *g, char *base, int val_is_train)
 {
     size_t off = 0, m = (size_t)g->m, h = (size_t)g->h, w = g->width;
     size_t mn, mv, mw, hw;
@@ -352,7 +352,7 @@ static size_t layout(struct kvcap_gpu_train *g, char *base, int val_is_train)
     return ok ? off : 0;
 }
 
-extern "C" void kvcap_gpu_train_free(struct kvcap_gpu_train *g)
+extern "C" void kvcap_calib_cuda_train_free(struct kvcap_calib_cuda_train *g)
 {
     if (!g)
         return;
@@ -379,8 +379,8 @@ static enum kvcap_status upload_columns(float *dst, const float *src, size_t ld,
     return KVCAP_OK;
 }
 
-static enum kvcap_status train_setup(struct kvcap_gpu_train *g,
-                                     const struct kvcap_gpu_train_params *p)
+static enum kvcap_status train_setup(struct kvcap_calib_cuda_train *g,
+                                     const struct kvcap_calib_cuda_train_params *p)
 {
     const int val_is_train = p->x_val == NULL;
     size_t bytes = layout(g, NULL, val_is_train);
@@ -423,8 +423,9 @@ static enum kvcap_status train_setup(struct kvcap_gpu_train *g,
     return KVCAP_OK;
 }
 
-extern "C" enum kvcap_status kvcap_gpu_train_create(const struct kvcap_gpu_train_params *p,
-                                                    struct kvcap_gpu_train **out)
+extern "C" enum kvcap_status
+kvcap_calib_cuda_train_create(const struct kvcap_calib_cuda_train_params *p,
+                              struct kvcap_calib_cuda_train **out)
 {
     KVCAP_RETURN_IF(!p || !out, KVCAP_ERR_INVALID_ARGUMENT, "cuda keys train: NULL argument");
     *out = NULL;
@@ -436,7 +437,7 @@ extern "C" enum kvcap_status kvcap_gpu_train_create(const struct kvcap_gpu_train
                     "%zu validation columns (ld %zu), batch %zu)",
                     p->m, p->h, p->n_train, p->ld_train, p->x_val ? p->n_val : (size_t)0,
                     p->ld_val, p->batch);
-    struct kvcap_gpu_train *g = (struct kvcap_gpu_train *)calloc(1, sizeof *g);
+    struct kvcap_calib_cuda_train *g = (struct kvcap_calib_cuda_train *)calloc(1, sizeof *g);
     KVCAP_RETURN_IF(!g, KVCAP_ERR_OUT_OF_MEMORY, "cuda keys train: out of memory");
     g->m = p->m;
     g->h = p->h;
@@ -461,7 +462,7 @@ extern "C" enum kvcap_status kvcap_gpu_train_create(const struct kvcap_gpu_train
                               "cuda keys train: sizes overflow (m %d, h %d, batch %zu)", p->m,
                               p->h, p->batch);
     if (st != KVCAP_OK) {
-        kvcap_gpu_train_free(g);
+        kvcap_calib_cuda_train_free(g);
         return st;
     }
     *out = g;
@@ -498,7 +499,7 @@ static struct mask_scalars scalars_of(const struct kvcap_train_net *net)
 }
 
 // `net` must be the loaded network (its scalars may change between calls, its shape not).
-static enum kvcap_status check_loaded(const struct kvcap_gpu_train *g,
+static enum kvcap_status check_loaded(const struct kvcap_calib_cuda_train *g,
                                       const struct kvcap_train_net *net, int want_hard)
 {
     KVCAP_RETURN_IF(!net || !g->loaded || net->m != g->m || net->h != g->h || net->p != g->p ||
@@ -512,7 +513,7 @@ static enum kvcap_status check_loaded(const struct kvcap_gpu_train *g,
 }
 
 // Waits for the stream and copies the step's result back.
-static enum kvcap_status fetch_out(struct kvcap_gpu_train *g, const char *what)
+static enum kvcap_status fetch_out(struct kvcap_calib_cuda_train *g, const char *what)
 {
     CUDA_TRY(cudaMemcpyAsync(g->h_out, g->out, sizeof *g->out, cudaMemcpyDeviceToHost, g->stream),
              what);
@@ -522,8 +523,8 @@ static enum kvcap_status fetch_out(struct kvcap_gpu_train *g, const char *what)
 
 // Enqueues kvcap_train_loss_grad of the loaded network: the loss into g->out, the gradient
 // into g->grad. Same steps, same order; comments name the CPU's.
-static enum kvcap_status loss_grad(struct kvcap_gpu_train *g, const struct kvcap_train_net *net,
-                                   const size_t *pick)
+static enum kvcap_status loss_grad(struct kvcap_calib_cuda_train *g,
+                                   const struct kvcap_train_net *net, const size_t *pick)
 {
     KVCAP_TRY(check_loaded(g, net, 0));
     const int m = g->m, p = g->p, h = g->h;
@@ -604,8 +605,8 @@ static enum kvcap_status loss_grad(struct kvcap_gpu_train *g, const struct kvcap
     return KVCAP_OK;
 }
 
-extern "C" enum kvcap_status kvcap_gpu_train_load(struct kvcap_gpu_train *g,
-                                                  const struct kvcap_train_net *net)
+extern "C" enum kvcap_status kvcap_calib_cuda_train_load(struct kvcap_calib_cuda_train *g,
+                                                         const struct kvcap_train_net *net)
 {
     KVCAP_RETURN_IF(!g || !net || !net->theta || net->m != g->m || net->h != g->h ||
                         net->p < 1 || net->p > net->m || (!net->rows && net->p != net->m) ||
@@ -637,10 +638,10 @@ extern "C" enum kvcap_status kvcap_gpu_train_load(struct kvcap_gpu_train *g,
     return KVCAP_OK;
 }
 
-extern "C" enum kvcap_status kvcap_gpu_train_loss_grad(struct kvcap_gpu_train *g,
-                                                       const struct kvcap_train_net *net,
-                                                       const size_t *pick, double *loss,
-                                                       float *grad)
+extern "C" enum kvcap_status kvcap_calib_cuda_train_loss_grad(struct kvcap_calib_cuda_train *g,
+                                                              const struct kvcap_train_net *net,
+                                                              const size_t *pick, double *loss,
+                                                              float *grad)
 {
     KVCAP_RETURN_IF(!g || !loss, KVCAP_ERR_INVALID_ARGUMENT, "cuda keys train: NULL argument");
     KVCAP_TRY(loss_grad(g, net, pick));
@@ -653,10 +654,10 @@ extern "C" enum kvcap_status kvcap_gpu_train_loss_grad(struct kvcap_gpu_train *g
     return KVCAP_OK;
 }
 
-extern "C" enum kvcap_status kvcap_gpu_train_step(struct kvcap_gpu_train *g,
-                                                  const struct kvcap_train_net *net,
-                                                  const size_t *pick, double lr, double *loss,
-                                                  int *finite)
+extern "C" enum kvcap_status kvcap_calib_cuda_train_step(struct kvcap_calib_cuda_train *g,
+                                                         const struct kvcap_train_net *net,
+                                                         const size_t *pick, double lr,
+                                                         double *loss, int *finite)
 {
     KVCAP_RETURN_IF(!g || !loss || !finite, KVCAP_ERR_INVALID_ARGUMENT,
                     "cuda keys train: NULL argument");
@@ -673,8 +674,8 @@ extern "C" enum kvcap_status kvcap_gpu_train_step(struct kvcap_gpu_train *g,
     return KVCAP_OK;
 }
 
-extern "C" enum kvcap_status kvcap_gpu_train_fetch(struct kvcap_gpu_train *g,
-                                                   struct kvcap_train_net *net)
+extern "C" enum kvcap_status kvcap_calib_cuda_train_fetch(struct kvcap_calib_cuda_train *g,
+                                                          struct kvcap_train_net *net)
 {
     KVCAP_RETURN_IF(!g, KVCAP_ERR_INVALID_ARGUMENT, "cuda keys train: NULL argument");
     KVCAP_TRY(check_loaded(g, net, 0));
@@ -688,7 +689,7 @@ extern "C" enum kvcap_status kvcap_gpu_train_fetch(struct kvcap_gpu_train *g,
 // The MSE of a hard network (θ laid out w1 [p][h] | b1 | w2 [h][m] | b2, points `rows`, both
 // on the device) on the validation or training columns: kvcap_key_maps_mse in chunks of the
 // scratch's width.
-static enum kvcap_status score(struct kvcap_gpu_train *g, const float *theta,
+static enum kvcap_status score(struct kvcap_calib_cuda_train *g, const float *theta,
                                const int32_t *rows, int p, int use_gelu, int on_val, double *mse)
 {
     const int m = g->m, h = g->h;
@@ -727,17 +728,18 @@ static enum kvcap_status score(struct kvcap_gpu_train *g, const float *theta,
     return KVCAP_OK;
 }
 
-extern "C" enum kvcap_status kvcap_gpu_train_score(struct kvcap_gpu_train *g,
-                                                   const struct kvcap_train_net *net, double *mse)
+extern "C" enum kvcap_status kvcap_calib_cuda_train_score(struct kvcap_calib_cuda_train *g,
+                                                          const struct kvcap_train_net *net,
+                                                          double *mse)
 {
     KVCAP_RETURN_IF(!g || !mse, KVCAP_ERR_INVALID_ARGUMENT, "cuda keys train: NULL argument");
     KVCAP_TRY(check_loaded(g, net, 1));
     return score(g, g->theta, g->rows, g->p, g->gelu, 1, mse);
 }
 
-extern "C" enum kvcap_status kvcap_gpu_train_maps_mse(struct kvcap_gpu_train *g,
-                                                      const struct kvcap_key_maps *k, int on_val,
-                                                      double *mse)
+extern "C" enum kvcap_status kvcap_calib_cuda_train_maps_mse(struct kvcap_calib_cuda_train *g,
+                                                             const struct kvcap_key_maps *k,
+                                                             int on_val, double *mse)
 {
     KVCAP_RETURN_IF(!g || !k || !mse || k->m != g->m || k->h != g->h || k->rk < 1 ||
                         k->rk > k->m || !k->mask || !k->w1 || !k->b1 || !k->w2 || !k->b2,

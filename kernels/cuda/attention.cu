@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(ROWS_THREADS)
         const int nv = min(tok, j_end - j0);
         for (int e = tid; e < nv * d; e += blockDim.x) {
             int t = e / d, c = e - t * d;
-            ks[t * ld + c] = kvcap_load_f32(&K[(size_t)(j0 + t) * stride + c]);
+            ks[t * ld + c] = kvcap_cuda_load(&K[(size_t)(j0 + t) * stride + c]);
         }
         __syncthreads();
         for (int e = tid; e < nq * tok; e += blockDim.x) {
@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(ROWS_THREADS)
                 const float *pg = ps + g * tok;
                 float a = acc[k] * alpha[g];
                 for (int t = 0; t < nv; t++)
-                    a += pg[t] * kvcap_load_f32(&V[(size_t)(j0 + t) * stride + c]);
+                    a += pg[t] * kvcap_cuda_load(&V[(size_t)(j0 + t) * stride + c]);
                 acc[k] = a;
             }
         }
@@ -325,7 +325,7 @@ __global__ void __launch_bounds__(CAPS_THREADS)
                 for (int g = 0; g < MAX_NQ; g++)
                     dot[g] = 0.0f;
                 for (int c = lane; c < d; c += 32) {
-                    float x = kvcap_load_f32(&row[c]);
+                    float x = kvcap_cuda_load(&row[c]);
 #pragma unroll
                     for (int g = 0; g < MAX_NQ; g++)
                         if (g < gn)
@@ -367,9 +367,9 @@ __global__ void __launch_bounds__(CAPS_THREADS)
             for (int e = tid; e < gn * d; e += blockDim.x) {
                 int g = e / d, c = e - g * d;
                 const float *yg = ys + g * rv;
-                float o = os[e] * alpha[g] + psum[g] * kvcap_load_f32(&mu[c]);
+                float o = os[e] * alpha[g] + psum[g] * kvcap_cuda_load(&mu[c]);
                 for (int r = 0; r < rv; r++)
-                    o += yg[r] * kvcap_load_f32(&Vt[((size_t)t * rv + r) * d + c]);
+                    o += yg[r] * kvcap_cuda_load(&Vt[((size_t)t * rv + r) * d + c]);
                 os[e] = o;
             }
             __syncthreads();

@@ -28,15 +28,15 @@ struct kvcap_cuda_layer_ptrs {
 
 // ---- Loads ------------------------------------------------------------------------------------
 
-__device__ __forceinline__ float kvcap_load_f32(const float *p)
+__device__ __forceinline__ float kvcap_cuda_load(const float *p)
 {
     return *p;
 }
-__device__ __forceinline__ float kvcap_load_f32(const __half *p)
+__device__ __forceinline__ float kvcap_cuda_load(const __half *p)
 {
     return __half2float(*p);
 }
-__device__ __forceinline__ float kvcap_load_f32(const __nv_bfloat16 *p)
+__device__ __forceinline__ float kvcap_cuda_load(const __nv_bfloat16 *p)
 {
     return __bfloat162float(*p);
 }

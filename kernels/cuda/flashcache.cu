@@ -179,7 +179,7 @@ __global__ void __launch_bounds__(FC_THREADS)
         const int jj = e / two_d, c = e - jj * two_d, j = j0 + jj;
         const int is_v = c >= d;
         const T *row = (is_v ? V : K) + (size_t)j * row_stride;
-        const float x = kvcap_load_f32(row + (c - is_v * d));
+        const float x = kvcap_cuda_load(row + (c - is_v * d));
         Xb[(size_t)makhoul_pos(n, j) * W + c] = x;
         if (is_v)
             s[1] += (double)x * x;
@@ -265,11 +265,11 @@ __global__ void __launch_bounds__(FC_THREADS)
         const T *kr = K + (size_t)j * row_stride, *vr = V + (size_t)j * row_stride;
         float acc = 0.0f;
         for (int c = lane; c < d; c += 32) {
-            const float r = kvcap_load_f32(kr + c) - base_scale * y[c];
+            const float r = kvcap_cuda_load(kr + c) - base_scale * y[c];
             acc = fmaf(r, r, acc);
         }
         for (int c = lane; c < d; c += 32) {
-            const float r = kvcap_load_f32(vr + c) - base_scale * y[d + c];
+            const float r = kvcap_cuda_load(vr + c) - base_scale * y[d + c];
             acc = fmaf(r, r, acc);
         }
         acc = kvcap_warp_sum(acc);

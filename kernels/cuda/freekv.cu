@@ -150,7 +150,7 @@ __global__ void append_kernel(geom g, const Tin *k, const Tin *v, int n, int64_t
     const int64_t t = t0 + i;
     const int p = (int)(t / g.ps), r = (int)(t % g.ps), pl = p - p0;
     const size_t src = ((size_t)h * n + i) * g.d + c;
-    const T kx = from_f32<T>(kvcap_load_f32(k + src)), vx = from_f32<T>(kvcap_load_f32(v + src));
+    const T kx = from_f32<T>(kvcap_cuda_load(k + src)), vx = from_f32<T>(kvcap_cuda_load(v + src));
     const size_t st = (((size_t)pl * g.kvh + h) * 2 * g.ps + r) * g.d + c;
     stage[st] = kx;
     stage[st + (size_t)g.ps * g.d] = vx;
@@ -172,7 +172,7 @@ __global__ void digest_kernel(geom g, const T *stage, int p0, int r0, int n, flo
     float mx = rb > 0 ? kmax[c] : 0.0f, mn = rb > 0 ? kmin[c] : 0.0f;
     const T *kr = stage + (((size_t)pl * g.kvh + h) * 2 * g.ps) * g.d + c;
     for (int r = rb; r < re; r++) {
-        float x = kvcap_load_f32(kr + (size_t)r * g.d);
+        float x = kvcap_cuda_load(kr + (size_t)r * g.d);
         if (r == 0 || x > mx)
             mx = x;
         if (r == 0 || x < mn)

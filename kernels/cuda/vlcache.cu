@@ -61,7 +61,7 @@ __global__ void __launch_bounds__(VL_THREADS)
         below[b] = 0; // pass 2, later on the stream, adds to it
     for (int e = threadIdx.x; e < VL_KEYS * d; e += blockDim.x) {
         const int kk = e / d, c = e - kk * d, j = j0 + kk;
-        ks[kk * (d + 1) + c] = j < m ? kvcap_load_f32(K + (size_t)j * row_stride + c) : 0.0f;
+        ks[kk * (d + 1) + c] = j < m ? kvcap_cuda_load(K + (size_t)j * row_stride + c) : 0.0f;
     }
     float col = 0.0f;
     unsigned nbelow = 0;
