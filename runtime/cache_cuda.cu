@@ -16,6 +16,7 @@ extern "C" {
 }
 #include "runtime/cache_cuda.h"
 #include "kernels/cuda/attention_cuda.h"
+#include "kernels/cuda/common.cuh"
 
 #define ELEM_THREADS 256
 #define MERGE_THREADS 128
@@ -24,13 +25,6 @@ extern "C" {
 namespace {
 
 // ---- Errors and the current device ----------------------------------------------------------
-
-enum kvcap_status cuda_fail(cudaError_t e, const char *op)
-{
-    (void)cudaGetLastError(); // a non-sticky error must not be reported again by a later call
-    return kvcap_fail(e == cudaErrorMemoryAllocation ? KVCAP_ERR_OUT_OF_MEMORY : KVCAP_ERR_DEVICE,
-                      "cuda %s: %s: %s", op, cudaGetErrorName(e), cudaGetErrorString(e));
-}
 
 // Makes `device` current for a scope and puts the caller's device back at its end.
 class DeviceScope {
@@ -64,13 +58,13 @@ class DeviceScope {
 #define ENTER(ctx, op)                                                                             \
     DeviceScope scope_((ctx)->device);                                                             \
     if (scope_.error() != cudaSuccess)                                                             \
-        return cuda_fail(scope_.error(), (op))
+        return kvcap_cuda_fail(scope_.error(), (op), "cudaSetDevice", __FILE__, __LINE__)
 
 #define CUDA_TRY(call, op)                                                                         \
     do {                                                                                           \
         cudaError_t e_ = (call);                                                                   \
         if (e_ != cudaSuccess)                                                                     \
-            return cuda_fail(e_, (op));                                                            \
+            return kvcap_cuda_fail(e_, (op), #call, __FILE__, __LINE__);                           \
     } while (0)
 
 cudaStream_t stream_of(const kvcap_cache_cuda_ctx *x)
@@ -334,11 +328,12 @@ __global__ void __launch_bounds__(MERGE_THREADS)
         lse[(size_t)s * q_heads + hq] = total > 0.0f ? top + logf(total) : -INFINITY;
 }
 
-enum kvcap_status launched(const char *op)
+enum kvcap_status launched(const char *op, const char *file, int line)
 {
     cudaError_t e = cudaGetLastError();
-    return e == cudaSuccess ? KVCAP_OK : cuda_fail(e, op);
+    return e == cudaSuccess ? KVCAP_OK : kvcap_cuda_fail(e, op, "kernel launch", file, line);
 }
+#define launched(op) launched((op), __FILE__, __LINE__)
 
 } // namespace
 

@@ -22,7 +22,7 @@ extern "C" {
 #include "calibrate/calib_cuda.h"
 #include "common/internal.h"
 }
-#include "calibrate/cuda/cuda_check.cuh"
+#include "kernels/cuda/common.cuh"
 
 // ---- Errors ------------------------------------------------------------------------------------
 
@@ -44,13 +44,12 @@ static const char *cusolver_status_name(cusolverStatus_t e)
 static enum kvcap_status cusolver_error(cusolverStatus_t e, const char *stmt, const char *what,
                                         const char *file, int line)
 {
-    enum kvcap_status st =
-        e == CUSOLVER_STATUS_ALLOC_FAILED ? KVCAP_ERR_OUT_OF_MEMORY : KVCAP_ERR_DEVICE;
-    return kvcap_fail(st, "cuda: %.*s (%s): %s (%d) [%s:%d]", call_name_len(stmt), stmt, what,
-                      cusolver_status_name(e), (int)e, base_name(file), line);
+    char error[64];
+    snprintf(error, sizeof error, "%s (%d)", cusolver_status_name(e), (int)e);
+    return kvcap_cuda_report(e == CUSOLVER_STATUS_ALLOC_FAILED, stmt, what, error, file, line);
 }
 
-// CUDA_TRY and CUBLAS_TRY are in cuda_check.cuh; this one is used here only.
+// KVCAP_CUDA_TRY and KVCAP_CUBLAS_TRY are in kernels/cuda/common.cuh; this one is used here only.
 #define CUSOLVER_TRY(stmt, what)                                                    \
     do {                                                                            \
         cusolverStatus_t e_ = (stmt);                                               \
@@ -74,8 +73,8 @@ extern "C" enum kvcap_status kvcap_calib_cuda_device_name(char *buf, size_t cap)
 {
     int dev = 0;
     cudaDeviceProp prop;
-    CUDA_TRY(cudaGetDevice(&dev), "device name");
-    CUDA_TRY(cudaGetDeviceProperties(&prop, dev), "device name");
+    KVCAP_CUDA_TRY(cudaGetDevice(&dev), "device name");
+    KVCAP_CUDA_TRY(cudaGetDeviceProperties(&prop, dev), "device name");
     snprintf(buf, cap, "%s", prop.name);
     return KVCAP_OK;
 }
@@ -84,9 +83,9 @@ extern "C" enum kvcap_status kvcap_calib_cuda_device_name(char *buf, size_t cap)
 // Grams must match the CPU path to rounding, so the mode is set explicitly.
 static enum kvcap_status blas_create(cublasHandle_t *h, cudaStream_t stream, const char *what)
 {
-    CUBLAS_TRY(cublasCreate(h), what);
-    CUBLAS_TRY(cublasSetStream(*h, stream), what);
-    CUBLAS_TRY(cublasSetMathMode(*h, CUBLAS_DEFAULT_MATH), what);
+    KVCAP_CUBLAS_TRY(cublasCreate(h), what);
+    KVCAP_CUBLAS_TRY(cublasSetStream(*h, stream), what);
+    KVCAP_CUBLAS_TRY(cublasSetMathMode(*h, CUBLAS_DEFAULT_MATH), what);
     return KVCAP_OK;
 }
 
@@ -202,7 +201,7 @@ static enum kvcap_status gram_setup(struct kvcap_calib_cuda_gram *g,
                     KVCAP_ERR_INVALID_ARGUMENT, "cuda Grams: total size overflows");
 
     size_t free_b = 0, total_b = 0;
-    CUDA_TRY(cudaMemGetInfo(&free_b, &total_b), "device memory for the Grams");
+    KVCAP_CUDA_TRY(cudaMemGetInfo(&free_b, &total_b), "device memory for the Grams");
     KVCAP_RETURN_IF(need + HEADROOM > free_b, KVCAP_ERR_OUT_OF_MEMORY,
                     "cuda: the Grams of %zu units need %.0f MiB of device memory (%.0f MiB of "
                     "K and V Grams kept resident, %.0f MiB of staging and cuBLAS reserve for %d "
@@ -211,39 +210,39 @@ static enum kvcap_status gram_setup(struct kvcap_calib_cuda_gram *g,
                     n, mib(need), mib(gram_bytes), mib(need - gram_bytes), p->lanes,
                     mib(HEADROOM), mib(free_b), mib(total_b));
 
-    CUDA_TRY(cudaMalloc((void **)&g->dgrams, gram_bytes), "device Grams");
-    CUDA_TRY(cudaMallocHost((void **)&g->pinned, batch_bytes), "pinned Gram batches");
+    KVCAP_CUDA_TRY(cudaMalloc((void **)&g->dgrams, gram_bytes), "device Grams");
+    KVCAP_CUDA_TRY(cudaMallocHost((void **)&g->pinned, batch_bytes), "pinned Gram batches");
     for (size_t i = 0; i < n; i++) {
         size_t mm = (size_t)g->m[i] * (size_t)g->m[i];
-        CUDA_TRY(cudaEventCreateWithFlags(&g->unit_done[i], cudaEventDisableTiming),
+        KVCAP_CUDA_TRY(cudaEventCreateWithFlags(&g->unit_done[i], cudaEventDisableTiming),
                  "Gram unit event");
         // Pageable-source copies may return before the DMA lands; the device-wide
         // synchronisation below orders them before any product.
-        CUDA_TRY(cudaMemcpy(g->dgrams + g->gram_off[i], g->k_host[i], mm * sizeof(double),
+        KVCAP_CUDA_TRY(cudaMemcpy(g->dgrams + g->gram_off[i], g->k_host[i], mm * sizeof(double),
                             cudaMemcpyHostToDevice),
                  "upload K Gram");
-        CUDA_TRY(cudaMemcpy(g->dgrams + g->gram_off[i] + mm, g->v_host[i], mm * sizeof(double),
+        KVCAP_CUDA_TRY(cudaMemcpy(g->dgrams + g->gram_off[i] + mm, g->v_host[i], mm * sizeof(double),
                             cudaMemcpyHostToDevice),
                  "upload V Gram");
     }
     for (int l = 0; l < p->lanes; l++) {
         struct lane *ln = &g->lane[l];
-        CUDA_TRY(cudaStreamCreateWithFlags(&ln->copy, cudaStreamNonBlocking), "copy stream");
-        CUDA_TRY(cudaStreamCreateWithFlags(&ln->compute, cudaStreamNonBlocking),
+        KVCAP_CUDA_TRY(cudaStreamCreateWithFlags(&ln->copy, cudaStreamNonBlocking), "copy stream");
+        KVCAP_CUDA_TRY(cudaStreamCreateWithFlags(&ln->compute, cudaStreamNonBlocking),
                  "compute stream");
         KVCAP_TRY(blas_create(&ln->blas, ln->compute, "Gram lane handle"));
         for (int s = 0; s < 2; s++) {
-            CUDA_TRY(cudaMalloc((void **)&ln->slot[s].dk, slot * sizeof(double)),
+            KVCAP_CUDA_TRY(cudaMalloc((void **)&ln->slot[s].dk, slot * sizeof(double)),
                      "device batch slot");
-            CUDA_TRY(cudaMalloc((void **)&ln->slot[s].dv, slot * sizeof(double)),
+            KVCAP_CUDA_TRY(cudaMalloc((void **)&ln->slot[s].dv, slot * sizeof(double)),
                      "device batch slot");
-            CUDA_TRY(cudaEventCreateWithFlags(&ln->slot[s].copied, cudaEventDisableTiming),
+            KVCAP_CUDA_TRY(cudaEventCreateWithFlags(&ln->slot[s].copied, cudaEventDisableTiming),
                      "batch slot event");
-            CUDA_TRY(cudaEventCreateWithFlags(&ln->slot[s].consumed, cudaEventDisableTiming),
+            KVCAP_CUDA_TRY(cudaEventCreateWithFlags(&ln->slot[s].consumed, cudaEventDisableTiming),
                      "batch slot event");
         }
     }
-    CUDA_TRY(cudaDeviceSynchronize(), "upload Grams");
+    KVCAP_CUDA_TRY(cudaDeviceSynchronize(), "upload Grams");
     return KVCAP_OK;
 }
 
@@ -309,43 +308,43 @@ extern "C" enum kvcap_status kvcap_calib_cuda_gram_flush(struct kvcap_calib_cuda
     double *dk_gram = g->dgrams + g->gram_off[unit], *dv_gram = dk_gram + mm;
 
     // The slot's device buffers are free once the products that read them last are done.
-    CUDA_TRY(cudaStreamWaitEvent(ln->copy, s->consumed, 0), "gram batch");
+    KVCAP_CUDA_TRY(cudaStreamWaitEvent(ln->copy, s->consumed, 0), "gram batch");
     // The first `cols` columns of each of the m rows, packed with pitch cols (X = Aᵀ, ld cols).
-    CUDA_TRY(cudaMemcpy2DAsync(s->dk, width, kbuf, pitch, width, (size_t)m,
+    KVCAP_CUDA_TRY(cudaMemcpy2DAsync(s->dk, width, kbuf, pitch, width, (size_t)m,
                                cudaMemcpyHostToDevice, ln->copy),
              "gram batch K");
-    CUDA_TRY(cudaMemcpy2DAsync(s->dv, width, vbuf, pitch, width, (size_t)m,
+    KVCAP_CUDA_TRY(cudaMemcpy2DAsync(s->dv, width, vbuf, pitch, width, (size_t)m,
                                cudaMemcpyHostToDevice, ln->copy),
              "gram batch V");
-    CUDA_TRY(cudaEventRecord(s->copied, ln->copy), "gram batch");
-    CUDA_TRY(cudaStreamWaitEvent(ln->compute, s->copied, 0), "gram batch");
+    KVCAP_CUDA_TRY(cudaEventRecord(s->copied, ln->copy), "gram batch");
+    KVCAP_CUDA_TRY(cudaStreamWaitEvent(ln->compute, s->copied, 0), "gram batch");
     // Another lane may have updated this unit last: its product comes first.
-    CUDA_TRY(cudaStreamWaitEvent(ln->compute, g->unit_done[unit], 0), "gram batch");
-    CUBLAS_TRY(cublasDsyrk(ln->blas, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_T, m, (int)cols, &ONE,
+    KVCAP_CUDA_TRY(cudaStreamWaitEvent(ln->compute, g->unit_done[unit], 0), "gram batch");
+    KVCAP_CUBLAS_TRY(cublasDsyrk(ln->blas, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_T, m, (int)cols, &ONE,
                            s->dk, (int)cols, &ONE, dk_gram, m),
                "K Gram update");
-    CUBLAS_TRY(cublasDsyrk(ln->blas, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_T, m, (int)cols, &ONE,
+    KVCAP_CUBLAS_TRY(cublasDsyrk(ln->blas, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_T, m, (int)cols, &ONE,
                            s->dv, (int)cols, &ONE, dv_gram, m),
                "V Gram update");
-    CUDA_TRY(cudaEventRecord(s->consumed, ln->compute), "gram batch");
-    CUDA_TRY(cudaEventRecord(g->unit_done[unit], ln->compute), "gram batch");
+    KVCAP_CUDA_TRY(cudaEventRecord(s->consumed, ln->compute), "gram batch");
+    KVCAP_CUDA_TRY(cudaEventRecord(g->unit_done[unit], ln->compute), "gram batch");
     // The caller refills kbuf/vbuf next: wait for the uploads only (the product runs on).
-    CUDA_TRY(cudaEventSynchronize(s->copied), "gram batch");
+    KVCAP_CUDA_TRY(cudaEventSynchronize(s->copied), "gram batch");
     return KVCAP_OK;
 }
 
 extern "C" enum kvcap_status kvcap_calib_cuda_gram_finish(struct kvcap_calib_cuda_gram *g)
 {
     for (int l = 0; l < g->lanes; l++) {
-        CUDA_TRY(cudaStreamSynchronize(g->lane[l].copy), "finish Grams");
-        CUDA_TRY(cudaStreamSynchronize(g->lane[l].compute), "finish Grams");
+        KVCAP_CUDA_TRY(cudaStreamSynchronize(g->lane[l].copy), "finish Grams");
+        KVCAP_CUDA_TRY(cudaStreamSynchronize(g->lane[l].compute), "finish Grams");
     }
     for (size_t i = 0; i < g->n_units; i++) {
         size_t mm = (size_t)g->m[i] * (size_t)g->m[i];
         const double *dk = g->dgrams + g->gram_off[i];
-        CUDA_TRY(cudaMemcpy(g->k_host[i], dk, mm * sizeof(double), cudaMemcpyDeviceToHost),
+        KVCAP_CUDA_TRY(cudaMemcpy(g->k_host[i], dk, mm * sizeof(double), cudaMemcpyDeviceToHost),
                  "download K Gram");
-        CUDA_TRY(cudaMemcpy(g->v_host[i], dk + mm, mm * sizeof(double), cudaMemcpyDeviceToHost),
+        KVCAP_CUDA_TRY(cudaMemcpy(g->v_host[i], dk + mm, mm * sizeof(double), cudaMemcpyDeviceToHost),
                  "download V Gram");
     }
     return KVCAP_OK;
@@ -413,15 +412,15 @@ static enum kvcap_status eigen_workspace(struct kvcap_calib_cuda_eigen *e, int n
                                              CUDA_R_64F, e->d_w, CUDA_R_64F, &d_bytes, &h_bytes),
                  "eigen workspace size");
     if (d_bytes > e->d_work_bytes) {
-        CUDA_TRY(cudaStreamSynchronize(e->stream), "eigen workspace");
-        CUDA_TRY(cudaFree(e->d_work), "eigen workspace");
+        KVCAP_CUDA_TRY(cudaStreamSynchronize(e->stream), "eigen workspace");
+        KVCAP_CUDA_TRY(cudaFree(e->d_work), "eigen workspace");
         e->d_work = NULL;
         e->d_work_bytes = 0;
-        CUDA_TRY(cudaMalloc(&e->d_work, d_bytes), "eigen workspace");
+        KVCAP_CUDA_TRY(cudaMalloc(&e->d_work, d_bytes), "eigen workspace");
         e->d_work_bytes = d_bytes;
     }
     if (h_bytes > e->h_work_bytes) {
-        CUDA_TRY(cudaStreamSynchronize(e->stream), "eigen workspace");
+        KVCAP_CUDA_TRY(cudaStreamSynchronize(e->stream), "eigen workspace");
         free(e->h_work);
         e->h_work = malloc(h_bytes);
         e->h_work_bytes = e->h_work ? h_bytes : 0;
@@ -434,7 +433,7 @@ static enum kvcap_status eigen_workspace(struct kvcap_calib_cuda_eigen *e, int n
 static enum kvcap_status eigen_setup(struct kvcap_calib_cuda_eigen *e, int n)
 {
     size_t nn = (size_t)n * (size_t)n;
-    CUDA_TRY(cudaStreamCreateWithFlags(&e->stream, cudaStreamNonBlocking), "eigen stream");
+    KVCAP_CUDA_TRY(cudaStreamCreateWithFlags(&e->stream, cudaStreamNonBlocking), "eigen stream");
     CUSOLVER_TRY(cusolverDnCreate(&e->solver), "eigen handle");
     CUSOLVER_TRY(cusolverDnSetStream(e->solver, e->stream), "eigen handle");
     // Reproducible runs: the same Gram gives the same basis, run after run.
@@ -442,18 +441,18 @@ static enum kvcap_status eigen_setup(struct kvcap_calib_cuda_eigen *e, int n)
                  "eigen handle");
     CUSOLVER_TRY(cusolverDnCreateParams(&e->params), "eigen handle");
     KVCAP_TRY(blas_create(&e->blas, e->stream, "eigen transpose handle"));
-    CUDA_TRY(cudaMalloc((void **)&e->d_a, nn * sizeof(double)), "eigen matrix");
-    CUDA_TRY(cudaMalloc((void **)&e->d_t, nn * sizeof(double)), "eigen vectors");
-    CUDA_TRY(cudaMalloc((void **)&e->d_w, (size_t)n * sizeof(double)), "eigen values");
-    CUDA_TRY(cudaMalloc((void **)&e->d_info, sizeof(int)), "eigen info");
+    KVCAP_CUDA_TRY(cudaMalloc((void **)&e->d_a, nn * sizeof(double)), "eigen matrix");
+    KVCAP_CUDA_TRY(cudaMalloc((void **)&e->d_t, nn * sizeof(double)), "eigen vectors");
+    KVCAP_CUDA_TRY(cudaMalloc((void **)&e->d_w, (size_t)n * sizeof(double)), "eigen values");
+    KVCAP_CUDA_TRY(cudaMalloc((void **)&e->d_info, sizeof(int)), "eigen info");
     // Pinned: two slots of (matrix, eigenvalues), then two info words.
     size_t per = nn + (size_t)n;
-    CUDA_TRY(cudaMallocHost((void **)&e->pinned, (2 * per + 1) * sizeof(double)),
+    KVCAP_CUDA_TRY(cudaMallocHost((void **)&e->pinned, (2 * per + 1) * sizeof(double)),
              "pinned eigen staging");
     for (int s = 0; s < 2; s++) {
         e->h_a[s] = e->pinned + (size_t)s * per;
         e->h_w[s] = e->h_a[s] + nn;
-        CUDA_TRY(cudaEventCreateWithFlags(&e->ready[s], cudaEventDisableTiming), "eigen event");
+        KVCAP_CUDA_TRY(cudaEventCreateWithFlags(&e->ready[s], cudaEventDisableTiming), "eigen event");
     }
     e->h_info = (int *)(e->pinned + 2 * per);
     return eigen_workspace(e, n);
@@ -484,7 +483,7 @@ static enum kvcap_status eigen_enqueue(struct kvcap_calib_cuda_eigen *e, int s, 
     KVCAP_TRY(eigen_workspace(e, n));
     // Symmetric: the row-major matrix read column-major is itself.
     memcpy(e->h_a[s], a, nn * sizeof(double));
-    CUDA_TRY(cudaMemcpyAsync(e->d_a, e->h_a[s], nn * sizeof(double), cudaMemcpyHostToDevice,
+    KVCAP_CUDA_TRY(cudaMemcpyAsync(e->d_a, e->h_a[s], nn * sizeof(double), cudaMemcpyHostToDevice,
                              e->stream),
              "upload Gram for eigen");
     // Lower in column-major is the CPU path's 'U' in row-major: the same triangle is read.
@@ -496,19 +495,19 @@ static enum kvcap_status eigen_enqueue(struct kvcap_calib_cuda_eigen *e, int s, 
     // Column j of d_a (column-major) is eigenvector j, i.e. ROW j read row-major; the CPU
     // contract wants it in column j of the row-major matrix: d_t = d_aᵀ. (B = d_a is not read
     // with beta = 0 but must be a valid matrix; C does not overlap A, so this is out of place.)
-    CUBLAS_TRY(cublasDgeam(e->blas, CUBLAS_OP_T, CUBLAS_OP_N, n, n, &ONE, e->d_a, n, &ZERO,
+    KVCAP_CUBLAS_TRY(cublasDgeam(e->blas, CUBLAS_OP_T, CUBLAS_OP_N, n, n, &ONE, e->d_a, n, &ZERO,
                            e->d_a, n, e->d_t, n),
                "eigenvector transpose");
-    CUDA_TRY(cudaMemcpyAsync(e->h_a[s], e->d_t, nn * sizeof(double), cudaMemcpyDeviceToHost,
+    KVCAP_CUDA_TRY(cudaMemcpyAsync(e->h_a[s], e->d_t, nn * sizeof(double), cudaMemcpyDeviceToHost,
                              e->stream),
              "download eigenvectors");
-    CUDA_TRY(cudaMemcpyAsync(e->h_w[s], e->d_w, (size_t)n * sizeof(double),
+    KVCAP_CUDA_TRY(cudaMemcpyAsync(e->h_w[s], e->d_w, (size_t)n * sizeof(double),
                              cudaMemcpyDeviceToHost, e->stream),
              "download eigenvalues");
-    CUDA_TRY(cudaMemcpyAsync(&e->h_info[s], e->d_info, sizeof(int), cudaMemcpyDeviceToHost,
+    KVCAP_CUDA_TRY(cudaMemcpyAsync(&e->h_info[s], e->d_info, sizeof(int), cudaMemcpyDeviceToHost,
                              e->stream),
              "download eigen info");
-    CUDA_TRY(cudaEventRecord(e->ready[s], e->stream), "eigen event");
+    KVCAP_CUDA_TRY(cudaEventRecord(e->ready[s], e->stream), "eigen event");
     return KVCAP_OK;
 }
 
@@ -538,7 +537,7 @@ extern "C" enum kvcap_status kvcap_calib_cuda_dsyevd_batch(
         int j = i - 1, s = j & 1;
         cudaError_t ce = cudaEventSynchronize(e->ready[s]);
         if (ce != cudaSuccess) {
-            st = cuda_error(ce, "cudaEventSynchronize", "eigen results", __FILE__, __LINE__);
+            st = kvcap_cuda_fail(ce, "cudaEventSynchronize", "eigen results", __FILE__, __LINE__);
         } else if (e->h_info[s] != 0) {
             st = kvcap_fail(e->h_info[s] > 0 ? KVCAP_ERR_NUMERIC : KVCAP_ERR_INTERNAL,
                             "dsyevd (cuSOLVER): eigen-decomposition of a %dx%d Gram failed "
@@ -590,8 +589,8 @@ static void peak_free(struct peak_bufs *p)
 // Milliseconds between the two events (both recorded on the stream).
 static enum kvcap_status elapsed_ms(struct peak_bufs *p, float *ms)
 {
-    CUDA_TRY(cudaEventSynchronize(p->t1), "peak timing");
-    CUDA_TRY(cudaEventElapsedTime(ms, p->t0, p->t1), "peak timing");
+    KVCAP_CUDA_TRY(cudaEventSynchronize(p->t1), "peak timing");
+    KVCAP_CUDA_TRY(cudaEventElapsedTime(ms, p->t0, p->t1), "peak timing");
     return KVCAP_OK;
 }
 
@@ -600,61 +599,61 @@ static enum kvcap_status peak_run(struct peak_bufs *p, int m, struct kvcap_calib
     enum { KMAX = 4096, REPS = 10 };
     size_t mk = (size_t)m * KMAX, mm = (size_t)m * m;
     size_t host_n = mk > mm ? mk : mm;
-    CUDA_TRY(cudaStreamCreateWithFlags(&p->stream, cudaStreamNonBlocking), "peak stream");
+    KVCAP_CUDA_TRY(cudaStreamCreateWithFlags(&p->stream, cudaStreamNonBlocking), "peak stream");
     KVCAP_TRY(blas_create(&p->blas, p->stream, "peak handle"));
-    CUDA_TRY(cudaEventCreate(&p->t0), "peak timing");
-    CUDA_TRY(cudaEventCreate(&p->t1), "peak timing");
-    CUDA_TRY(cudaMalloc((void **)&p->a, mk * sizeof(double)), "peak operands");
-    CUDA_TRY(cudaMalloc((void **)&p->b, mm * sizeof(double)), "peak operands");
-    CUDA_TRY(cudaMalloc((void **)&p->c, mm * sizeof(double)), "peak operands");
-    CUDA_TRY(cudaMallocHost((void **)&p->host, host_n * sizeof(double)), "peak staging");
+    KVCAP_CUDA_TRY(cudaEventCreate(&p->t0), "peak timing");
+    KVCAP_CUDA_TRY(cudaEventCreate(&p->t1), "peak timing");
+    KVCAP_CUDA_TRY(cudaMalloc((void **)&p->a, mk * sizeof(double)), "peak operands");
+    KVCAP_CUDA_TRY(cudaMalloc((void **)&p->b, mm * sizeof(double)), "peak operands");
+    KVCAP_CUDA_TRY(cudaMalloc((void **)&p->c, mm * sizeof(double)), "peak operands");
+    KVCAP_CUDA_TRY(cudaMallocHost((void **)&p->host, host_n * sizeof(double)), "peak staging");
     uint64_t x = 0x9e3779b97f4a7c15ull; // non-zero operands: zeros would flatter the clocks
     for (size_t i = 0; i < host_n; i++) {
         x ^= x << 13, x ^= x >> 7, x ^= x << 17;
         p->host[i] = (double)(x >> 11) * 0x1.0p-53 - 0.5;
     }
-    CUDA_TRY(cudaMemcpyAsync(p->a, p->host, mk * sizeof(double), cudaMemcpyHostToDevice,
+    KVCAP_CUDA_TRY(cudaMemcpyAsync(p->a, p->host, mk * sizeof(double), cudaMemcpyHostToDevice,
                              p->stream),
              "peak operands");
-    CUDA_TRY(cudaMemcpyAsync(p->b, p->host, mm * sizeof(double), cudaMemcpyHostToDevice,
+    KVCAP_CUDA_TRY(cudaMemcpyAsync(p->b, p->host, mm * sizeof(double), cudaMemcpyHostToDevice,
                              p->stream),
              "peak operands");
-    CUDA_TRY(cudaMemsetAsync(p->c, 0, mm * sizeof(double), p->stream), "peak operands");
+    KVCAP_CUDA_TRY(cudaMemsetAsync(p->c, 0, mm * sizeof(double), p->stream), "peak operands");
     float ms = 0.0f;
     out->dsyrk_gflops = 0.0;
     for (int k = 256; k <= KMAX; k *= 2) {
-        CUBLAS_TRY(cublasDsyrk(p->blas, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_T, m, k, &ONE, p->a, k,
+        KVCAP_CUBLAS_TRY(cublasDsyrk(p->blas, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_T, m, k, &ONE, p->a, k,
                                &ONE, p->c, m),
                    "peak DSYRK warm-up");
-        CUDA_TRY(cudaEventRecord(p->t0, p->stream), "peak timing");
+        KVCAP_CUDA_TRY(cudaEventRecord(p->t0, p->stream), "peak timing");
         for (int r = 0; r < REPS; r++)
-            CUBLAS_TRY(cublasDsyrk(p->blas, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_T, m, k, &ONE, p->a,
+            KVCAP_CUBLAS_TRY(cublasDsyrk(p->blas, CUBLAS_FILL_MODE_LOWER, CUBLAS_OP_T, m, k, &ONE, p->a,
                                    k, &ONE, p->c, m),
                        "peak DSYRK");
-        CUDA_TRY(cudaEventRecord(p->t1, p->stream), "peak timing");
+        KVCAP_CUDA_TRY(cudaEventRecord(p->t1, p->stream), "peak timing");
         KVCAP_TRY(elapsed_ms(p, &ms));
         double rate = REPS * (double)m * (m + 1) * k / (ms * 1e-3) * 1e-9;
         if (ms > 0 && rate > out->dsyrk_gflops)
             out->dsyrk_gflops = rate, out->dsyrk_k = k;
     }
-    CUBLAS_TRY(cublasDgemm(p->blas, CUBLAS_OP_N, CUBLAS_OP_N, m, m, m, &ONE, p->b, m, p->b, m,
+    KVCAP_CUBLAS_TRY(cublasDgemm(p->blas, CUBLAS_OP_N, CUBLAS_OP_N, m, m, m, &ONE, p->b, m, p->b, m,
                            &ZERO, p->c, m),
                "peak DGEMM warm-up");
-    CUDA_TRY(cudaEventRecord(p->t0, p->stream), "peak timing");
+    KVCAP_CUDA_TRY(cudaEventRecord(p->t0, p->stream), "peak timing");
     for (int r = 0; r < REPS; r++)
-        CUBLAS_TRY(cublasDgemm(p->blas, CUBLAS_OP_N, CUBLAS_OP_N, m, m, m, &ONE, p->b, m, p->b,
+        KVCAP_CUBLAS_TRY(cublasDgemm(p->blas, CUBLAS_OP_N, CUBLAS_OP_N, m, m, m, &ONE, p->b, m, p->b,
                                m, &ZERO, p->c, m),
                    "peak DGEMM");
-    CUDA_TRY(cudaEventRecord(p->t1, p->stream), "peak timing");
+    KVCAP_CUDA_TRY(cudaEventRecord(p->t1, p->stream), "peak timing");
     KVCAP_TRY(elapsed_ms(p, &ms));
     out->dgemm_gflops = ms > 0 ? REPS * 2.0 * (double)m * m * m / (ms * 1e-3) * 1e-9 : 0.0;
     // Host to device from pinned memory, the path the Gram batches take.
-    CUDA_TRY(cudaEventRecord(p->t0, p->stream), "peak timing");
+    KVCAP_CUDA_TRY(cudaEventRecord(p->t0, p->stream), "peak timing");
     for (int r = 0; r < REPS; r++)
-        CUDA_TRY(cudaMemcpyAsync(p->a, p->host, mk * sizeof(double), cudaMemcpyHostToDevice,
+        KVCAP_CUDA_TRY(cudaMemcpyAsync(p->a, p->host, mk * sizeof(double), cudaMemcpyHostToDevice,
                                  p->stream),
                  "peak host-to-device copy");
-    CUDA_TRY(cudaEventRecord(p->t1, p->stream), "peak timing");
+    KVCAP_CUDA_TRY(cudaEventRecord(p->t1, p->stream), "peak timing");
     KVCAP_TRY(elapsed_ms(p, &ms));
     out->h2d_gbps = ms > 0 ? REPS * (double)(mk * sizeof(double)) / (ms * 1e-3) * 1e-9 : 0.0;
     return KVCAP_OK;

@@ -29,7 +29,7 @@ extern "C" {
 #include "common/internal.h"
 #include "calibrate/train_internal.h"
 }
-#include "calibrate/cuda/cuda_check.cuh"
+#include "kernels/cuda/common.cuh"
 
 // ---- Kernels ---------------------------------------------------------------------------------
 
@@ -373,7 +373,7 @@ extern "C" void kvcap_calib_cuda_train_free(struct kvcap_calib_cuda_train *g)
 static enum kvcap_status upload_columns(float *dst, const float *src, size_t ld, int m, size_t n,
                                         cudaStream_t stream, const char *what)
 {
-    CUDA_TRY(cudaMemcpy2DAsync(dst, n * sizeof(float), src, ld * sizeof(float), n * sizeof(float),
+    KVCAP_CUDA_TRY(cudaMemcpy2DAsync(dst, n * sizeof(float), src, ld * sizeof(float), n * sizeof(float),
                                (size_t)m, cudaMemcpyHostToDevice, stream),
              what);
     return KVCAP_OK;
@@ -388,7 +388,7 @@ static enum kvcap_status train_setup(struct kvcap_calib_cuda_train *g,
                     "cuda keys train: sizes overflow (m %d, h %d, %zu + %zu columns)", g->m, g->h,
                     g->n_train, g->n_val);
     size_t free_b = 0, total_b = 0;
-    CUDA_TRY(cudaMemGetInfo(&free_b, &total_b), "device memory for key training");
+    KVCAP_CUDA_TRY(cudaMemGetInfo(&free_b, &total_b), "device memory for key training");
     KVCAP_RETURN_IF(bytes + BLAS_RESERVE + HEADROOM > free_b, KVCAP_ERR_OUT_OF_MEMORY,
                     "cuda keys train: training m %d, h %d on %zu training and %zu validation "
                     "columns needs %.0f MiB of device memory plus %.0f MiB of cuBLAS reserve "
@@ -396,30 +396,30 @@ static enum kvcap_status train_setup(struct kvcap_calib_cuda_train *g,
                     g->m, g->h, g->n_train, val_is_train ? (size_t)0 : g->n_val, mib(bytes),
                     mib(BLAS_RESERVE + HEADROOM), mib(free_b), mib(total_b));
 
-    CUDA_TRY(cudaStreamCreateWithFlags(&g->stream, cudaStreamNonBlocking), "key training stream");
-    CUBLAS_TRY(cublasCreate(&g->blas), "key training handle");
-    CUBLAS_TRY(cublasSetStream(g->blas, g->stream), "key training handle");
+    KVCAP_CUDA_TRY(cudaStreamCreateWithFlags(&g->stream, cudaStreamNonBlocking), "key training stream");
+    KVCAP_CUBLAS_TRY(cublasCreate(&g->blas), "key training handle");
+    KVCAP_CUBLAS_TRY(cublasSetStream(g->blas, g->stream), "key training handle");
     // FP32 as prescribed (no TF32 or BF16x9 emulation, whatever NVIDIA_TF32_OVERRIDE or the
     // emulation variables say) and no atomics: reproducible products.
-    CUBLAS_TRY(cublasSetMathMode(g->blas, CUBLAS_PEDANTIC_MATH), "key training handle");
-    CUBLAS_TRY(cublasSetAtomicsMode(g->blas, CUBLAS_ATOMICS_NOT_ALLOWED), "key training handle");
-    CUDA_TRY(cudaMalloc(&g->block, bytes), "key training buffers");
+    KVCAP_CUBLAS_TRY(cublasSetMathMode(g->blas, CUBLAS_PEDANTIC_MATH), "key training handle");
+    KVCAP_CUBLAS_TRY(cublasSetAtomicsMode(g->blas, CUBLAS_ATOMICS_NOT_ALLOWED), "key training handle");
+    KVCAP_CUDA_TRY(cudaMalloc(&g->block, bytes), "key training buffers");
     layout(g, (char *)g->block, val_is_train);
     size_t pinned_bytes = sizeof(struct step_out) + 16 + g->batch * sizeof(size_t);
-    CUDA_TRY(cudaMallocHost(&g->pinned, pinned_bytes), "key training staging");
+    KVCAP_CUDA_TRY(cudaMallocHost(&g->pinned, pinned_bytes), "key training staging");
     g->h_out = (struct step_out *)g->pinned;
     g->h_pick = (size_t *)((char *)g->pinned + ((sizeof(struct step_out) + 15) & ~(size_t)15));
 
     // Everything after the columns receives results: it starts as NaN (all bits set), so a
     // missed write shows.
-    CUDA_TRY(cudaMemsetAsync(g->theta, 0xff, (char *)(g->out + 1) - (char *)g->theta, g->stream),
+    KVCAP_CUDA_TRY(cudaMemsetAsync(g->theta, 0xff, (char *)(g->out + 1) - (char *)g->theta, g->stream),
              "key training buffers");
     KVCAP_TRY(upload_columns(g->train, p->x_train, p->ld_train, g->m, g->n_train, g->stream,
                              "upload training columns"));
     if (!val_is_train)
         KVCAP_TRY(upload_columns(g->val, p->x_val, p->ld_val, g->m, g->n_val, g->stream,
                                  "upload validation columns"));
-    CUDA_TRY(cudaStreamSynchronize(g->stream), "key training setup");
+    KVCAP_CUDA_TRY(cudaStreamSynchronize(g->stream), "key training setup");
     return KVCAP_OK;
 }
 
@@ -471,7 +471,7 @@ kvcap_calib_cuda_train_create(const struct kvcap_calib_cuda_train_params *p,
 
 // ---- Steps -------------------------------------------------------------------------------------
 
-#define LAUNCHED(what) CUDA_TRY(cudaGetLastError(), what)
+#define LAUNCHED(what) KVCAP_CUDA_TRY(cudaGetLastError(), what)
 
 static unsigned grid_for(size_t n)
 {
@@ -486,7 +486,7 @@ static enum kvcap_status gemm_rm(cublasHandle_t blas, bool ta, bool tb, int M, i
                                  float *C, int ldc, const char *what)
 {
     const float one = 1.0f;
-    CUBLAS_TRY(cublasSgemm(blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
+    KVCAP_CUBLAS_TRY(cublasSgemm(blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N,
                            N, M, K, &one, B, ldb, A, lda, &beta, C, ldc),
                what);
     return KVCAP_OK;
@@ -515,9 +515,9 @@ static enum kvcap_status check_loaded(const struct kvcap_calib_cuda_train *g,
 // Waits for the stream and copies the step's result back.
 static enum kvcap_status fetch_out(struct kvcap_calib_cuda_train *g, const char *what)
 {
-    CUDA_TRY(cudaMemcpyAsync(g->h_out, g->out, sizeof *g->out, cudaMemcpyDeviceToHost, g->stream),
+    KVCAP_CUDA_TRY(cudaMemcpyAsync(g->h_out, g->out, sizeof *g->out, cudaMemcpyDeviceToHost, g->stream),
              what);
-    CUDA_TRY(cudaStreamSynchronize(g->stream), what);
+    KVCAP_CUDA_TRY(cudaStreamSynchronize(g->stream), what);
     return KVCAP_OK;
 }
 
@@ -539,7 +539,7 @@ static enum kvcap_status loss_grad(struct kvcap_calib_cuda_train *g,
                             c, pick[c], g->n_train);
         // Every entry point leaves the stream idle, so the staging is free to refill.
         memcpy(g->h_pick, pick, g->batch * sizeof *pick);
-        CUDA_TRY(cudaMemcpyAsync(g->pick, g->h_pick, g->batch * sizeof *pick,
+        KVCAP_CUDA_TRY(cudaMemcpyAsync(g->pick, g->h_pick, g->batch * sizeof *pick,
                                  cudaMemcpyHostToDevice, s),
                  "batch indices");
         gather_cols<<<grid_for((size_t)m * g->batch), THREADS, 0, s>>>(g->train, g->n_train,
@@ -618,17 +618,17 @@ extern "C" enum kvcap_status kvcap_calib_cuda_train_load(struct kvcap_calib_cuda
                     g ? g->h : 0);
     g->loaded = 0;
     const size_t np = net->n_params;
-    CUDA_TRY(cudaMemcpyAsync(g->theta, net->theta, np * sizeof(float), cudaMemcpyHostToDevice,
+    KVCAP_CUDA_TRY(cudaMemcpyAsync(g->theta, net->theta, np * sizeof(float), cudaMemcpyHostToDevice,
                              g->stream),
              "upload parameters");
     if (net->rows)
-        CUDA_TRY(cudaMemcpyAsync(g->rows, net->rows, (size_t)net->p * sizeof(int32_t),
+        KVCAP_CUDA_TRY(cudaMemcpyAsync(g->rows, net->rows, (size_t)net->p * sizeof(int32_t),
                                  cudaMemcpyHostToDevice, g->stream),
                  "upload retained points");
-    CUDA_TRY(cudaMemsetAsync(g->m1, 0, np * sizeof(float), g->stream), "Adam moments");
-    CUDA_TRY(cudaMemsetAsync(g->m2, 0, np * sizeof(float), g->stream), "Adam moments");
-    CUDA_TRY(cudaMemsetAsync(g->grad, 0xff, np * sizeof(float), g->stream), "gradient");
-    CUDA_TRY(cudaStreamSynchronize(g->stream), "load parameters");
+    KVCAP_CUDA_TRY(cudaMemsetAsync(g->m1, 0, np * sizeof(float), g->stream), "Adam moments");
+    KVCAP_CUDA_TRY(cudaMemsetAsync(g->m2, 0, np * sizeof(float), g->stream), "Adam moments");
+    KVCAP_CUDA_TRY(cudaMemsetAsync(g->grad, 0xff, np * sizeof(float), g->stream), "gradient");
+    KVCAP_CUDA_TRY(cudaStreamSynchronize(g->stream), "load parameters");
     g->loaded = 1;
     g->relaxed = net->rows == NULL;
     g->p = net->p;
@@ -646,7 +646,7 @@ extern "C" enum kvcap_status kvcap_calib_cuda_train_loss_grad(struct kvcap_calib
     KVCAP_RETURN_IF(!g || !loss, KVCAP_ERR_INVALID_ARGUMENT, "cuda keys train: NULL argument");
     KVCAP_TRY(loss_grad(g, net, pick));
     if (grad)
-        CUDA_TRY(cudaMemcpyAsync(grad, g->grad, g->n_params * sizeof(float),
+        KVCAP_CUDA_TRY(cudaMemcpyAsync(grad, g->grad, g->n_params * sizeof(float),
                                  cudaMemcpyDeviceToHost, g->stream),
                  "download gradient");
     KVCAP_TRY(fetch_out(g, "loss"));
@@ -679,10 +679,10 @@ extern "C" enum kvcap_status kvcap_calib_cuda_train_fetch(struct kvcap_calib_cud
 {
     KVCAP_RETURN_IF(!g, KVCAP_ERR_INVALID_ARGUMENT, "cuda keys train: NULL argument");
     KVCAP_TRY(check_loaded(g, net, 0));
-    CUDA_TRY(cudaMemcpyAsync(net->theta, g->theta, g->n_params * sizeof(float),
+    KVCAP_CUDA_TRY(cudaMemcpyAsync(net->theta, g->theta, g->n_params * sizeof(float),
                              cudaMemcpyDeviceToHost, g->stream),
              "download parameters");
-    CUDA_TRY(cudaStreamSynchronize(g->stream), "download parameters");
+    KVCAP_CUDA_TRY(cudaStreamSynchronize(g->stream), "download parameters");
     return KVCAP_OK;
 }
 
@@ -698,7 +698,7 @@ static enum kvcap_status score(struct kvcap_calib_cuda_train *g, const float *th
     const size_t n = on_val ? g->n_val : g->n_train;
     const float *w1 = theta, *b1 = w1 + (size_t)p * h, *w2 = b1 + h, *b2 = w2 + (size_t)h * m;
     float *hid = use_gelu ? g->hid : g->z;
-    CUDA_TRY(cudaMemsetAsync(g->row_sum, 0, (size_t)m * sizeof(double), s), "score");
+    KVCAP_CUDA_TRY(cudaMemsetAsync(g->row_sum, 0, (size_t)m * sizeof(double), s), "score");
     for (size_t c0 = 0; c0 < n; c0 += g->width) {
         const size_t nb = n - c0 < g->width ? n - c0 : g->width;
         const int nbi = (int)nb;
@@ -750,15 +750,15 @@ extern "C" enum kvcap_status kvcap_calib_cuda_train_maps_mse(struct kvcap_calib_
     const size_t m = (size_t)k->m, rk = (size_t)k->rk, h = (size_t)k->h;
     const cudaStream_t s = g->stream;
     float *w1 = g->eval, *b1 = w1 + rk * h, *w2 = b1 + h, *b2 = w2 + h * m;
-    CUDA_TRY(cudaMemcpyAsync(w1, k->w1, rk * h * sizeof(float), cudaMemcpyHostToDevice, s),
+    KVCAP_CUDA_TRY(cudaMemcpyAsync(w1, k->w1, rk * h * sizeof(float), cudaMemcpyHostToDevice, s),
              "upload maps");
-    CUDA_TRY(cudaMemcpyAsync(b1, k->b1, h * sizeof(float), cudaMemcpyHostToDevice, s),
+    KVCAP_CUDA_TRY(cudaMemcpyAsync(b1, k->b1, h * sizeof(float), cudaMemcpyHostToDevice, s),
              "upload maps");
-    CUDA_TRY(cudaMemcpyAsync(w2, k->w2, h * m * sizeof(float), cudaMemcpyHostToDevice, s),
+    KVCAP_CUDA_TRY(cudaMemcpyAsync(w2, k->w2, h * m * sizeof(float), cudaMemcpyHostToDevice, s),
              "upload maps");
-    CUDA_TRY(cudaMemcpyAsync(b2, k->b2, m * sizeof(float), cudaMemcpyHostToDevice, s),
+    KVCAP_CUDA_TRY(cudaMemcpyAsync(b2, k->b2, m * sizeof(float), cudaMemcpyHostToDevice, s),
              "upload maps");
-    CUDA_TRY(cudaMemcpyAsync(g->eval_rows, k->mask, rk * sizeof(int32_t), cudaMemcpyHostToDevice,
+    KVCAP_CUDA_TRY(cudaMemcpyAsync(g->eval_rows, k->mask, rk * sizeof(int32_t), cudaMemcpyHostToDevice,
                              s),
              "upload maps");
     return score(g, g->eval, g->eval_rows, k->rk, k->gelu != 0, on_val, mse);

@@ -1,10 +1,12 @@
-// common.cuh — what flashcache.cu and vlcache.cu share: storage-dtype loads and the
-// dispatch over them, warp and block sums, the per-layer pointer tables the kernels take by
-// value, and CUDA errors turned into kvcap statuses. Internal to kernels/cuda.
+// common.cuh — what the project's device code shares (kernels/cuda, the device store in
+// runtime/cache_cuda.cu, calibration's calibrate/cuda): storage-dtype loads and the dispatch
+// over them, warp and block sums, the per-layer pointer tables the kernels take by value, and
+// the one helper that turns CUDA, cuBLAS and cuSOLVER failures into kvcap statuses.
 #ifndef KVCAP_POLICIES_COMMON_CUH
 #define KVCAP_POLICIES_COMMON_CUH
 
 #include <stdint.h>
+#include <stdio.h>
 #include <string.h>
 
 #include <cuda_bf16.h>
@@ -108,6 +110,11 @@ __device__ void kvcap_block_sum(double (&v)[N])
 }
 
 // ---- Errors -----------------------------------------------------------------------------------
+// One message for every CUDA, cuBLAS or cuSOLVER failure of the project's device code (kernels,
+// the device store, calibration): "cuda <op>: <what>: <error> [file:line]", where <op> is the
+// caller's operation or the failed call (a statement's text up to its argument list). Failed
+// allocations are KVCAP_ERR_OUT_OF_MEMORY (so callers may fall back to the CPU), everything
+// else KVCAP_ERR_DEVICE.
 
 static inline const char *kvcap_cuda_base_name(const char *path)
 {
@@ -115,15 +122,30 @@ static inline const char *kvcap_cuda_base_name(const char *path)
     return s ? s + 1 : path;
 }
 
-// "cuda <op>: <what>: cudaErrorX: text [file:line]"; allocation failures are out-of-memory.
+static inline enum kvcap_status kvcap_cuda_report(int oom, const char *op, const char *what,
+                                                  const char *error, const char *file, int line)
+{
+    return kvcap_fail(oom ? KVCAP_ERR_OUT_OF_MEMORY : KVCAP_ERR_DEVICE, "cuda %.*s: %s: %s [%s:%d]",
+                      (int)strcspn(op, "("), op, what, error, kvcap_cuda_base_name(file), line);
+}
+
+// A CUDA runtime error, cleared so that a non-sticky one is not reported again by a later call.
 static inline enum kvcap_status kvcap_cuda_fail(cudaError_t e, const char *op, const char *what,
                                                 const char *file, int line)
 {
-    (void)cudaGetLastError(); // a non-sticky error must not be reported again by a later call
-    return kvcap_fail(e == cudaErrorMemoryAllocation ? KVCAP_ERR_OUT_OF_MEMORY : KVCAP_ERR_DEVICE,
-                      "cuda %s: %s: %s: %s [%s:%d]", op, what, cudaGetErrorName(e),
-                      cudaGetErrorString(e), kvcap_cuda_base_name(file), line);
+    (void)cudaGetLastError();
+    char error[160];
+    snprintf(error, sizeof error, "%s: %s", cudaGetErrorName(e), cudaGetErrorString(e));
+    return kvcap_cuda_report(e == cudaErrorMemoryAllocation, op, what, error, file, line);
 }
+
+// Evaluates a CUDA runtime statement once; returns the status of a failure, naming the call.
+#define KVCAP_CUDA_TRY(stmt, what)                                                                 \
+    do {                                                                                           \
+        cudaError_t e_ = (stmt);                                                                   \
+        if (e_ != cudaSuccess)                                                                     \
+            return kvcap_cuda_fail(e_, #stmt, (what), __FILE__, __LINE__);                         \
+    } while (0)
 
 // After a launch: a bad configuration or a missing device shows up here, naming the kernel.
 #define KVCAP_CUDA_CHECK_LAUNCH(op, what)                                                          \
@@ -132,6 +154,16 @@ static inline enum kvcap_status kvcap_cuda_fail(cudaError_t e, const char *op, c
         if (e_ != cudaSuccess)                                                                     \
             return kvcap_cuda_fail(e_, (op), (what), __FILE__, __LINE__);                          \
     } while (0)
+
+#if defined(CUBLAS_VER_MAJOR) // files that include <cublas_v2.h> first (calibration)
+#  define KVCAP_CUBLAS_TRY(stmt, what)                                                             \
+      do {                                                                                         \
+          cublasStatus_t e_ = (stmt);                                                              \
+          if (e_ != CUBLAS_STATUS_SUCCESS)                                                         \
+              return kvcap_cuda_report(e_ == CUBLAS_STATUS_ALLOC_FAILED, #stmt, (what),            \
+                                       cublasGetStatusString(e_), __FILE__, __LINE__);             \
+      } while (0)
+#endif
 
 // KVCAP_ERR_UNSUPPORTED when no device is visible (zero devices is not a fault, but there is
 // nothing to run on); `op` names the caller.
