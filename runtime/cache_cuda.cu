@@ -17,6 +17,7 @@ extern "C" {
 #include "runtime/cache_cuda.h"
 #include "kernels/cuda/attention_cuda.h"
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/rope.cuh"
 
 #define ELEM_THREADS 256
 #define MERGE_THREADS 128
@@ -78,89 +79,6 @@ unsigned elem_blocks(size_t total)
     return (unsigned)(b < 65535 ? (b ? b : 1) : 65535);
 }
 
-// ---- Element access ---------------------------------------------------------------------------
-
-__device__ __forceinline__ float load_any(const void *p, size_t i, int dtype)
-{
-    switch (dtype) {
-    case KVCAP_DTYPE_F16: return __half2float(static_cast<const __half *>(p)[i]);
-    case KVCAP_DTYPE_BF16: return __bfloat162float(static_cast<const __nv_bfloat16 *>(p)[i]);
-    default: return static_cast<const float *>(p)[i];
-    }
-}
-
-__device__ __forceinline__ void store(float *p, size_t i, float x)
-{
-    p[i] = x;
-}
-__device__ __forceinline__ void store(__half *p, size_t i, float x)
-{
-    p[i] = __float2half_rn(x);
-}
-__device__ __forceinline__ void store(__nv_bfloat16 *p, size_t i, float x)
-{
-    p[i] = __float2bfloat16_rn(x);
-}
-
-__device__ __forceinline__ int dtype_bytes(int dtype)
-{
-    return dtype == KVCAP_DTYPE_F32 ? 4 : 2;
-}
-
-// Start of the row of (head, token) of a view, as cache.c's view_row.
-__device__ __forceinline__ const void *view_row(const kvcap_cache_cuda_view &v, int head, int token)
-{
-    const int64_t es = dtype_bytes(v.dtype);
-    if (v.pages) {
-        const char *page = static_cast<const char *>(v.pages[token / v.page_size]);
-        return page + ((int64_t)head * v.head_stride + (int64_t)(token % v.page_size) * v.token_stride) * es;
-    }
-    return static_cast<const char *>(v.base) +
-           ((int64_t)head * v.head_stride + (int64_t)token * v.token_stride) * es;
-}
-
-// Channel c of a row rotated by the table rr (row[a] = cos, row[b] = sin of pair (a, b)), with
-// the products and the sum rounded one by one as kvcap_rope_rotate does on the host.
-__device__ __forceinline__ float rotated(const void *row, int dtype, int c,
-                                         const kvcap_cache_cuda_rope &r, const float *rr)
-{
-    if (!r.on || c >= r.rope_dim)
-        return load_any(row, (size_t)c, dtype);
-    int a, b;
-    bool first;
-    if (r.adjacent) {
-        a = c & ~1;
-        b = a + 1;
-        first = (c & 1) == 0;
-    } else {
-        const int half = r.rope_dim / 2;
-        first = c < half;
-        a = first ? c : c - half;
-        b = a + half;
-    }
-    const float xa = load_any(row, (size_t)a, dtype), xb = load_any(row, (size_t)b, dtype);
-    const float cs = rr[a], sn = rr[b];
-    return first ? __fsub_rn(__fmul_rn(xa, cs), __fmul_rn(xb, sn))
-                 : __fadd_rn(__fmul_rn(xa, sn), __fmul_rn(xb, cs));
-}
-
-// kvcap_bucket_token: token of point p of tile t.
-__device__ __forceinline__ int grid_token(const kvcap_cache_cuda_grid &g, int t, int p)
-{
-    if (!g.tiled)
-        return p;
-    const int per_row = g.cols / g.tile_cols, ti = t / per_row, tj = t - ti * per_row;
-    const int a = p / g.tile_cols, c = p - a * g.tile_cols;
-    return (ti * g.tile_rows + a) * g.cols + tj * g.tile_cols + c;
-}
-
-// kvcap_gelu (kernels/activation.c): the tanh form.
-__device__ __forceinline__ float gelu(float x)
-{
-    const float c = 0.7978845608028654f;
-    return 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * x * x * x)));
-}
-
 __device__ __forceinline__ bool partial_empty(float mx, float sum)
 {
     return !(sum > 0.0f) || mx == -INFINITY;
@@ -169,7 +87,7 @@ __device__ __forceinline__ bool partial_empty(float mx, float sum)
 // ---- Kernels ----------------------------------------------------------------------------------
 
 template <typename T>
-__global__ void fill_rows_kernel(kvcap_cache_cuda_view src, const int *tokens, int n, int heads,
+__global__ void fill_rows_kernel(kvcap_cuda_view src, const int *tokens, int n, int heads,
                                  int d, T *dst, int cap)
 {
     const size_t total = (size_t)heads * n * d;
@@ -179,68 +97,9 @@ __global__ void fill_rows_kernel(kvcap_cache_cuda_view src, const int *tokens, i
         const size_t hj = e / d;
         const int j = (int)(hj % n), h = (int)(hj / n);
         const int tok = tokens ? tokens[j] : j;
-        store(dst, ((size_t)h * cap + j) * d + c, load_any(view_row(src, h, tok), (size_t)c, src.dtype));
-    }
-}
-
-// μ of one head: one thread per channel summing in double in token order, as the host does.
-template <typename T>
-__global__ void capsule_mu_kernel(kvcap_cache_cuda_view v, int head, int n, int d, T *mu,
-                                  float *mu_f32)
-{
-    const int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= d)
-        return;
-    double sum = 0;
-    for (int j = 0; j < n; j++)
-        sum += load_any(view_row(v, head, j), (size_t)c, v.dtype);
-    const float m = (float)(sum / n);
-    mu_f32[c] = m;
-    store(mu, (size_t)c, m);
-}
-
-// H_t[i][c] = φ(b1[i] + Σ_r W1[r][i] K'[M_r of tile t][c]).
-template <typename T>
-__global__ void capsule_hidden_kernel(kvcap_cache_cuda_view k, int head, int d,
-                                      kvcap_cache_cuda_rope rope, const float *rr,
-                                      kvcap_cache_cuda_grid grid, kvcap_cache_cuda_unit u,
-                                      int tiles, T *hs)
-{
-    const size_t total = (size_t)tiles * u.h * d;
-    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < total;
-         e += (size_t)gridDim.x * blockDim.x) {
-        const int c = (int)(e % d);
-        const size_t ti = e / d;
-        const int i = (int)(ti % u.h), t = (int)(ti / u.h);
-        float z = u.b1[i];
-        for (int r = 0; r < u.rk; r++) {
-            const int tok = grid_token(grid, t, u.mask[r]);
-            z = fmaf(u.w1[(size_t)r * u.h + i], rotated(view_row(k, head, tok), k.dtype, c, rope, rr), z);
-        }
-        store(hs, e, u.gelu ? gelu(z) : z);
-    }
-}
-
-// Ṽ_t[i][c] = Σ_p U[i][p] (V[point p of tile t][c] − μ[c]).
-template <typename T>
-__global__ void capsule_values_kernel(kvcap_cache_cuda_view v, int head, int d,
-                                      kvcap_cache_cuda_grid grid, kvcap_cache_cuda_unit u,
-                                      int tiles, const float *mu_f32, T *vt)
-{
-    const size_t total = (size_t)tiles * u.rv * d;
-    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < total;
-         e += (size_t)gridDim.x * blockDim.x) {
-        const int c = (int)(e % d);
-        const size_t ti = e / d;
-        const int i = (int)(ti % u.rv), t = (int)(ti / u.rv);
-        const float m = mu_f32[c];
-        float s = 0.0f;
-        for (int p = 0; p < u.m; p++) {
-            const int tok = grid_token(grid, t, p);
-            const float x = load_any(view_row(v, head, tok), (size_t)c, v.dtype) - m;
-            s = fmaf(u.u[(size_t)i * u.m + p], x, s);
-        }
-        store(vt, e, s);
+        kvcap_cuda_store(
+            dst, ((size_t)h * cap + j) * d + c,
+            kvcap_cuda_load_any(kvcap_cuda_view_row(src, h, tok), (size_t)c, src.dtype));
     }
 }
 
@@ -262,8 +121,12 @@ __global__ void __launch_bounds__(APPEND_THREADS)
     for (int e = threadIdx.x; e < heads * d; e += blockDim.x) {
         const int h = e / d, c = e - h * d;
         const size_t at = ((size_t)h * a.cap + (size_t)row) * d + c;
-        store(dk, at, load_any(a.k, (size_t)((int64_t)h * a.k_head_stride + c), a.k_dtype));
-        store(dv, at, load_any(a.v, (size_t)((int64_t)h * a.v_head_stride + c), a.v_dtype));
+        kvcap_cuda_store(
+            dk, at,
+            kvcap_cuda_load_any(a.k, (size_t)((int64_t)h * a.k_head_stride + c), a.k_dtype));
+        kvcap_cuda_store(
+            dv, at,
+            kvcap_cuda_load_any(a.v, (size_t)((int64_t)h * a.v_head_stride + c), a.v_dtype));
     }
     __syncthreads();
     if (threadIdx.x == 0)
@@ -274,7 +137,7 @@ __global__ void __launch_bounds__(APPEND_THREADS)
 
 __global__ void prepare_queries_kernel(const float *q, int n_seqs, int q_heads, int d,
                                        float *q_copy, int n_rot, const int *rot_seq,
-                                       const float *rot_rows, kvcap_cache_cuda_rope rope,
+                                       const float *rot_rows, kvcap_cuda_rope rope,
                                        float *qrot)
 {
     const size_t per = (size_t)q_heads * d, total = (size_t)(n_seqs + n_rot) * per;
@@ -288,7 +151,8 @@ __global__ void prepare_queries_kernel(const float *q, int n_seqs, int q_heads, 
         const size_t k = r - (size_t)n_seqs;
         const int c = (int)(in % d);
         const float *row = q + (size_t)rot_seq[k] * per + (in - c);
-        qrot[k * per + in] = rotated(row, KVCAP_DTYPE_F32, c, rope, rot_rows + k * d);
+        qrot[k * per + in] =
+            kvcap_cuda_rope_rotated(row, KVCAP_DTYPE_F32, c, rope, rot_rows + k * d);
     }
 }
 
@@ -439,7 +303,7 @@ extern "C" int kvcap_cache_cuda_capturing(const kvcap_cache_cuda_ctx *x)
 // ---- Prefill ----------------------------------------------------------------------------------
 
 extern "C" enum kvcap_status kvcap_cache_cuda_fill_rows(const kvcap_cache_cuda_ctx *x,
-                                                        const kvcap_cache_cuda_view *src,
+                                                        const kvcap_cuda_view *src,
                                                         const int *tokens, int n, int heads, int d,
                                                         void *dst, int cap,
                                                         enum kvcap_dtype storage)
@@ -467,50 +331,15 @@ extern "C" enum kvcap_status kvcap_cache_cuda_fill_rows(const kvcap_cache_cuda_c
     return launched("fill rows");
 }
 
-namespace {
-
-template <typename T>
-void capsule_launch(cudaStream_t st, const kvcap_cache_cuda_view &k, const kvcap_cache_cuda_view &v,
-                    int head, int n, int d, const kvcap_cache_cuda_rope &rope, const float *rr,
-                    const kvcap_cache_cuda_grid &grid, const kvcap_cache_cuda_unit &u, int tiles,
-                    void *hs, void *vt, void *mu, float *mu_f32)
-{
-    capsule_mu_kernel<T><<<(d + 127) / 128, 128, 0, st>>>(v, head, n, d, static_cast<T *>(mu),
-                                                          mu_f32);
-    const size_t nh = (size_t)tiles * u.h * d, nv = (size_t)tiles * u.rv * d;
-    if (nh)
-        capsule_hidden_kernel<T><<<elem_blocks(nh), ELEM_THREADS, 0, st>>>(
-            k, head, d, rope, rr, grid, u, tiles, static_cast<T *>(hs));
-    if (nv)
-        capsule_values_kernel<T><<<elem_blocks(nv), ELEM_THREADS, 0, st>>>(
-            v, head, d, grid, u, tiles, mu_f32, static_cast<T *>(vt));
-}
-
-} // namespace
-
 extern "C" enum kvcap_status kvcap_cache_cuda_capsule_prefill(
-    const kvcap_cache_cuda_ctx *x, const kvcap_cache_cuda_view *k, const kvcap_cache_cuda_view *v,
-    int head, int n, int d, const kvcap_cache_cuda_rope *rope, const float *rope_row,
-    const kvcap_cache_cuda_grid *grid, const kvcap_cache_cuda_unit *unit, int tiles,
-    enum kvcap_dtype storage, void *hs, void *vt, void *mu, float *mu_f32)
+    const kvcap_cache_cuda_ctx *x, const kvcap_cuda_view *k, const kvcap_cuda_view *v, int head,
+    int n, int d, const kvcap_cuda_rope *rope, const float *rope_row, const kvcap_cuda_grid *grid,
+    const kvcap_cuda_capsule_unit *unit, int tiles, enum kvcap_dtype storage, void *hs, void *vt,
+    void *mu, float *mu_f32)
 {
     ENTER(x, "kvcapsule prefill");
-    cudaStream_t st = stream_of(x);
-    switch (storage) {
-    case KVCAP_DTYPE_F16:
-        capsule_launch<__half>(st, *k, *v, head, n, d, *rope, rope_row, *grid, *unit, tiles, hs,
-                               vt, mu, mu_f32);
-        break;
-    case KVCAP_DTYPE_BF16:
-        capsule_launch<__nv_bfloat16>(st, *k, *v, head, n, d, *rope, rope_row, *grid, *unit,
-                                      tiles, hs, vt, mu, mu_f32);
-        break;
-    default:
-        capsule_launch<float>(st, *k, *v, head, n, d, *rope, rope_row, *grid, *unit, tiles, hs,
-                              vt, mu, mu_f32);
-        break;
-    }
-    return launched("kvcapsule prefill");
+    return kvcap_cuda_capsule_prefill(k, v, head, n, d, rope, rope_row, grid, unit, tiles,
+                                      storage, hs, vt, mu, mu_f32, x->stream);
 }
 
 // ---- Decode -----------------------------------------------------------------------------------
@@ -539,7 +368,7 @@ extern "C" enum kvcap_status kvcap_cache_cuda_append_token(const kvcap_cache_cud
 extern "C" enum kvcap_status
 kvcap_cache_cuda_prepare_queries(const kvcap_cache_cuda_ctx *x, const float *q, int n_seqs,
                                  int q_heads, int d, float *q_copy, int n_rot, const int *rot_seq,
-                                 const float *rot_rows, const kvcap_cache_cuda_rope *rope,
+                                 const float *rot_rows, const kvcap_cuda_rope *rope,
                                  float *qrot)
 {
     ENTER(x, "prepare queries");

@@ -16,6 +16,7 @@
 #include <stdint.h>
 
 #include "kvcap.h"
+#include "kernels/cuda/capsule_prefill_cuda.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -59,61 +60,22 @@ int kvcap_cache_cuda_capturing(const struct kvcap_cache_cuda_ctx *x);
 
 /* ---- Prefill ------------------------------------------------------------------------------ */
 
-/* A K or V view of device memory (struct kvcap_tensor_view) whose page table, if any, has been
- * copied to the device. */
-struct kvcap_cache_cuda_view {
-    const void *base;
-    const void *const *pages; /* device array of device pointers, or NULL */
-    int page_size;
-    enum kvcap_dtype dtype;   /* F32, F16 or BF16 */
-    int64_t head_stride, token_stride;
-};
-
 /* Rows [0, n) of each of `heads` heads of dst ([heads][cap][d] in `storage`) = tokens
  * tokens[0..n) (device array; NULL: 0..n-1) of the view, converted through f32 as the host
  * cache does (round to nearest even). */
 enum kvcap_status kvcap_cache_cuda_fill_rows(const struct kvcap_cache_cuda_ctx *x,
-                                             const struct kvcap_cache_cuda_view *src,
+                                             const struct kvcap_cuda_view *src,
                                              const int *tokens, int n, int heads, int d, void *dst,
                                              int cap, enum kvcap_dtype storage);
 
-/* The rotation that undoes a span's start offset (K' = R(-p0) K, rope.h): for each rotation
- * pair (a, b), row[a] = cos and row[b] = sin of its angle, as kvcap_rope_rotate computes them;
- * channels past rope_dim are not rotated. */
-#define KVCAP_DEV_MAX_D 256
-struct kvcap_cache_cuda_rope {
-    int on;       /* 0: ROPE_NONE, keys and queries are used as they are */
-    int adjacent; /* pairing: 1 adjacent (2i, 2i+1), 0 half (i, i + rope_dim/2) */
-    int rope_dim;
-};
-
-/* Maps of one (layer, KV head, bucket) in device memory, f32 (artifact.h). */
-struct kvcap_cache_cuda_unit {
-    const int32_t *mask; /* [rk] */
-    const float *w1;     /* [rk][h] */
-    const float *b1;     /* [h] */
-    const float *w2;     /* [h][m] */
-    const float *b2;     /* [m] */
-    const float *u;      /* [rv][m] */
-    int m, rk, h, rv, gelu;
-};
-
-/* Grid order of a bucket (kvcap_bucket_token). */
-struct kvcap_cache_cuda_grid {
-    int tiled, cols, tile_rows, tile_cols;
-};
-
-/* KVCapsule state of one span for KV head `head` (policy_kvcapsule.c, DESIGN §4), from n
- * tokens of device views k and v: mu [d] = mean of V, hs [tiles][h][d] = φ(W1ᵀ K'[M] + b1 1ᵀ)
- * per tile with K' = R(-p0) K, vt [tiles][rv][d] = U (V_t − 1μᵀ), written in `storage`.
- * rope_row: device [d] floats (struct kvcap_cache_cuda_rope's table for -p0); mu_f32: device [d]
- * floats of scratch. */
+/* KVCapsule state of one span for KV head `head` on the cache's device and stream: the kernel
+ * kvcap_cuda_capsule_prefill (kernels/cuda/capsule_prefill_cuda.h). */
 enum kvcap_status kvcap_cache_cuda_capsule_prefill(
-    const struct kvcap_cache_cuda_ctx *x, const struct kvcap_cache_cuda_view *k,
-    const struct kvcap_cache_cuda_view *v, int head, int n, int d,
-    const struct kvcap_cache_cuda_rope *rope, const float *rope_row,
-    const struct kvcap_cache_cuda_grid *grid, const struct kvcap_cache_cuda_unit *unit, int tiles,
-    enum kvcap_dtype storage, void *hs, void *vt, void *mu, float *mu_f32);
+    const struct kvcap_cache_cuda_ctx *x, const struct kvcap_cuda_view *k,
+    const struct kvcap_cuda_view *v, int head, int n, int d, const struct kvcap_cuda_rope *rope,
+    const float *rope_row, const struct kvcap_cuda_grid *grid,
+    const struct kvcap_cuda_capsule_unit *unit, int tiles, enum kvcap_dtype storage, void *hs,
+    void *vt, void *mu, float *mu_f32);
 
 /* ---- Decode ------------------------------------------------------------------------------- */
 
@@ -142,7 +104,7 @@ enum kvcap_status kvcap_cache_cuda_prepare_queries(const struct kvcap_cache_cuda
                                                    const float *q, int n_seqs, int q_heads, int d,
                                                    float *q_copy, int n_rot, const int *rot_seq,
                                                    const float *rot_rows,
-                                                   const struct kvcap_cache_cuda_rope *rope,
+                                                   const struct kvcap_cuda_rope *rope,
                                                    float *qrot);
 
 /* Per-unit partials (mx, sum, o of attention.h) of a layer: unit u of KV head h, query g at

@@ -43,9 +43,9 @@ struct dev_layer {
 
 struct kvcap_device {
     struct kvcap_cache_cuda_ctx ctx;
-    struct kvcap_cache_cuda_rope rope;
+    struct kvcap_cuda_rope rope;
     void *maps;                   /* device: every unit's maps, one allocation */
-    struct kvcap_cache_cuda_unit
+    struct kvcap_cuda_capsule_unit
         *units;               /* host table [layers][kv_heads][buckets] of device pointers */
     int *overflow;            /* device flag of kvcap_cache_cuda_append_token */
     struct dev_layer *layers; /* [n_layers] */
@@ -73,14 +73,14 @@ static size_t section(size_t *total, size_t bytes)
     return off;
 }
 
-static const struct kvcap_cache_cuda_unit *dev_unit(const struct kvcap_cache *c, int l, int h,
+static const struct kvcap_cuda_capsule_unit *dev_unit(const struct kvcap_cache *c, int l, int h,
                                                     int b)
 {
     return &c->dev->units[((size_t)l * c->g.n_kv_heads + (size_t)h) * c->artifact->n_buckets +
                           (size_t)b];
 }
 
-/* The rotation table of position `pos` (struct kvcap_cache_cuda_rope): kvcap_rope_rotate applied
+/* The rotation table of position `pos` (struct kvcap_cuda_rope): kvcap_rope_rotate applied
  * to a row holding 1 in the first channel of every pair and 0 in the second leaves cos there and
  * sin in the second, exactly as it rotates any row. */
 static void rope_row(const struct kvcap_model_geometry *g, double pos, float *row)
@@ -128,7 +128,7 @@ static enum kvcap_status upload_maps(struct kvcap_cache *c)
             if (bytes[j])
                 memcpy(image + off[6 * i + j], src[j], bytes[j]);
         char *base = dv->maps;
-        struct kvcap_cache_cuda_unit du = {(const int32_t *)(base + off[6 * i]),
+        struct kvcap_cuda_capsule_unit du = {(const int32_t *)(base + off[6 * i]),
                                            (const float *)(base + off[6 * i + 1]),
                                            (const float *)(base + off[6 * i + 2]),
                                            (const float *)(base + off[6 * i + 3]),
@@ -240,7 +240,7 @@ static void device_segment_free(struct kvcap_segment *seg)
 /* Temporary device memory of one prefill call: the views' page tables, then `extra` bytes. */
 struct prefill_temp {
     void *mem;
-    struct kvcap_cache_cuda_view k, v;
+    struct kvcap_cuda_view k, v;
     char *extra;
 };
 
@@ -273,11 +273,11 @@ static enum kvcap_status temp_make(struct kvcap_cache *c, const struct kvcap_ten
         return st;
     }
     char *base = t->mem;
-    struct kvcap_cache_cuda_view kv = {
+    struct kvcap_cuda_view kv = {
         k->base,        k->pages ? (const void *const *)(base + ok) : NULL,
         k->page_size,   k->dtype,
         k->head_stride, k->token_stride};
-    struct kvcap_cache_cuda_view vv = {
+    struct kvcap_cuda_view vv = {
         v->base,        v->pages ? (const void *const *)(base + ov) : NULL,
         v->page_size,   v->dtype,
         v->head_stride, v->token_stride};
@@ -343,7 +343,7 @@ static enum kvcap_status device_capsule_prefill(struct kvcap_cache *c, int layer
     const struct kvcap_artifact *a = c->artifact;
     const struct kvcap_bucket *bk = &a->buckets[seg->bucket];
     /* Every KV head of a layer and bucket has head 0's h and R_v (kvcap_artifact_open). */
-    const struct kvcap_cache_cuda_unit *u0 = dev_unit(c, layer, 0, seg->bucket);
+    const struct kvcap_cuda_capsule_unit *u0 = dev_unit(c, layer, 0, seg->bucket);
     int n = seg->n_tokens, d = c->g.head_dim, H = c->g.n_kv_heads;
     seg->tiles = n / u0->m;
     seg->h = u0->h;
@@ -354,7 +354,7 @@ static enum kvcap_status device_capsule_prefill(struct kvcap_cache *c, int layer
     KVCAP_TRY(kvcap_cache_cuda_malloc(&c->dev->ctx, (size_t)H * per_h * es, &seg->hs));
     KVCAP_TRY(kvcap_cache_cuda_malloc(&c->dev->ctx, (size_t)H * per_v * es, &seg->vt));
     KVCAP_TRY(kvcap_cache_cuda_malloc(&c->dev->ctx, (size_t)H * d * es, &seg->mu));
-    float row[KVCAP_DEV_MAX_D];
+    float row[KVCAP_CUDA_ROPE_MAX_D];
     rope_row(&c->g, -(double)seg->p0, row);
     struct prefill_temp t;
     /* extra: the rotation table [d], then μ in f32 [d] */
@@ -362,7 +362,7 @@ static enum kvcap_status device_capsule_prefill(struct kvcap_cache *c, int layer
                         &t));
     const float *rr = (const float *)t.extra;
     float *mu_f32 = (float *)t.extra + d;
-    struct kvcap_cache_cuda_grid grid = {bk->structure == KVCAP_STRUCTURE_TILED, bk->cols,
+    struct kvcap_cuda_grid grid = {bk->structure == KVCAP_STRUCTURE_TILED, bk->cols,
                                          bk->tile_rows, bk->tile_cols};
     enum kvcap_status st = KVCAP_OK;
     /* heads one after the other on the stream: μ's f32 scratch is reused */
@@ -511,7 +511,7 @@ static enum kvcap_status rebuild(struct kvcap_cache *c, int layer)
     }
     for (int b = 0; b < B; b++)
         for (int h = 0; spans[b] > 0 && h < H; h++) {
-            const struct kvcap_cache_cuda_unit *u = dev_unit(c, layer, h, b);
+            const struct kvcap_cuda_capsule_unit *u = dev_unit(c, layer, h, b);
             struct kvcap_capsule_maps m = {u->m, u->h, u->rv, u->w2, u->b2, u->u};
             KVCAP_TRY(kvcap_cuda_capsule_scratch_bytes(&m, spans[b], tiles[b], G, d, &need));
             scratch = need > scratch ? need : scratch;
@@ -700,7 +700,7 @@ static enum kvcap_status device_attend(struct kvcap_cache *c, int layer, const f
                                          scale, dv->scratch, dv->scratch_bytes, dv->ctx.stream));
     for (int b = 0; c->artifact && b < c->artifact->n_buckets; b++)
         for (int h = 0; L->bucket_spans[b] > 0 && h < H; h++) {
-            const struct kvcap_cache_cuda_unit *u = dev_unit(c, layer, h, b);
+            const struct kvcap_cuda_capsule_unit *u = dev_unit(c, layer, h, b);
             struct kvcap_capsule_maps m = {u->m, u->h, u->rv, u->w2, u->b2, u->u};
             KVCAP_TRY(kvcap_cuda_capsule_attend(
                 &m, L->spans + L->bucket_first[b] + (size_t)h * L->bucket_spans[b],

@@ -63,6 +63,35 @@ __device__ __forceinline__ float kvcap_cuda_load(const __nv_bfloat16 *p)
         }                                                                                          \
     } while (0)
 
+// ---- Element access by runtime dtype (the device store's views and rows) --------------------
+
+__device__ __forceinline__ float kvcap_cuda_load_any(const void *p, size_t i, int dtype)
+{
+    switch (dtype) {
+    case KVCAP_DTYPE_F16: return __half2float(static_cast<const __half *>(p)[i]);
+    case KVCAP_DTYPE_BF16: return __bfloat162float(static_cast<const __nv_bfloat16 *>(p)[i]);
+    default: return static_cast<const float *>(p)[i];
+    }
+}
+
+__device__ __forceinline__ void kvcap_cuda_store(float *p, size_t i, float x)
+{
+    p[i] = x;
+}
+__device__ __forceinline__ void kvcap_cuda_store(__half *p, size_t i, float x)
+{
+    p[i] = __float2half_rn(x);
+}
+__device__ __forceinline__ void kvcap_cuda_store(__nv_bfloat16 *p, size_t i, float x)
+{
+    p[i] = __float2bfloat16_rn(x);
+}
+
+__device__ __forceinline__ int kvcap_cuda_dtype_bytes(int dtype)
+{
+    return dtype == KVCAP_DTYPE_F32 ? 4 : 2;
+}
+
 // ---- Reductions -------------------------------------------------------------------------------
 // Fixed butterfly orders: every lane ends with the same value, and runs give the same bits.
 
