@@ -17,7 +17,11 @@
  * allocate working memory and return KVCAP_ERR_OUT_OF_MEMORY when that fails. On any error
  * nothing is read, the partials are untouched and *bytes is 0, so a caller can never mistake
  * dropped work for an empty span (zero rows or tiles: KVCAP_OK, 0 bytes).
- * No function here starts threads; BLAS is called for the dense capsule maps' two products only. */
+ * No function here starts threads; BLAS is called for the dense capsule maps' two products only.
+ *
+ * In this file: the partials and their merge; the CPU code reference (the _ref oracles, read
+ * them first: they are the spec); element helpers and the exp approximations; the kernel
+ * bodies, portable then AVX2; the run-time dispatch; the fast entry points. */
 #include <limits.h>
 #include <math.h>
 #include <stdatomic.h>
@@ -116,6 +120,221 @@ static void merge_one(struct kvcap_partial acc, int q, int d, float mx, float su
     struct kvcap_partial into = {acc.mx + q, acc.sum + q, acc.o + (size_t)q * d};
     struct kvcap_partial from = {&mx, &sum, o};
     kvcap_partial_merge(into, from, 1, d);
+}
+
+/* ---- CPU code reference: the readable oracles ------------------------------------------------
+ * Plain loops in double with libm's exp, one query and one row at a time: the specification the
+ * fast kernels below (and the CUDA twins, kernels/cuda/attention_cuda.h) are tested against. */
+
+static uint64_t rows_bytes(const struct kvcap_rows *rows, int d)
+{
+    return 2u * (uint64_t)rows->n * (uint64_t)d * kvcap_dtype_size(rows->dtype);
+}
+
+/* The argument check both row kernels share; *nothing is set when there is no work (no rows or
+ * no queries). */
+static enum kvcap_status rows_check(const struct kvcap_rows *rows, const float *q, int nq, int d,
+                                    int max_d, uint64_t *bytes, int *nothing)
+{
+    if (bytes)
+        *bytes = 0;
+    KVCAP_RETURN_IF(!rows || !q || rows->n < 0 || nq < 0 || d <= 0 || d > max_d ||
+                        !kvcap_dtype_is_storage(rows->dtype),
+                    KVCAP_ERR_INVALID_ARGUMENT,
+                    "attend_rows: %s", !rows ? "NULL rows" : !q ? "NULL queries"
+                    : rows->n < 0 || nq < 0 ? "negative row or query count"
+                    : d <= 0 || d > max_d ? "head_dim out of range"
+                    : "rows are not F32, F16 or BF16");
+    *nothing = rows->n == 0 || nq == 0;
+    return KVCAP_OK;
+}
+
+enum kvcap_status kvcap_attend_rows_ref(const struct kvcap_rows *rows, const float *q, int nq,
+                                        int d, float scale, struct kvcap_partial acc,
+                                        uint64_t *bytes)
+{
+    int nothing;
+    KVCAP_TRY(rows_check(rows, q, nq, d, INT_MAX, bytes, &nothing));
+    if (nothing)
+        return KVCAP_OK;
+    double *o = malloc(sizeof(double) * (size_t)d);
+    float *of = malloc(sizeof(float) * (size_t)d);
+    if (!o || !of) {
+        free(o);
+        free(of);
+        return kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "attend_rows_ref: %d floats of working memory",
+                          3 * d);
+    }
+    for (int qi = 0; qi < nq; qi++) {
+        const float *qv = q + (size_t)qi * d;
+        /* pass 1: the max score; pass 2: weights and the weighted sum of values */
+        double mx = -INFINITY;
+        for (int j = 0; j < rows->n; j++) {
+            double s = 0;
+            for (int c = 0; c < d; c++)
+                s += (double)qv[c] *
+                     kvcap_load_elem(rows->dtype, rows->k, (size_t)j * rows->row_stride + c);
+            s *= scale;
+            mx = s > mx ? s : mx;
+        }
+        /* Shift by the float max the partial will carry, so its weights are exactly
+         * exp(s - partial.mx) even when |mx| is large. */
+        float fmx = (float)mx;
+        double sum = 0;
+        for (int c = 0; c < d; c++)
+            o[c] = 0;
+        for (int j = 0; j < rows->n; j++) {
+            double s = 0;
+            for (int c = 0; c < d; c++)
+                s += (double)qv[c] *
+                     kvcap_load_elem(rows->dtype, rows->k, (size_t)j * rows->row_stride + c);
+            double p = exp(s * scale - (double)fmx);
+            sum += p;
+            for (int c = 0; c < d; c++)
+                o[c] += p * kvcap_load_elem(rows->dtype, rows->v, (size_t)j * rows->row_stride + c);
+        }
+        for (int c = 0; c < d; c++)
+            of[c] = (float)o[c];
+        merge_one(acc, qi, d, fmx, (float)sum, of);
+    }
+    free(o);
+    free(of);
+    if (bytes)
+        *bytes = rows_bytes(rows, d);
+    return KVCAP_OK;
+}
+
+static uint64_t capsule_bytes(const struct kvcap_capsule_maps *maps,
+                              const struct kvcap_capsule_span *spans, int n_spans, int d)
+{
+    uint64_t b = 4u * ((uint64_t)maps->h * maps->m + (uint64_t)maps->m +
+                       (uint64_t)maps->rv * maps->m);
+    for (int i = 0; i < n_spans; i++)
+        if (spans[i].tiles > 0)
+            b += kvcap_dtype_size(spans[i].dtype) *
+                 ((uint64_t)spans[i].tiles * ((uint64_t)maps->h + maps->rv) * d + (uint64_t)d);
+    return b;
+}
+
+/* The argument check both capsule kernels share: *cols is the number of columns (Σ tiles × nq),
+ * 0 when there is nothing to do. */
+static enum kvcap_status capsule_check(const struct kvcap_capsule_maps *maps,
+                                       const struct kvcap_capsule_span *spans, int n_spans,
+                                       int nq, int d, int max_d, size_t *cols, uint64_t *bytes)
+{
+    *cols = 0;
+    if (bytes)
+        *bytes = 0;
+    KVCAP_RETURN_IF(!maps || !spans || n_spans < 0 || nq < 0 || d <= 0 || d > max_d,
+                    KVCAP_ERR_INVALID_ARGUMENT, "capsule_attend: %s",
+                    !maps ? "NULL maps" : !spans ? "NULL spans"
+                    : n_spans < 0 || nq < 0 ? "negative span or query count"
+                    : "head_dim out of range");
+    KVCAP_RETURN_IF(maps->m <= 0 || maps->h < 0 || maps->rv < 0 || (maps->h && !maps->w2) ||
+                        !maps->b2 || (maps->rv && !maps->u),
+                    KVCAP_ERR_INVALID_ARGUMENT,
+                    "capsule_attend: maps (m %d, h %d, rv %d) incomplete or out of range",
+                    maps->m, maps->h, maps->rv);
+    size_t n = 0;
+    for (int i = 0; i < n_spans; i++) {
+        const struct kvcap_capsule_span *s = &spans[i];
+        KVCAP_RETURN_IF(s->tiles < 0 || !kvcap_dtype_is_storage(s->dtype), KVCAP_ERR_INVALID_ARGUMENT,
+                        "capsule_attend: span %d: %s", i,
+                        s->tiles < 0 ? "negative tile count" : "not F32, F16 or BF16");
+        if (s->tiles == 0)
+            continue;
+        KVCAP_RETURN_IF(!s->q || !s->mu || (maps->h && !s->hs) || (maps->rv && !s->vt),
+                        KVCAP_ERR_INVALID_ARGUMENT, "capsule_attend: span %d: NULL %s", i,
+                        !s->q ? "queries" : !s->mu ? "mu" : !s->vt ? "values" : "keys");
+        n += (size_t)s->tiles * (size_t)nq;
+    }
+    KVCAP_RETURN_IF(n > INT_MAX, KVCAP_ERR_INVALID_ARGUMENT,
+                    "capsule_attend: %zu columns (tiles × queries) exceed %d", n, INT_MAX);
+    *cols = n;
+    return KVCAP_OK;
+}
+
+enum kvcap_status kvcap_capsule_attend_ref(const struct kvcap_capsule_maps *maps,
+                                           const struct kvcap_capsule_span *spans, int n_spans,
+                                           int nq, int d, float scale, uint64_t *bytes)
+{
+    size_t cols;
+    KVCAP_TRY(capsule_check(maps, spans, n_spans, nq, d, INT_MAX, &cols, bytes));
+    if (cols == 0)
+        return KVCAP_OK;
+    int m = maps->m, h = maps->h, rv = maps->rv, max_tiles = 0;
+    for (int i = 0; i < n_spans; i++)
+        max_tiles = spans[i].tiles > max_tiles ? spans[i].tiles : max_tiles;
+    double *s = malloc(sizeof(double) * (size_t)max_tiles * m);
+    double *z = malloc(sizeof(double) * (size_t)(h + 1));
+    double *o = malloc(sizeof(double) * (size_t)d);
+    float *of = malloc(sizeof(float) * (size_t)d);
+    if (!s || !z || !o || !of) {
+        free(s);
+        free(z);
+        free(o);
+        free(of);
+        return kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "capsule_attend_ref: working memory for %d "
+                          "tiles of %d points", max_tiles, m);
+    }
+    for (int i = 0; i < n_spans; i++) {
+        const struct kvcap_capsule_span *sp = &spans[i];
+        int T = sp->tiles;
+        if (T == 0)
+            continue;
+        for (int qi = 0; qi < nq; qi++) {
+            const float *qv = sp->q + (size_t)qi * d;
+            double sumq = 0;
+            for (int c = 0; c < d; c++)
+                sumq += qv[c];
+            /* scores s_t = W2ᵀ (H_t q') + b2 sum(q'), scaled */
+            double mx = -INFINITY;
+            for (int t = 0; t < T; t++) {
+                for (int a = 0; a < h; a++) {
+                    z[a] = 0;
+                    for (int c = 0; c < d; c++)
+                        z[a] += kvcap_load_elem(sp->dtype, sp->hs, ((size_t)t * h + a) * d + c) *
+                                qv[c];
+                }
+                for (int j = 0; j < m; j++) {
+                    double v = (double)maps->b2[j] * sumq;
+                    for (int a = 0; a < h; a++)
+                        v += (double)maps->w2[(size_t)a * m + j] * z[a];
+                    v *= scale;
+                    s[(size_t)t * m + j] = v;
+                    mx = v > mx ? v : mx;
+                }
+            }
+            float fmx = (float)mx; /* see kvcap_attend_rows_ref */
+            double sum = 0;
+            for (size_t j = 0; j < (size_t)T * m; j++) {
+                s[j] = exp(s[j] - (double)fmx);
+                sum += s[j];
+            }
+            /* o = Σ_t Ṽ_tᵀ (U p_t) + (Σ p) μ */
+            for (int c = 0; c < d; c++)
+                o[c] = sum * kvcap_load_elem(sp->dtype, sp->mu, (size_t)c);
+            for (int t = 0; t < T; t++)
+                for (int r = 0; r < rv; r++) {
+                    double y = 0;
+                    for (int j = 0; j < m; j++)
+                        y += (double)maps->u[(size_t)r * m + j] * s[(size_t)t * m + j];
+                    for (int c = 0; c < d; c++)
+                        o[c] +=
+                            y * kvcap_load_elem(sp->dtype, sp->vt, ((size_t)t * rv + r) * d + c);
+                }
+            for (int c = 0; c < d; c++)
+                of[c] = (float)o[c];
+            merge_one(sp->acc, qi, d, fmx, (float)sum, of);
+        }
+    }
+    free(s);
+    free(z);
+    free(o);
+    free(of);
+    if (bytes)
+        *bytes = capsule_bytes(maps, spans, n_spans, d);
+    return KVCAP_OK;
 }
 
 /* ---- Element helpers ---------------------------------------------------------------------- */
@@ -1350,83 +1569,8 @@ static void rescale(float *o, int d, float a)
 
 /* ---- Plain rows --------------------------------------------------------------------------- */
 
-static uint64_t rows_bytes(const struct kvcap_rows *rows, int d)
-{
-    return 2u * (uint64_t)rows->n * (uint64_t)d * kvcap_dtype_size(rows->dtype);
-}
 
-/* The argument check both row kernels share; *nothing is set when there is no work (no rows or
- * no queries). */
-static enum kvcap_status rows_check(const struct kvcap_rows *rows, const float *q, int nq, int d,
-                                    int max_d, uint64_t *bytes, int *nothing)
-{
-    if (bytes)
-        *bytes = 0;
-    KVCAP_RETURN_IF(!rows || !q || rows->n < 0 || nq < 0 || d <= 0 || d > max_d ||
-                        !kvcap_dtype_is_storage(rows->dtype),
-                    KVCAP_ERR_INVALID_ARGUMENT,
-                    "attend_rows: %s", !rows ? "NULL rows" : !q ? "NULL queries"
-                    : rows->n < 0 || nq < 0 ? "negative row or query count"
-                    : d <= 0 || d > max_d ? "head_dim out of range"
-                    : "rows are not F32, F16 or BF16");
-    *nothing = rows->n == 0 || nq == 0;
-    return KVCAP_OK;
-}
 
-enum kvcap_status kvcap_attend_rows_ref(const struct kvcap_rows *rows, const float *q, int nq,
-                                        int d, float scale, struct kvcap_partial acc,
-                                        uint64_t *bytes)
-{
-    int nothing;
-    KVCAP_TRY(rows_check(rows, q, nq, d, INT_MAX, bytes, &nothing));
-    if (nothing)
-        return KVCAP_OK;
-    double *o = malloc(sizeof(double) * (size_t)d);
-    float *of = malloc(sizeof(float) * (size_t)d);
-    if (!o || !of) {
-        free(o);
-        free(of);
-        return kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "attend_rows_ref: %d floats of working memory",
-                          3 * d);
-    }
-    for (int qi = 0; qi < nq; qi++) {
-        const float *qv = q + (size_t)qi * d;
-        /* pass 1: the max score; pass 2: weights and the weighted sum of values */
-        double mx = -INFINITY;
-        for (int j = 0; j < rows->n; j++) {
-            double s = 0;
-            for (int c = 0; c < d; c++)
-                s += (double)qv[c] *
-                     kvcap_load_elem(rows->dtype, rows->k, (size_t)j * rows->row_stride + c);
-            s *= scale;
-            mx = s > mx ? s : mx;
-        }
-        /* Shift by the float max the partial will carry, so its weights are exactly
-         * exp(s - partial.mx) even when |mx| is large. */
-        float fmx = (float)mx;
-        double sum = 0;
-        for (int c = 0; c < d; c++)
-            o[c] = 0;
-        for (int j = 0; j < rows->n; j++) {
-            double s = 0;
-            for (int c = 0; c < d; c++)
-                s += (double)qv[c] *
-                     kvcap_load_elem(rows->dtype, rows->k, (size_t)j * rows->row_stride + c);
-            double p = exp(s * scale - (double)fmx);
-            sum += p;
-            for (int c = 0; c < d; c++)
-                o[c] += p * kvcap_load_elem(rows->dtype, rows->v, (size_t)j * rows->row_stride + c);
-        }
-        for (int c = 0; c < d; c++)
-            of[c] = (float)o[c];
-        merge_one(acc, qi, d, fmx, (float)sum, of);
-    }
-    free(o);
-    free(of);
-    if (bytes)
-        *bytes = rows_bytes(rows, d);
-    return KVCAP_OK;
-}
 
 enum kvcap_status kvcap_attend_rows(const struct kvcap_rows *rows, const float *q, int nq, int d,
                                     float scale, struct kvcap_partial acc, uint64_t *bytes)
@@ -1476,138 +1620,8 @@ enum kvcap_status kvcap_attend_rows(const struct kvcap_rows *rows, const float *
 
 /* ---- KVCapsule spans ---------------------------------------------------------------------- */
 
-static uint64_t capsule_bytes(const struct kvcap_capsule_maps *maps,
-                              const struct kvcap_capsule_span *spans, int n_spans, int d)
-{
-    uint64_t b = 4u * ((uint64_t)maps->h * maps->m + (uint64_t)maps->m +
-                       (uint64_t)maps->rv * maps->m);
-    for (int i = 0; i < n_spans; i++)
-        if (spans[i].tiles > 0)
-            b += kvcap_dtype_size(spans[i].dtype) *
-                 ((uint64_t)spans[i].tiles * ((uint64_t)maps->h + maps->rv) * d + (uint64_t)d);
-    return b;
-}
 
-/* The argument check both capsule kernels share: *cols is the number of columns (Σ tiles × nq),
- * 0 when there is nothing to do. */
-static enum kvcap_status capsule_check(const struct kvcap_capsule_maps *maps,
-                                       const struct kvcap_capsule_span *spans, int n_spans,
-                                       int nq, int d, int max_d, size_t *cols, uint64_t *bytes)
-{
-    *cols = 0;
-    if (bytes)
-        *bytes = 0;
-    KVCAP_RETURN_IF(!maps || !spans || n_spans < 0 || nq < 0 || d <= 0 || d > max_d,
-                    KVCAP_ERR_INVALID_ARGUMENT, "capsule_attend: %s",
-                    !maps ? "NULL maps" : !spans ? "NULL spans"
-                    : n_spans < 0 || nq < 0 ? "negative span or query count"
-                    : "head_dim out of range");
-    KVCAP_RETURN_IF(maps->m <= 0 || maps->h < 0 || maps->rv < 0 || (maps->h && !maps->w2) ||
-                        !maps->b2 || (maps->rv && !maps->u),
-                    KVCAP_ERR_INVALID_ARGUMENT,
-                    "capsule_attend: maps (m %d, h %d, rv %d) incomplete or out of range",
-                    maps->m, maps->h, maps->rv);
-    size_t n = 0;
-    for (int i = 0; i < n_spans; i++) {
-        const struct kvcap_capsule_span *s = &spans[i];
-        KVCAP_RETURN_IF(s->tiles < 0 || !kvcap_dtype_is_storage(s->dtype), KVCAP_ERR_INVALID_ARGUMENT,
-                        "capsule_attend: span %d: %s", i,
-                        s->tiles < 0 ? "negative tile count" : "not F32, F16 or BF16");
-        if (s->tiles == 0)
-            continue;
-        KVCAP_RETURN_IF(!s->q || !s->mu || (maps->h && !s->hs) || (maps->rv && !s->vt),
-                        KVCAP_ERR_INVALID_ARGUMENT, "capsule_attend: span %d: NULL %s", i,
-                        !s->q ? "queries" : !s->mu ? "mu" : !s->vt ? "values" : "keys");
-        n += (size_t)s->tiles * (size_t)nq;
-    }
-    KVCAP_RETURN_IF(n > INT_MAX, KVCAP_ERR_INVALID_ARGUMENT,
-                    "capsule_attend: %zu columns (tiles × queries) exceed %d", n, INT_MAX);
-    *cols = n;
-    return KVCAP_OK;
-}
 
-enum kvcap_status kvcap_capsule_attend_ref(const struct kvcap_capsule_maps *maps,
-                                           const struct kvcap_capsule_span *spans, int n_spans,
-                                           int nq, int d, float scale, uint64_t *bytes)
-{
-    size_t cols;
-    KVCAP_TRY(capsule_check(maps, spans, n_spans, nq, d, INT_MAX, &cols, bytes));
-    if (cols == 0)
-        return KVCAP_OK;
-    int m = maps->m, h = maps->h, rv = maps->rv, max_tiles = 0;
-    for (int i = 0; i < n_spans; i++)
-        max_tiles = spans[i].tiles > max_tiles ? spans[i].tiles : max_tiles;
-    double *s = malloc(sizeof(double) * (size_t)max_tiles * m);
-    double *z = malloc(sizeof(double) * (size_t)(h + 1));
-    double *o = malloc(sizeof(double) * (size_t)d);
-    float *of = malloc(sizeof(float) * (size_t)d);
-    if (!s || !z || !o || !of) {
-        free(s);
-        free(z);
-        free(o);
-        free(of);
-        return kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "capsule_attend_ref: working memory for %d "
-                          "tiles of %d points", max_tiles, m);
-    }
-    for (int i = 0; i < n_spans; i++) {
-        const struct kvcap_capsule_span *sp = &spans[i];
-        int T = sp->tiles;
-        if (T == 0)
-            continue;
-        for (int qi = 0; qi < nq; qi++) {
-            const float *qv = sp->q + (size_t)qi * d;
-            double sumq = 0;
-            for (int c = 0; c < d; c++)
-                sumq += qv[c];
-            /* scores s_t = W2ᵀ (H_t q') + b2 sum(q'), scaled */
-            double mx = -INFINITY;
-            for (int t = 0; t < T; t++) {
-                for (int a = 0; a < h; a++) {
-                    z[a] = 0;
-                    for (int c = 0; c < d; c++)
-                        z[a] += kvcap_load_elem(sp->dtype, sp->hs, ((size_t)t * h + a) * d + c) *
-                                qv[c];
-                }
-                for (int j = 0; j < m; j++) {
-                    double v = (double)maps->b2[j] * sumq;
-                    for (int a = 0; a < h; a++)
-                        v += (double)maps->w2[(size_t)a * m + j] * z[a];
-                    v *= scale;
-                    s[(size_t)t * m + j] = v;
-                    mx = v > mx ? v : mx;
-                }
-            }
-            float fmx = (float)mx; /* see kvcap_attend_rows_ref */
-            double sum = 0;
-            for (size_t j = 0; j < (size_t)T * m; j++) {
-                s[j] = exp(s[j] - (double)fmx);
-                sum += s[j];
-            }
-            /* o = Σ_t Ṽ_tᵀ (U p_t) + (Σ p) μ */
-            for (int c = 0; c < d; c++)
-                o[c] = sum * kvcap_load_elem(sp->dtype, sp->mu, (size_t)c);
-            for (int t = 0; t < T; t++)
-                for (int r = 0; r < rv; r++) {
-                    double y = 0;
-                    for (int j = 0; j < m; j++)
-                        y += (double)maps->u[(size_t)r * m + j] * s[(size_t)t * m + j];
-                    for (int c = 0; c < d; c++)
-                        o[c] +=
-                            y * kvcap_load_elem(sp->dtype, sp->vt, ((size_t)t * rv + r) * d + c);
-                }
-            for (int c = 0; c < d; c++)
-                of[c] = (float)o[c];
-            merge_one(sp->acc, qi, d, fmx, (float)sum, of);
-        }
-    }
-    free(s);
-    free(z);
-    free(o);
-    free(of);
-    if (bytes)
-        *bytes = capsule_bytes(maps, spans, n_spans, d);
-    return KVCAP_OK;
-}
 
 size_t kvcap_capsule_scratch_floats(const struct kvcap_capsule_maps *maps, int n_spans,
                                     int max_tiles, int nq, int d)
