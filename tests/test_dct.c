@@ -289,6 +289,25 @@ static void test_dct_errors(void **state)
     assert_int_equal((int)kvcap_dct_scratch_floats(NULL), 0);
 }
 
+/* One plain FFT exactly for the lengths whose prime factors are all 2, 3 or 5 (by trial
+ * division here); none for n < 1. */
+static void test_dct_fast_length(void **state)
+{
+    (void)state;
+    for (int n = -3; n <= 5000; n++) {
+        int m = n, smooth = n >= 1;
+        for (int p = 2; smooth && p <= 5; p++)
+            while (m % p == 0)
+                m /= p;
+        smooth = smooth && m == 1;
+        if (kvcap_dct_fast_length(n) != smooth)
+            fail_msg("kvcap_dct_fast_length(%d) = %d, expected %d", n, kvcap_dct_fast_length(n),
+                     smooth);
+    }
+    assert_true(kvcap_dct_fast_length(1 << 30));
+    assert_false(kvcap_dct_fast_length(2147483647)); /* prime */
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -298,6 +317,7 @@ int main(void)
         cmocka_unit_test(test_dct_round_trip_parseval),
         cmocka_unit_test(test_dct_large),
         cmocka_unit_test(test_dct_errors),
+        cmocka_unit_test(test_dct_fast_length),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,6 +1,7 @@
 /* test_rope.c — rotary position embedding (kernels/rope.h): the fast rotation against the
  * double-angle oracle for both pairings and a partial rotary dimension, R(-p) undoing R(p), and
- * the property offset normalisation rests on: (R(a) q)·(R(b) k) depends on a − b only. */
+ * the property offset normalisation rests on: (R(a) q)·(R(b) k) depends on a − b only; no
+ * rotation without RoPE, and rows at any stride. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -77,11 +78,46 @@ static void test_rope_relative(void **state)
     assert_true(fabs(d1 - d2) <= 1e-4 * (fabs(d1) + 1.0));
 }
 
+static void test_rope_none_and_stride(void **state)
+{
+    (void)state;
+    enum { ROWS = 3, D = 64, STRIDE = D + 5 };
+    struct kvcap_model_geometry g = tiny(KVCAP_ROPE_PAIRING_ADJACENT);
+    float packed[ROWS * D], strided[ROWS * STRIDE], x[ROWS * STRIDE];
+    for (int i = 0; i < ROWS * STRIDE; i++)
+        x[i] = (float)cos(0.21 * i - 0.5);
+    g.rope_type = KVCAP_ROPE_NONE;
+    memcpy(strided, x, sizeof x);
+    kvcap_rope_rotate(&g, strided, ROWS, STRIDE, 321.0);
+    assert_memory_equal(strided, x, sizeof x);
+    kvcap_rope_rotate_ref(&g, strided, ROWS, STRIDE, 321.0);
+    assert_memory_equal(strided, x, sizeof x);
+    g.rope_type = KVCAP_ROPE_ROPE;
+    for (int fast = 0; fast < 2; fast++) {
+        memcpy(strided, x, sizeof x);
+        for (int r = 0; r < ROWS; r++)
+            memcpy(packed + r * D, x + r * STRIDE, sizeof(float) * D);
+        if (fast) {
+            kvcap_rope_rotate(&g, packed, ROWS, D, 321.0);
+            kvcap_rope_rotate(&g, strided, ROWS, STRIDE, 321.0);
+        } else {
+            kvcap_rope_rotate_ref(&g, packed, ROWS, D, 321.0);
+            kvcap_rope_rotate_ref(&g, strided, ROWS, STRIDE, 321.0);
+        }
+        for (int r = 0; r < ROWS; r++) {
+            assert_memory_equal(strided + r * STRIDE, packed + r * D, sizeof(float) * D);
+            for (int c = D; c < STRIDE; c++)
+                assert_true(strided[r * STRIDE + c] == x[r * STRIDE + c]);
+        }
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_rope_fast_matches_ref_and_inverts),
         cmocka_unit_test(test_rope_relative),
+        cmocka_unit_test(test_rope_none_and_stride),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
