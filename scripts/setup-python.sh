@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Creates (once) the Python environment the interop test uses: a venv with the reference
-# safetensors implementation and numpy, at ${KVCAP_VENV:-<repo>/.venv}. With --vision it also
+# Creates (once) the Python environment the interop and Python-package tests use: a venv with
+# the reference safetensors implementation, numpy and pytest, at ${KVCAP_VENV:-<repo>/.venv}. With --vision it also
 # installs what scripts/vision_features.py needs (onnxruntime, pillow, onnx).
 # Prints the venv's python path on stdout and nothing else. When the venv cannot be made
 # (no python3-venv, no network), prints nothing on stdout, warns on stderr and exits 0, so
@@ -9,17 +9,18 @@ set -u
 
 NUMPY_PIN="numpy==2.4.6"
 SAFETENSORS_PIN="safetensors==0.8.0"
+PYTEST_PIN="pytest==9.2.0"
 VISION_PINS=("onnxruntime==1.32.0" "pillow==13.0.0" "onnx==1.23.2")
 
-pins=("$NUMPY_PIN" "$SAFETENSORS_PIN")
-pins_text="$NUMPY_PIN and $SAFETENSORS_PIN"
-imports="import numpy, safetensors.numpy"
-skipped="the interop test"
+pins=("$NUMPY_PIN" "$SAFETENSORS_PIN" "$PYTEST_PIN")
+pins_text="$NUMPY_PIN, $SAFETENSORS_PIN and $PYTEST_PIN"
+imports="import numpy, safetensors.numpy, pytest"
+skipped="the interop and Python tests"
 if [ "${1:-}" = "--vision" ]; then
   pins+=("${VISION_PINS[@]}")
   pins_text="${pins[*]}"
   imports="$imports, onnxruntime, PIL.Image, onnx"
-  skipped="the interop and vision tests"
+  skipped="the interop, Python and vision tests"
 fi
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
