@@ -64,30 +64,6 @@ static void check_close(const float *a, size_t lda, const float *b, size_t ldb, 
         fail_msg("%s, n = %d: relative error %.3g > %.3g", what, len, e, tol);
 }
 
-static struct kvcap_dct *plan_new(int n)
-{
-    struct kvcap_dct *p = NULL;
-    assert_int_equal(kvcap_dct_create(n, &p), KVCAP_OK);
-    assert_non_null(p);
-    assert_int_equal(kvcap_dct_length(p), n);
-    return p;
-}
-
-/* Scratch with a NaN guard after it: a kernel writing past its stated size shows up. */
-static float *scratch_new(size_t floats)
-{
-    float *s = alloc_f(floats + 8);
-    for (int i = 0; i < 8; i++)
-        s[floats + i] = NAN;
-    return s;
-}
-
-static void scratch_check(const float *s, size_t floats)
-{
-    for (int i = 0; i < 8; i++)
-        assert_true(isnan(s[floats + i]));
-}
-
 static const int lengths[] = {1,  2,  3,  4,  5,   6,   7,   8,   9,   11,  13,  16,
                               30, 49, 64, 97, 100, 127, 128, 210, 243, 257, 1000};
 #define N_LENGTHS ((int)(sizeof lengths / sizeof lengths[0]))

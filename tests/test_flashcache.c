@@ -48,30 +48,6 @@ static void fill_normal(struct kvcap_rng *r, float *x, size_t n, double mean, do
         x[i] = (float)(mean + sd * kvcap_rng_normal(r));
 }
 
-static struct kvcap_dct *plan_new(int n)
-{
-    struct kvcap_dct *p = NULL;
-    assert_int_equal(kvcap_dct_create(n, &p), KVCAP_OK);
-    assert_non_null(p);
-    assert_int_equal(kvcap_dct_length(p), n);
-    return p;
-}
-
-/* Scratch with a NaN guard after it: a kernel writing past its stated size shows up. */
-static float *scratch_new(size_t floats)
-{
-    float *s = alloc_f(floats + 8);
-    for (int i = 0; i < 8; i++)
-        s[floats + i] = NAN;
-    return s;
-}
-
-static void scratch_check(const float *s, size_t floats)
-{
-    for (int i = 0; i < 8; i++)
-        assert_true(isnan(s[floats + i]));
-}
-
 
 /* ---- deviation, energies, layer weight ------------------------------------------------------ */
 

@@ -69,4 +69,30 @@ static inline struct part part_new(int nq, int d)
     return s;
 }
 
+/* Scratch with a NaN guard after it: a kernel writing past its stated size shows up. */
+static inline float *scratch_new(size_t floats)
+{
+    float *s = alloc_f(floats + 8);
+    for (int i = 0; i < 8; i++)
+        s[floats + i] = NAN;
+    return s;
+}
+
+static inline void scratch_check(const float *s, size_t floats)
+{
+    for (int i = 0; i < 8; i++)
+        assert_true(isnan(s[floats + i]));
+}
+
+#ifdef KVCAP_DCT_H /* the DCT's tests (test_dct.c, test_flashcache.c) */
+static inline struct kvcap_dct *plan_new(int n)
+{
+    struct kvcap_dct *p = NULL;
+    assert_int_equal(kvcap_dct_create(n, &p), KVCAP_OK);
+    assert_non_null(p);
+    assert_int_equal(kvcap_dct_length(p), n);
+    return p;
+}
+#endif
+
 #endif

@@ -134,30 +134,27 @@ class Geometry:
         _check(lib.kvcap_geometry_validate(ctypes.byref(g)))
 
 
-class Artifact:
-    """A deployable compressor artifact (kvcap-convert's output), opened and validated."""
+class _Owned:
+    """A libkvcap handle this object owns: freed by close(), a `with` block's end, or garbage
+    collection; a closed handle is an Error (STATE) naming `_what`."""
 
-    def __init__(self, path: "os.PathLike[str] | str"):
-        handle = ctypes.c_void_p()
-        _check(lib.kvcap_artifact_open(os.fsencode(path), ctypes.byref(handle)))
-        self._handle: Optional[int] = handle.value
-        self.path = os.fspath(path)
+    _handle: Optional[int] = None
+    _what = "object"
 
-    @property
-    def geometry(self) -> Geometry:
-        return Geometry.from_c(lib.kvcap_artifact_geometry(self._ptr()).contents)
+    def _free(self, handle: int) -> None:  # pragma: no cover - each subclass frees its kind
+        raise NotImplementedError
 
     def _ptr(self) -> int:
         if not self._handle:
-            raise Error(11, f"{self.path}: the artifact is closed")  # KVCAP_ERR_STATE
+            raise Error(11, f"{self._what} is closed")  # KVCAP_ERR_STATE
         return self._handle
 
     def close(self) -> None:
         if self._handle:
-            lib.kvcap_artifact_free(self._handle)
+            self._free(self._handle)
             self._handle = None
 
-    def __enter__(self) -> "Artifact":
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -168,6 +165,24 @@ class Artifact:
             self.close()
         except Exception:
             pass
+
+
+class Artifact(_Owned):
+    """A deployable compressor artifact (kvcap-convert's output), opened and validated."""
+
+    def __init__(self, path: "os.PathLike[str] | str"):
+        handle = ctypes.c_void_p()
+        _check(lib.kvcap_artifact_open(os.fsencode(path), ctypes.byref(handle)))
+        self._handle = handle.value
+        self.path = os.fspath(path)
+        self._what = f"{self.path}: the artifact"
+
+    def _free(self, handle: int) -> None:
+        lib.kvcap_artifact_free(handle)
+
+    @property
+    def geometry(self) -> Geometry:
+        return Geometry.from_c(lib.kvcap_artifact_geometry(self._ptr()).contents)
 
 
 def _as_array(x: Any, what: str) -> np.ndarray:
@@ -222,7 +237,7 @@ def _f32(x: Any, what: str, shape: Tuple[int, ...]) -> np.ndarray:
     return np.ascontiguousarray(a)
 
 
-class Cache:
+class Cache(_Owned):
     """A batch's KV cache in libkvcap (struct kvcap_cache): spans added at prefill go to the
     policy the runtime config gives their kind; decode attention runs on what is stored.
 
@@ -250,15 +265,11 @@ class Cache:
         p.reserve_tokens = reserve_tokens
         handle = ctypes.c_void_p()
         _check(lib.kvcap_cache_create(ctypes.byref(p), ctypes.byref(handle)))
-        self._handle: Optional[int] = handle.value
+        self._handle = handle.value
+        self._what = "the cache"
         self._artifact = artifact
         self.geometry = geometry
         self.n_seqs = n_seqs
-
-    def _ptr(self) -> int:
-        if not self._handle:
-            raise Error(11, "the cache is closed")  # KVCAP_ERR_STATE
-        return self._handle
 
     def add_span(self, seq: int, layer: int, k: Any, v: Any, *, kind: str = "text",
                  grid: Tuple[int, int] = (0, 0), p0: int = 0) -> None:
@@ -336,19 +347,5 @@ class Cache:
         """Record mode: writes the spans of every sequence whose prefill has ended."""
         _check(lib.kvcap_cache_record_flush(self._ptr()))
 
-    def close(self) -> None:
-        if self._handle:
-            lib.kvcap_cache_free(self._handle)
-            self._handle = None
-
-    def __enter__(self) -> "Cache":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
+    def _free(self, handle: int) -> None:
+        lib.kvcap_cache_free(handle)
