@@ -1,5 +1,5 @@
-/* fuzz_calib_config.c — the calibration YAML config parser (configs/calib_config.c) over hostile text,
- * as a string and as a file: a config that loads is complete and valid (geometry, buckets,
+/* fuzz_calib_config.c — the calibration YAML config parser (configs/calib_config.c) over hostile
+ * text, as a string and as a file: a config that loads is complete and valid (geometry, buckets,
  * schedules), one that does not holds no heap memory, and both entry points agree. */
 #include <stdint.h>
 #include <stdlib.h>

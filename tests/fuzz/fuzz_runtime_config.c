@@ -1,5 +1,5 @@
-/* fuzz_runtime_config.c — the runtime YAML config parser (configs/runtime_config.c) over hostile text,
- * as a string and as a file (which also resolves a relative artifact path): a config that loads
+/* fuzz_runtime_config.c — the runtime YAML config parser (configs/runtime_config.c) over hostile
+ * text, as a string and as a file (which also resolves a relative artifact path): a config that loads
  * keeps every documented invariant, one that does not holds the defaults. */
 #include <stdint.h>
 #include <stdlib.h>
