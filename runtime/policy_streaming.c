@@ -1,6 +1,6 @@
 /* policy_streaming.c — StreamingLLM on a span: its first `sinks` tokens and its last `window`
  * tokens are kept, the rest is dropped (and freed). For generated tokens the cache keeps the
- * first `sinks` and a ring of the last `window` (cache.c, kvcap_cache_append). */
+ * first `sinks` and a ring of the last `window` (segment.c, kvcap_segment_gen_row). */
 #include <stdlib.h>
 
 #include "runtime/cache_internal.h"
