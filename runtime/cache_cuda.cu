@@ -19,7 +19,6 @@ extern "C" {
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/rope.cuh"
 
-#define ELEM_THREADS 256
 #define MERGE_THREADS 128
 #define APPEND_THREADS 256
 
@@ -61,22 +60,9 @@ class DeviceScope {
     if (scope_.error() != cudaSuccess)                                                             \
         return kvcap_cuda_fail(scope_.error(), (op), "cudaSetDevice", __FILE__, __LINE__)
 
-#define CUDA_TRY(call, op)                                                                         \
-    do {                                                                                           \
-        cudaError_t e_ = (call);                                                                   \
-        if (e_ != cudaSuccess)                                                                     \
-            return kvcap_cuda_fail(e_, (op), #call, __FILE__, __LINE__);                           \
-    } while (0)
-
 cudaStream_t stream_of(const kvcap_cache_cuda_ctx *x)
 {
     return static_cast<cudaStream_t>(x->stream);
-}
-
-unsigned elem_blocks(size_t total)
-{
-    size_t b = (total + ELEM_THREADS - 1) / ELEM_THREADS;
-    return (unsigned)(b < 65535 ? (b ? b : 1) : 65535);
 }
 
 __device__ __forceinline__ bool partial_empty(float mx, float sum)
@@ -192,13 +178,6 @@ __global__ void __launch_bounds__(MERGE_THREADS)
         lse[(size_t)s * q_heads + hq] = total > 0.0f ? top + logf(total) : -INFINITY;
 }
 
-enum kvcap_status launched(const char *op, const char *file, int line)
-{
-    cudaError_t e = cudaGetLastError();
-    return e == cudaSuccess ? KVCAP_OK : kvcap_cuda_fail(e, op, "kernel launch", file, line);
-}
-#define launched(op) launched((op), __FILE__, __LINE__)
-
 } // namespace
 
 // ---- Memory and copies ------------------------------------------------------------------------
@@ -208,7 +187,7 @@ extern "C" enum kvcap_status kvcap_cache_cuda_malloc(const kvcap_cache_cuda_ctx 
 {
     ENTER(x, "malloc");
     *out = NULL;
-    CUDA_TRY(cudaMalloc(out, bytes ? bytes : 1), "malloc");
+    KVCAP_CUDA_TRY(cudaMalloc(out, bytes ? bytes : 1), "malloc");
     return KVCAP_OK;
 }
 
@@ -226,7 +205,7 @@ extern "C" enum kvcap_status kvcap_cache_cuda_host_malloc(const kvcap_cache_cuda
 {
     ENTER(x, "host malloc");
     *out = NULL;
-    CUDA_TRY(cudaMallocHost(out, bytes ? bytes : 1), "host malloc");
+    KVCAP_CUDA_TRY(cudaMallocHost(out, bytes ? bytes : 1), "host malloc");
     return KVCAP_OK;
 }
 
@@ -242,8 +221,9 @@ extern "C" enum kvcap_status kvcap_cache_cuda_upload_sync(const kvcap_cache_cuda
     ENTER(x, "upload");
     if (bytes == 0)
         return KVCAP_OK;
-    CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_of(x)), "upload");
-    CUDA_TRY(cudaStreamSynchronize(stream_of(x)), "upload");
+    KVCAP_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_of(x)),
+                   "upload");
+    KVCAP_CUDA_TRY(cudaStreamSynchronize(stream_of(x)), "upload");
     return KVCAP_OK;
 }
 
@@ -253,7 +233,8 @@ extern "C" enum kvcap_status kvcap_cache_cuda_upload(const kvcap_cache_cuda_ctx 
     ENTER(x, "upload");
     if (bytes == 0)
         return KVCAP_OK;
-    CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_of(x)), "upload");
+    KVCAP_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_of(x)),
+                   "upload");
     return KVCAP_OK;
 }
 
@@ -264,8 +245,9 @@ extern "C" enum kvcap_status kvcap_cache_cuda_download_sync(const kvcap_cache_cu
     ENTER(x, "download");
     if (bytes == 0)
         return KVCAP_OK;
-    CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_of(x)), "download");
-    CUDA_TRY(cudaStreamSynchronize(stream_of(x)), "download");
+    KVCAP_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_of(x)),
+                   "download");
+    KVCAP_CUDA_TRY(cudaStreamSynchronize(stream_of(x)), "download");
     return KVCAP_OK;
 }
 
@@ -276,16 +258,16 @@ extern "C" enum kvcap_status kvcap_cache_cuda_copy_2d(const kvcap_cache_cuda_ctx
     ENTER(x, "copy");
     if (width == 0 || height == 0)
         return KVCAP_OK;
-    CUDA_TRY(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, cudaMemcpyDeviceToDevice,
-                               stream_of(x)),
-             "copy");
+    KVCAP_CUDA_TRY(cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height,
+                                     cudaMemcpyDeviceToDevice, stream_of(x)),
+                   "copy");
     return KVCAP_OK;
 }
 
 extern "C" enum kvcap_status kvcap_cache_cuda_sync(const kvcap_cache_cuda_ctx *x)
 {
     ENTER(x, "stream synchronize");
-    CUDA_TRY(cudaStreamSynchronize(stream_of(x)), "stream synchronize");
+    KVCAP_CUDA_TRY(cudaStreamSynchronize(stream_of(x)), "stream synchronize");
     return KVCAP_OK;
 }
 
@@ -312,23 +294,24 @@ extern "C" enum kvcap_status kvcap_cache_cuda_fill_rows(const kvcap_cache_cuda_c
     const size_t total = (size_t)heads * n * d;
     if (total == 0)
         return KVCAP_OK;
-    const unsigned blocks = elem_blocks(total);
+    const unsigned blocks = kvcap_cuda_elem_blocks(total);
     cudaStream_t st = stream_of(x);
     switch (storage) {
     case KVCAP_DTYPE_F16:
-        fill_rows_kernel<<<blocks, ELEM_THREADS, 0, st>>>(*src, tokens, n, heads, d,
-                                                          static_cast<__half *>(dst), cap);
+        fill_rows_kernel<<<blocks, KVCAP_CUDA_ELEM_THREADS, 0, st>>>(
+            *src, tokens, n, heads, d, static_cast<__half *>(dst), cap);
         break;
     case KVCAP_DTYPE_BF16:
-        fill_rows_kernel<<<blocks, ELEM_THREADS, 0, st>>>(*src, tokens, n, heads, d,
-                                                          static_cast<__nv_bfloat16 *>(dst), cap);
+        fill_rows_kernel<<<blocks, KVCAP_CUDA_ELEM_THREADS, 0, st>>>(
+            *src, tokens, n, heads, d, static_cast<__nv_bfloat16 *>(dst), cap);
         break;
     default:
-        fill_rows_kernel<<<blocks, ELEM_THREADS, 0, st>>>(*src, tokens, n, heads, d,
-                                                          static_cast<float *>(dst), cap);
+        fill_rows_kernel<<<blocks, KVCAP_CUDA_ELEM_THREADS, 0, st>>>(
+            *src, tokens, n, heads, d, static_cast<float *>(dst), cap);
         break;
     }
-    return launched("fill rows");
+    KVCAP_CUDA_CHECK_LAUNCH("fill rows", "kernel launch");
+    return KVCAP_OK;
 }
 
 extern "C" enum kvcap_status kvcap_cache_cuda_capsule_prefill(
@@ -362,7 +345,8 @@ extern "C" enum kvcap_status kvcap_cache_cuda_append_token(const kvcap_cache_cud
         append_kernel<float><<<1, APPEND_THREADS, 0, st>>>(*a, heads, d);
         break;
     }
-    return launched("append");
+    KVCAP_CUDA_CHECK_LAUNCH("append", "kernel launch");
+    return KVCAP_OK;
 }
 
 extern "C" enum kvcap_status
@@ -373,9 +357,11 @@ kvcap_cache_cuda_prepare_queries(const kvcap_cache_cuda_ctx *x, const float *q, 
 {
     ENTER(x, "prepare queries");
     const size_t total = (size_t)(n_seqs + n_rot) * q_heads * d;
-    prepare_queries_kernel<<<elem_blocks(total), ELEM_THREADS, 0, stream_of(x)>>>(
-        q, n_seqs, q_heads, d, q_copy, n_rot, rot_seq, rot_rows, *rope, qrot);
-    return launched("prepare queries");
+    prepare_queries_kernel<<<kvcap_cuda_elem_blocks(total), KVCAP_CUDA_ELEM_THREADS, 0,
+                             stream_of(x)>>>(q, n_seqs, q_heads, d, q_copy, n_rot, rot_seq,
+                                             rot_rows, *rope, qrot);
+    KVCAP_CUDA_CHECK_LAUNCH("prepare queries", "kernel launch");
+    return KVCAP_OK;
 }
 
 extern "C" enum kvcap_status
@@ -387,5 +373,6 @@ kvcap_cache_cuda_merge_finish(const kvcap_cache_cuda_ctx *x, const float *mx, co
     dim3 grid((unsigned)(kv_heads * G), (unsigned)n_seqs);
     merge_finish_kernel<<<grid, MERGE_THREADS, 0, stream_of(x)>>>(mx, sum, o, n_units, unit_begin,
                                                                   G, d, out, lse);
-    return launched("merge");
+    KVCAP_CUDA_CHECK_LAUNCH("merge", "kernel launch");
+    return KVCAP_OK;
 }

@@ -12,7 +12,6 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/rope.cuh"
 
-#define ELEM_THREADS 256
 
 namespace {
 
@@ -99,11 +98,6 @@ __global__ void capsule_values_kernel(kvcap_cuda_view v, int head, int d,
 }
 
 
-unsigned elem_blocks(size_t total)
-{
-    size_t b = (total + ELEM_THREADS - 1) / ELEM_THREADS;
-    return (unsigned)(b < 65535 ? (b ? b : 1) : 65535);
-}
 
 template <typename T>
 void capsule_launch(cudaStream_t st, const kvcap_cuda_view &k, const kvcap_cuda_view &v,
@@ -115,10 +109,10 @@ void capsule_launch(cudaStream_t st, const kvcap_cuda_view &k, const kvcap_cuda_
                                                           mu_f32);
     const size_t nh = (size_t)tiles * u.h * d, nv = (size_t)tiles * u.rv * d;
     if (nh)
-        capsule_hidden_kernel<T><<<elem_blocks(nh), ELEM_THREADS, 0, st>>>(
+        capsule_hidden_kernel<T><<<kvcap_cuda_elem_blocks(nh), KVCAP_CUDA_ELEM_THREADS, 0, st>>>(
             k, head, d, rope, rr, grid, u, tiles, static_cast<T *>(hs));
     if (nv)
-        capsule_values_kernel<T><<<elem_blocks(nv), ELEM_THREADS, 0, st>>>(
+        capsule_values_kernel<T><<<kvcap_cuda_elem_blocks(nv), KVCAP_CUDA_ELEM_THREADS, 0, st>>>(
             v, head, d, grid, u, tiles, mu_f32, static_cast<T *>(vt));
 }
 

@@ -92,6 +92,17 @@ __device__ __forceinline__ int kvcap_cuda_dtype_bytes(int dtype)
     return dtype == KVCAP_DTYPE_F32 ? 4 : 2;
 }
 
+// ---- Element-wise launches ---------------------------------------------------------------------
+// Threads per block of the element-wise kernels, and their blocks for `total` elements: at least
+// one, at most 65535 (the kernels stride over the rest).
+#define KVCAP_CUDA_ELEM_THREADS 256
+
+static inline unsigned kvcap_cuda_elem_blocks(size_t total)
+{
+    size_t b = (total + KVCAP_CUDA_ELEM_THREADS - 1) / KVCAP_CUDA_ELEM_THREADS;
+    return (unsigned)(b < 65535 ? (b ? b : 1) : 65535);
+}
+
 // ---- Reductions -------------------------------------------------------------------------------
 // Fixed butterfly orders: every lane ends with the same value, and runs give the same bits.
 
