@@ -5,6 +5,7 @@
 #define KVCAP_TEST_CUDA_H
 
 #include <stddef.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "kvcap.h"
@@ -36,6 +37,20 @@ static inline void expect_status(enum kvcap_status got, enum kvcap_status want, 
 }
 
 #define EXPECT(call, want, what) expect_status((call), (want), (what), #call)
+
+/* Without a CUDA device: runs the host-side tests (argument checks touch no device) and returns
+ * the program's exit status, 1 when one failed, else 77 (skipped). With a device: returns -1,
+ * and main goes on to its device tests. */
+static inline int run_without_device(const struct CMUnitTest *host_tests, size_t n)
+{
+    if (kvcap_cuda_device_count() > 0)
+        return -1;
+    if (_cmocka_run_group_tests("no device", host_tests, n, NULL, NULL))
+        return 1;
+    printf("SKIP: no CUDA device\n");
+    return 77;
+}
+#define RUN_WITHOUT_DEVICE(tests) run_without_device((tests), sizeof(tests) / sizeof((tests)[0]))
 
 #ifdef KVCAP_WITH_CUDA
 
@@ -99,6 +114,15 @@ static inline void *dev_upload(const void *src, size_t bytes)
     if (bytes)
         upload(p, src, bytes);
     return p;
+}
+
+/* Waits for stream s; a fault in its kernels, or a pending launch error, fails the test. */
+static inline void sync_ok(cudaStream_t s)
+{
+    cudaError_t e = cudaStreamSynchronize(s);
+    if (e != cudaSuccess)
+        fail_msg("stream: %s", cudaGetErrorString(e));
+    assert_int_equal(cudaGetLastError(), cudaSuccess);
 }
 
 static inline void dev_free_all(void)

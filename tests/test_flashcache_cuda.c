@@ -96,16 +96,6 @@ static void test_no_device(void **state)
     assert_int_equal(kvcap_cuda_dct_create(1, 64, 2, &plan), KVCAP_ERR_UNSUPPORTED);
 }
 
-/* ---- Device memory (helpers in test_cuda.h) ---------------------------------------------------- */
-
-static void sync_ok(cudaStream_t s)
-{
-    cudaError_t e = cudaStreamSynchronize(s);
-    if (e != cudaSuccess)
-        fail_msg("stream: %s", cudaGetErrorString(e));
-    assert_int_equal(cudaGetLastError(), cudaSuccess);
-}
-
 /* ---- Spans ----------------------------------------------------------------------------------- */
 
 enum fill {
@@ -480,14 +470,9 @@ int main(void)
         cmocka_unit_test(test_no_device),
 #endif
     };
-    if (kvcap_cuda_device_count() == 0) {
-        /* the no-device expectations hold only here */
-        int failed = cmocka_run_group_tests_name("no device", host_tests, NULL, NULL);
-        if (failed)
-            return 1;
-        printf("SKIP: no CUDA device\n");
-        return 77;
-    }
+    int status = RUN_WITHOUT_DEVICE(host_tests); /* the no-device expectations hold only here */
+    if (status >= 0)
+        return status;
 #ifdef KVCAP_WITH_CUDA
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_arguments),

@@ -42,14 +42,6 @@ static void test_arguments(void **state)
     assert_int_equal(kvcap_cuda_topk(&x, 8, 8, 3, 0, NULL, &i, 0, NULL), KVCAP_OK);
 }
 
-static void sync_ok(cudaStream_t s)
-{
-    cudaError_t e = cudaStreamSynchronize(s);
-    if (e != cudaSuccess)
-        fail_msg("stream: %s", cudaGetErrorString(e));
-    assert_int_equal(cudaGetLastError(), cudaSuccess);
-}
-
 /* ---- Top-k ----------------------------------------------------------------------------------- */
 
 enum score_kind {
@@ -145,12 +137,9 @@ int main(void)
     const struct CMUnitTest host_tests[] = {
         cmocka_unit_test(test_arguments),
     };
-    if (kvcap_cuda_device_count() == 0) {
-        if (cmocka_run_group_tests_name("no device", host_tests, NULL, NULL))
-            return 1;
-        printf("SKIP: no CUDA device\n");
-        return 77;
-    }
+    int status = RUN_WITHOUT_DEVICE(host_tests);
+    if (status >= 0)
+        return status;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_arguments),
         cmocka_unit_test(test_topk),

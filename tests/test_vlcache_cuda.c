@@ -379,12 +379,9 @@ int main(void)
     const struct CMUnitTest host_tests[] = {
         cmocka_unit_test(test_arguments),
     };
-    if (kvcap_cuda_device_count() == 0) {
-        if (cmocka_run_group_tests_name("no device", host_tests, NULL, NULL))
-            return 1;
-        printf("SKIP: no CUDA device\n");
-        return 77;
-    }
+    int status = RUN_WITHOUT_DEVICE(host_tests);
+    if (status >= 0)
+        return status;
 #ifdef KVCAP_WITH_CUDA
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_arguments),
