@@ -24,15 +24,6 @@
 /* f16 storage keeps 11 significant bits. */
 #define F16_REL_TOL 1e-3
 
-static struct kvcap_model_geometry tiny(enum kvcap_rope_pairing pairing)
-{
-    struct kvcap_model_geometry g = {.name = "tiny", .n_layers = 2, .n_q_heads = 4,
-                                     .n_kv_heads = 2, .head_dim = 64,
-                                     .rope_type = KVCAP_ROPE_ROPE, .rope_pairing = pairing,
-                                     .rope_theta = 10000.0};
-    return g;
-}
-
 static void make_tmpdir(char *out, size_t cap, const char *tag)
 {
     assert_true(test_tmpdir(out, cap, tag));
@@ -71,7 +62,7 @@ static int centred_rank(const float *x, int n, int d, double tol)
 static void test_synth_known_structure(void **state)
 {
     (void)state;
-    struct kvcap_model_geometry g = tiny(KVCAP_ROPE_PAIRING_HALF);
+    struct kvcap_model_geometry g = test_tiny_geometry(KVCAP_ROPE_PAIRING_HALF);
     struct kvcap_synth_params p;
     kvcap_synth_default_params(&p);
     p.noise = 0;
@@ -135,7 +126,7 @@ static void test_synth_round_trip_through_shards(void **state)
     (void)state;
     char dir[512];
     make_tmpdir(dir, sizeof dir, "kvcap-ds");
-    struct kvcap_model_geometry g = tiny(KVCAP_ROPE_PAIRING_ADJACENT);
+    struct kvcap_model_geometry g = test_tiny_geometry(KVCAP_ROPE_PAIRING_ADJACENT);
     struct kvcap_synth_params p;
     kvcap_synth_default_params(&p);
     p.n_spans = 5;
@@ -219,7 +210,7 @@ static void test_dataset_rejects_empty_and_incomplete(void **state)
     assert_int_equal(kvcap_dataset_open(paths, 1, &ds), KVCAP_ERR_INVALID_ARGUMENT);
     assert_non_null(strstr(kvcap_last_error(), "empty"));
 
-    struct kvcap_model_geometry g = tiny(KVCAP_ROPE_PAIRING_HALF);
+    struct kvcap_model_geometry g = test_tiny_geometry(KVCAP_ROPE_PAIRING_HALF);
     struct kvcap_dataset_writer_params wp;
     kvcap_dataset_writer_default_params(&wp);
     wp.dir = dir;
@@ -266,7 +257,7 @@ static void test_writer_grid_and_discard(void **state)
     FILE *f = fopen(mine, "w");
     assert_non_null(f);
     fclose(f);
-    struct kvcap_model_geometry g = tiny(KVCAP_ROPE_PAIRING_HALF);
+    struct kvcap_model_geometry g = test_tiny_geometry(KVCAP_ROPE_PAIRING_HALF);
     struct kvcap_dataset_writer_params wp;
     kvcap_dataset_writer_default_params(&wp);
     wp.dir = dir;

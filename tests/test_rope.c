@@ -13,25 +13,17 @@
 #include <cmocka.h>
 
 #include "kernels/rope.h"
+#include "tests/test_util.h"
 
 /* f32 rotations by positions up to ~5000: angle rounding in float costs ~1e-6 relative. */
 #define ROPE_TOL 2e-5
-
-static struct kvcap_model_geometry tiny(enum kvcap_rope_pairing pairing)
-{
-    struct kvcap_model_geometry g = {.name = "tiny", .n_layers = 2, .n_q_heads = 4,
-                                     .n_kv_heads = 2, .head_dim = 64,
-                                     .rope_type = KVCAP_ROPE_ROPE, .rope_pairing = pairing,
-                                     .rope_theta = 10000.0};
-    return g;
-}
 
 static void test_rope_fast_matches_ref_and_inverts(void **state)
 {
     (void)state;
     enum { ROWS = 5, D = 128 };
     for (int pairing = 0; pairing < 2; pairing++) {
-        struct kvcap_model_geometry g = tiny((enum kvcap_rope_pairing)pairing);
+        struct kvcap_model_geometry g = test_tiny_geometry((enum kvcap_rope_pairing)pairing);
         g.head_dim = D;
         g.rope_dim = 96; /* partial rotary: the last 32 channels stay put */
         float x[ROWS * D], a[ROWS * D], b[ROWS * D];
@@ -56,7 +48,7 @@ static void test_rope_fast_matches_ref_and_inverts(void **state)
 static void test_rope_relative(void **state)
 {
     (void)state;
-    struct kvcap_model_geometry g = tiny(KVCAP_ROPE_PAIRING_HALF);
+    struct kvcap_model_geometry g = test_tiny_geometry(KVCAP_ROPE_PAIRING_HALF);
     float q[64], k[64], q1[64], k1[64], q2[64], k2[64];
     for (int i = 0; i < 64; i++) {
         q[i] = (float)cos(0.1 * i);
@@ -82,7 +74,7 @@ static void test_rope_none_and_stride(void **state)
 {
     (void)state;
     enum { ROWS = 3, D = 64, STRIDE = D + 5 };
-    struct kvcap_model_geometry g = tiny(KVCAP_ROPE_PAIRING_ADJACENT);
+    struct kvcap_model_geometry g = test_tiny_geometry(KVCAP_ROPE_PAIRING_ADJACENT);
     float packed[ROWS * D], strided[ROWS * STRIDE], x[ROWS * STRIDE];
     for (int i = 0; i < ROWS * STRIDE; i++)
         x[i] = (float)cos(0.21 * i - 0.5);
