@@ -257,10 +257,8 @@ class Cache(_Owned):
         p.n_seqs = n_seqs
         p.storage = _DTYPES[storage]
         p.artifact = artifact._ptr() if artifact is not None else None
-        self._config = os.fsencode(config) if config is not None else None
-        self._record = os.fsencode(record_dir) if record_dir is not None else None
-        p.config_path = self._config
-        p.record_dir = self._record
+        p.config_path = os.fsencode(config) if config is not None else None  # read at create
+        p.record_dir = os.fsencode(record_dir) if record_dir is not None else None  # copied
         p.n_threads = n_threads
         p.reserve_tokens = reserve_tokens
         handle = ctypes.c_void_p()
