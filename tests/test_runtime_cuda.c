@@ -328,6 +328,9 @@ static void twin_make(struct twin_view *t, const float *x, int H, int n, int d, 
     }
     t->host = hv;
     t->dev = dv;
+    /* The copies ran on the legacy stream, and a copy from pageable memory may return before
+     * its data lands: a cache working on a non-blocking stream must find them done. */
+    CUDA_OK(cudaDeviceSynchronize());
 }
 
 static void twin_free(struct twin_view *t)
@@ -558,6 +561,7 @@ static void test_graph(void **state)
     float *a_out = malloc(sizeof(float) * LAYERS * qn), *b_out = malloc(sizeof(float) * LAYERS * qn);
     float *a_lse = malloc(sizeof(float) * LAYERS * S * Hq), *b_lse = malloc(sizeof(float) * LAYERS * S * Hq);
     float *ref = malloc(sizeof(float) * qn);
+    CUDA_OK(cudaDeviceSynchronize()); /* the poisoning memsets ran on the legacy stream, not st */
 
     /* One step of calls on cache c into out/lse. */
 #  define STEP(c, out, lse)                                                                        \
