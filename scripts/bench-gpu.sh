@@ -8,7 +8,8 @@
 # the raw results as .tsv files beside it. Installs nothing and needs no network.
 # Usage: bash scripts/bench-gpu.sh [kvcap-bench-cuda options]   e.g. --dtype bf16 --reps 50
 # Environment: KVCAP_BENCH_BUILD (build folder, default build-bench-gpu), KVCAP_BENCH_JOBS
-# (parallel build jobs, default: all cores), PYTHON (python3).
+# (parallel build jobs, default: all cores), KVCAP_BENCH_BIN (a kvcap-bench-cuda already built,
+# e.g. on a machine without the build dependencies: no build step), PYTHON (python3).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build=${KVCAP_BENCH_BUILD:-$root/build-bench-gpu}
@@ -30,17 +31,22 @@ done
 echo "== kvcap GPU benchmark: $(date -u '+%Y-%m-%d %H:%M UTC'), $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo 'no git')"
 
 # ---- Build (incremental: a no-op when up to date) ---------------------------------------------
-log="$build/bench-gpu-build.log"
-mkdir -p "$build"
-echo "== build: kvcap-bench-cuda in $build (log: $log)"
-if ! { cmake -S "$root" -B "$build" --log-level=WARNING -DCMAKE_BUILD_TYPE=Release \
-         -DKVCAP_CUDA=ON -DKVCAP_TESTS=OFF &&
-       cmake --build "$build" --target kvcap-bench-cuda -j"$jobs"; } >"$log" 2>&1; then
-  tail -n 40 "$log"
-  echo "== build failed (full log: $log)"
-  exit 1
+if [ -n "${KVCAP_BENCH_BIN:-}" ]; then
+  bench=$KVCAP_BENCH_BIN
+  echo "== prebuilt: $bench"
+else
+  log="$build/bench-gpu-build.log"
+  mkdir -p "$build"
+  echo "== build: kvcap-bench-cuda in $build (log: $log)"
+  if ! { cmake -S "$root" -B "$build" --log-level=WARNING -DCMAKE_BUILD_TYPE=Release \
+           -DKVCAP_CUDA=ON -DKVCAP_TESTS=OFF &&
+         cmake --build "$build" --target kvcap-bench-cuda -j"$jobs"; } >"$log" 2>&1; then
+    tail -n 40 "$log"
+    echo "== build failed (full log: $log)"
+    exit 1
+  fi
+  bench="$build/kvcap-bench-cuda"
 fi
-bench="$build/kvcap-bench-cuda"
 
 # ---- Device -------------------------------------------------------------------------------------
 set +e

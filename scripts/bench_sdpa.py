@@ -71,18 +71,22 @@ def main():
     except (TypeError, RuntimeError):
         gqa = "expanded"
 
+    def flush_l2():
+        # with an explicit dim: torch 2.11 takes out= for a full reduction only with one
+        torch.sum(flush, dim=0, out=sink)
+
     def time_runs(fn):
         """Median ms per run of fn (a graph replay or an eager call) on `stream`."""
         inner = 10 if args.warm else 1
         with torch.cuda.stream(stream):
             for _ in range(args.warmup):
                 if not args.warm:
-                    torch.sum(flush, out=sink)
+                    flush_l2()
                 fn()
             events = []
             for _ in range(args.reps):
                 if not args.warm:
-                    torch.sum(flush, out=sink)
+                    flush_l2()
                 e0 = torch.cuda.Event(enable_timing=True)
                 e1 = torch.cuda.Event(enable_timing=True)
                 e0.record(stream)
