@@ -17,9 +17,9 @@
 //    Σ_c max(q_c·kmax_c, q_c·kmin_c) in double (channel order as the oracle), their softmax over
 //    the candidates, the mean over g, stored as (float)log(mean), the oracle's key. Then
 //    kvcap_cuda_topk ranks the keys (larger first, ties to the lower index, as the oracle).
-//  - fill: grid kv_heads, 256 threads, flagged heads only: the CPU's fill rule slot by slot in
-//    order (one block per head, so a copy out of a later slot of the same buffer happens before
-//    that slot is rewritten), pages not in a pool buffer read from the mapped store.
+//  - fill: grid kv_heads, 256 threads, flagged heads only: the CPU's fill rule (fill_step: pages
+//    already in place stay, the others take the freed slots), one pick after the other, pages
+//    not in a pool buffer read from the mapped store.
 //  - move / scatter: the speculative recall planned on the host: moves in slot order by one
 //    block, then per staging chunk a scatter of HND page-heads into NHD slots.
 //  - describe + kvcap_cuda_attend_rows + merge: one rows problem per attended page with its own
@@ -46,24 +46,58 @@ namespace {
 
 // ---- Shared by the host plan and the device gather ---------------------------------------------
 
-// The source of slot s (page p) when a buffer is filled in slot order (runtime/freekv.c fill).
-__host__ __device__ inline int fill_source(const int *slot_b, const int *slot_o, int slots, int s,
-                                           int p, int *src)
+// The CPU's fill rule (runtime/freekv.c fill), one pick at a time, shared by the host plan and
+// the device gather. Pages of the picks (pick[j] + base, j < n) already in a slot < n of this
+// buffer stay where they are; the others take, in pick order, the slots < n that are freed
+// (holding no pick, or a page an earlier slot holds too), lowest first, copied from a slot of
+// the other buffer that holds them, else from a slot >= n of this buffer (never a destination),
+// else recalled from the store. No copy reads a slot a copy writes, so they may run in any
+// order. Returns pick i's destination slot, -1 when it stays, or n when no slot is free (the
+// picks repeat a page); *kind and *src say where it comes from. *next_free is the cursor over
+// the freed slots (0 before the first pick); the caller sets slot_b[slot] to the page before
+// the next pick.
+__host__ __device__ inline int fill_step(const int *pick, int base, int n, const int *slot_b,
+                                         const int *slot_o, int slots, int i, int *next_free,
+                                         int *kind, int *src)
 {
+    const int p = pick[i] + base;
+    *kind = 0;
     *src = -1;
-    if (slot_b[s] == p)
-        return 0; // kept
-    for (int i = 0; i < slots; i++)
-        if (slot_o[i] == p) {
-            *src = i;
-            return KVCAP_CUDA_FREEKV_OTHER;
+    for (int s = 0; s < n; s++)
+        if (slot_b[s] == p)
+            return -1; // in place
+    int s = *next_free;
+    for (; s < n; s++) {
+        const int q = slot_b[s];
+        bool kept = q >= 0;
+        if (kept) {
+            bool picked = false;
+            for (int j = 0; j < n && !picked; j++)
+                picked = pick[j] + base == q;
+            kept = picked;
         }
-    for (int i = 0; i < slots; i++)
-        if (i != s && slot_b[i] == p) {
-            *src = i;
-            return KVCAP_CUDA_FREEKV_SAME;
+        for (int t = 0; t < s && kept; t++)
+            kept = slot_b[t] != q;
+        if (!kept)
+            break;
+    }
+    if (s >= n)
+        return n;
+    *next_free = s + 1;
+    for (int o = 0; o < slots; o++)
+        if (slot_o[o] == p) {
+            *kind = KVCAP_CUDA_FREEKV_OTHER;
+            *src = o;
+            return s;
         }
-    return KVCAP_CUDA_FREEKV_STORE;
+    for (int o = n; o < slots; o++)
+        if (slot_b[o] == p) {
+            *kind = KVCAP_CUDA_FREEKV_SAME;
+            *src = o;
+            return s;
+        }
+    *kind = KVCAP_CUDA_FREEKV_STORE;
+    return s;
 }
 
 // ---- Element conversion -------------------------------------------------------------------------
@@ -274,7 +308,7 @@ __global__ void __launch_bounds__(FKV_THREADS)
                 int *meta, uint4 *pool_k, uint4 *pool_v, const unsigned char *store,
                 unsigned long long *cnt)
 {
-    __shared__ int s_kind, s_src;
+    __shared__ int s_kind, s_src, s_dst, s_next;
     const int h = blockIdx.x;
     if (!flag[h])
         return;
@@ -282,29 +316,36 @@ __global__ void __launch_bounds__(FKV_THREADS)
     const int b = 1 - m[2 * g.slots + 2];
     int *slot_b = m + b * g.slots;
     const int *slot_o = m + (1 - b) * g.slots;
+    const int *pick = sel + (size_t)h * g.cap;
     const int words = (int)(row_bytes / 16), base = g.S + g.W;
     const size_t stride = (size_t)g.kvh * words; // uint4 between rows of a slot
     int recalled = 0;
-    for (int s = 0; s < n; s++) {
-        const int p = sel[(size_t)h * g.cap + s] + lo;
+    if (threadIdx.x == 0)
+        s_next = 0;
+    for (int i = 0; i < n; i++) {
+        const int p = pick[i] + lo;
         if (threadIdx.x == 0)
-            s_kind = fill_source(slot_b, slot_o, g.slots, s, p, &s_src);
+            s_dst = fill_step(pick, lo, n, slot_b, slot_o, g.slots, i, &s_next, &s_kind, &s_src);
         __syncthreads();
-        const int kind = s_kind, src = s_src;
+        const int kind = s_kind, src = s_src, s = s_dst;
+        if (s < 0 || s >= n) { // in place (or picks that repeat a page: nothing to place)
+            __syncthreads();
+            continue;
+        }
         const size_t dst = pool_off(g, base + b * g.slots + s, 0, h, row_bytes) / 16;
         if (kind == KVCAP_CUDA_FREEKV_OTHER || kind == KVCAP_CUDA_FREEKV_SAME) {
             const int ss = base + (kind == KVCAP_CUDA_FREEKV_OTHER ? 1 - b : b) * g.slots + src;
             const size_t so = pool_off(g, ss, 0, h, row_bytes) / 16;
             copy_page(pool_k + dst, pool_v + dst, stride, pool_k + so, pool_v + so, stride, g.ps,
                       words);
-        } else if (kind == KVCAP_CUDA_FREEKV_STORE) {
+        } else {
             const uint4 *sk = reinterpret_cast<const uint4 *>(
                 store + ((size_t)p * g.kvh + h) * 2 * g.ps * row_bytes);
             copy_page(pool_k + dst, pool_v + dst, stride, sk, sk + (size_t)g.ps * words, words,
                       g.ps, words);
             recalled++;
         }
-        __syncthreads(); // the copy is complete before a later slot may overwrite its source
+        __syncthreads(); // every thread has read s_dst before thread 0 moves on
         if (threadIdx.x == 0)
             slot_b[s] = p;
         __syncthreads();
@@ -605,15 +646,21 @@ extern "C" enum kvcap_status kvcap_cuda_freekv_plan_fill(const int *pick, int n,
         KVCAP_RETURN_IF(pick[s] < 0 || pick[s] > max_page, KVCAP_ERR_INVALID_ARGUMENT,
                         "cuda %s: pick[%d] = %d, must be in 0..max_page = %d", op, s, pick[s],
                         max_page);
-    int m = 0, r = 0;
-    for (int s = 0; s < n; s++) {
-        int src, kind = fill_source(slot_b, slot_o, slots, s, pick[s], &src);
-        if (kind == 0)
+    for (int s = 0; s < n; s++)
+        for (int t = 0; t < s; t++)
+            KVCAP_RETURN_IF(pick[s] == pick[t], KVCAP_ERR_INVALID_ARGUMENT,
+                            "cuda %s: pick[%d] = pick[%d] = %d, picks must differ", op, t, s,
+                            pick[s]);
+    int m = 0, r = 0, next_free = 0;
+    for (int i = 0; i < n; i++) {
+        int kind, src;
+        const int s = fill_step(pick, 0, n, slot_b, slot_o, slots, i, &next_free, &kind, &src);
+        if (s < 0)
             continue;
-        kvcap_cuda_freekv_op o = {kind, s, src, pick[s]};
+        kvcap_cuda_freekv_op o = {kind, s, src, pick[i]};
         ops[m++] = o;
         r += kind == KVCAP_CUDA_FREEKV_STORE;
-        slot_b[s] = pick[s];
+        slot_b[s] = pick[i];
     }
     *n_ops = m;
     *recalled = r;

@@ -43,8 +43,13 @@
  *     putting the wait in append keeps it out of the decode step, and the copies overlap
  *     whatever the device still runs of the previous step (the rest of its layers).
  *  A step whose attend was not preceded by exactly one appended token (or whose previous step
- *  planned nothing) resyncs like the CPU: every head selects and gathers on the critical path.
- *  A speculative recall still pending at such an attend is dropped (neither run nor counted).
+ *  planned nothing) resyncs: every head selects and gathers on the critical path. A speculative
+ *  recall still pending at such an attend is dropped (neither run nor counted). Here the device
+ *  differs from the CPU state, which keeps its speculation when the store grew by up to
+ *  window_pages candidate pages or did not grow (it attends the grown pages whole from its
+ *  store; the device's ring holds only the window): the outputs are the same, exact over the
+ *  pages picked, but such a step counts resyncs here where the CPU counts corrections or hidden
+ *  head-steps, and a store that does not grow between steps never keeps a speculation.
  *
  * Threads: a state is used by one host thread at a time; calls on it must be serialised.
  * Streams: every call of a step may get a different `stream`; the state orders its internal
@@ -90,7 +95,7 @@ enum kvcap_status kvcap_cuda_freekv_layout(const struct kvcap_freekv_params *p, 
 /* What happens to one top-k slot when a buffer is filled. */
 enum kvcap_cuda_freekv_op_kind {
     KVCAP_CUDA_FREEKV_OTHER = 1, /* copy from slot `src` of the other buffer (device to device) */
-    KVCAP_CUDA_FREEKV_SAME = 2,  /* copy from slot `src` of this buffer, src > slot */
+    KVCAP_CUDA_FREEKV_SAME = 2,  /* copy from slot `src` >= n of this buffer */
     KVCAP_CUDA_FREEKV_STORE = 3  /* recall `page` from the host store */
 };
 
@@ -101,16 +106,15 @@ struct kvcap_cuda_freekv_op {
     int page;
 };
 
-/* The fill rule of the CPU state (runtime/freekv.c, fill) for one head: slot s of the buffer
- * being filled gets pick[s] (s = 0..n−1, in order). A slot already holding its page is kept;
- * else the page is copied from a slot of the other buffer holding it, else from another slot
- * of this buffer holding it (always a later slot: earlier ones hold earlier picks), else
- * recalled from the store. slot_b [slots] (the buffer's pages, -1 = empty) is updated to the
- * result; slot_o [slots] is the other buffer. The ops (at most n, in slot order) go to ops;
- * *n_ops receives their count, *recalled the STORE ones. Executing the OTHER and SAME ops in
- * order and then the STORE ones leaves the same data as executing all in slot order (no later
- * op reads a slot a STORE op wrote). KVCAP_ERR_INVALID_ARGUMENT for NULL arrays, n outside
- * 0..slots or a pick out of 0..max_page. */
+/* The fill rule of the CPU state (runtime/freekv.c, fill) for one head: the pages pick[0..n)
+ * go to slots 0..n−1 of the buffer being filled, in any order. A page already in one of those
+ * slots stays there; the others take, in pick order, the slots freed (lowest first), each
+ * copied from a slot of the other buffer holding it, else from a slot >= n of this buffer
+ * holding it, else recalled from the store. So a fill costs the pages that changed, and no op
+ * reads a slot an op writes: the ops may run in any order. slot_b [slots] (the buffer's pages,
+ * -1 = empty) is updated to the result; slot_o [slots] is the other buffer. The ops (at most n)
+ * go to ops; *n_ops receives their count, *recalled the STORE ones. KVCAP_ERR_INVALID_ARGUMENT
+ * for NULL arrays, n outside 0..slots, a pick out of 0..max_page or two equal picks. */
 enum kvcap_status kvcap_cuda_freekv_plan_fill(const int *pick, int n, int *slot_b,
                                               const int *slot_o, int slots, int max_page,
                                               struct kvcap_cuda_freekv_op *ops, int *n_ops,
