@@ -214,8 +214,10 @@ static void greedy_select(double *s, int m, int rk, double band, double floor_, 
 static enum kvcap_status swap_refine(const double *c, int m, int rk, double band,
                                      double floor_, int32_t *mask)
 {
-    if (rk >= m)
+    if (rk >= m) { /* every point kept: nothing to swap, the mask only needs its order */
+        qsort(mask, (size_t)rk, sizeof *mask, compare_i32);
         return KVCAP_OK;
+    }
     size_t mm = (size_t)m, r = (size_t)rk;
     double *p = malloc(sizeof(double) * r * r), *b = malloc(sizeof(double) * mm * r);
     double *cm = malloc(sizeof(double) * mm * r), *s = malloc(sizeof(double) * mm * mm);

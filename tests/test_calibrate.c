@@ -722,6 +722,29 @@ static void test_closed_form_not_a_gram(void **state)
     }
 }
 
+/* Every point kept (rk = m, retention 1): the mask is all points in order and the keys come
+ * back exactly. The greedy picks come in selection order, which must not leak out. */
+static void test_closed_form_keeps_everything(void **state)
+{
+    (void)state;
+    enum { M = 6, N = 40 };
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 5);
+    double x[N * M], g[M * M] = {0};
+    for (int i = 0; i < N * M; i++)
+        x[i] = kvcap_rng_normal(&r) * (1.0 + (i % M)); /* unequal energies: picks out of order */
+    for (int n = 0; n < N; n++)
+        for (int i = 0; i < M; i++)
+            for (int j = 0; j < M; j++)
+                g[i * M + j] += x[n * M + i] * x[n * M + j];
+    struct kvcap_key_maps k;
+    memset(&k, 0, sizeof k);
+    assert_int_equal(kvcap_keys_closed_form(g, M, M, M, 1e-9, &k), KVCAP_OK);
+    for (int i = 0; i < M; i++)
+        assert_int_equal(k.mask[i], i);
+    kvcap_key_maps_free(&k);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -734,6 +757,7 @@ int main(void)
         cmocka_unit_test(test_cuda_layout_contract),
         cmocka_unit_test(test_fit_robust_to_rounding),
         cmocka_unit_test(test_closed_form_not_a_gram),
+        cmocka_unit_test(test_closed_form_keeps_everything),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
