@@ -29,6 +29,7 @@
 #include "cli/cli.h"
 #include "formats/dataset.h"
 #include "common/internal.h"
+#include "eval/generate.h"
 #include "eval/llama.h"
 #include "eval/report.h"
 #include "common/rng.h"
@@ -50,6 +51,7 @@ static void usage(FILE *out)
     fprintf(out,
             "usage: kvcap-eval record --out DIR [options]\n"
             "       kvcap-eval run --out DIR [--kvcapsule V:R:FILE ...] [options]\n"
+            "       kvcap-eval generate --ids LIST [options]   (one prompt; see generate --help)\n"
             "\n"
             "Runs a Llama-family model from a GGUF file (default: SmolLM2-135M-Instruct) with\n"
             "every decode-step attention computed by libkvcap, on real English text.\n"
@@ -218,7 +220,7 @@ static int parse_options(int argc, char **argv, struct options *o)
         exit(0);
     }
     if (argc < 2 || (strcmp(argv[1], "record") && strcmp(argv[1], "run")))
-        return cli_usage_error("expected a command, record or run (see --help)");
+        return cli_usage_error("expected a command, record, run or generate (see --help)");
     o->record = !strcmp(argv[1], "record");
     enum { O_SPAN = 256, O_HEAD, O_TAIL, O_DECODE, O_MAXCH, O_ART, O_RET, O_PROMPTS, O_GEN,
            O_STORAGE, O_THREADS, O_COMMAND, O_CALIB_DOCS, O_CONT, O_FID, O_TASK, O_TRACK,
@@ -1984,6 +1986,8 @@ int main(int argc, char **argv)
 {
     struct options o;
     cli_init("kvcap-eval", 0); /* first: usage errors name the tool */
+    if (argc >= 2 && !strcmp(argv[1], "generate"))
+        return kvcap_eval_generate(argc, argv);
     int rc = parse_options(argc, argv, &o);
     if (rc == 0)
         rc = check_outputs(&o);
