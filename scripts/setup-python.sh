@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Creates (once) the Python environment the interop and Python-package tests use: a venv with
-# the reference safetensors implementation, numpy and pytest, at ${KVCAP_VENV:-<repo>/.venv}. With --vision it also
-# installs what scripts/vision_features.py needs (onnxruntime, pillow, onnx).
+# the reference safetensors implementation, numpy and pytest, at ${KVCAP_VENV:-<repo>/.venv}.
+# With --vision it also installs what scripts/vision_features.py needs (onnxruntime, pillow,
+# onnx); with --hf what kvcap.hf and its tests need (torch, transformers, accelerate, gguf:
+# several GB, torch's CUDA libraries included; pip keeps them in its cache for the next venv).
 # Prints the venv's python path on stdout and nothing else. When the venv cannot be made
 # (no python3-venv, no network), prints nothing on stdout, warns on stderr and exits 0, so
 # the build goes on and the interop test reports itself as skipped.
@@ -11,17 +13,27 @@ NUMPY_PIN="numpy==2.4.6"
 SAFETENSORS_PIN="safetensors==0.8.0"
 PYTEST_PIN="pytest==9.2.0"
 VISION_PINS=("onnxruntime==1.32.0" "pillow==13.0.0" "onnx==1.23.2")
+HF_PINS=("torch==2.15.0" "transformers==5.24.0" "accelerate==1.15.0" "gguf==0.19.0")
 
 pins=("$NUMPY_PIN" "$SAFETENSORS_PIN" "$PYTEST_PIN")
-pins_text="$NUMPY_PIN, $SAFETENSORS_PIN and $PYTEST_PIN"
 imports="import numpy, safetensors.numpy, pytest"
 skipped="the interop and Python tests"
-if [ "${1:-}" = "--vision" ]; then
-  pins+=("${VISION_PINS[@]}")
-  pins_text="${pins[*]}"
-  imports="$imports, onnxruntime, PIL.Image, onnx"
-  skipped="the interop, Python and vision tests"
-fi
+for arg in "$@"; do
+  case "$arg" in
+    --vision)
+      pins+=("${VISION_PINS[@]}")
+      imports="$imports, onnxruntime, PIL.Image, onnx"
+      skipped="$skipped, the vision tests" ;;
+    --hf)
+      pins+=("${HF_PINS[@]}")
+      imports="$imports, torch, transformers, accelerate, gguf"
+      skipped="$skipped, the Hugging Face tests" ;;
+    *)
+      echo "setup-python: unknown option '$arg' (--vision, --hf)" >&2
+      exit 2 ;;
+  esac
+done
+pins_text="${pins[*]}"
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${KVCAP_VENV:-$repo/.venv}"

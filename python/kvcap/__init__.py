@@ -2,8 +2,8 @@
 
 Bindings over libkvcap's public C API (include/kvcap.h): artifacts, caches (with the runtime
 YAML config), record mode and statistics. Arrays go in and out without copies where their
-layout allows: NumPy arrays (and anything exposing ``__array_interface__`` or DLPack through
-NumPy, torch CPU tensors included) are handed to the library as strided views. Every failure
+layout allows: NumPy arrays (and anything exposing ``__array_interface__``) and torch CPU
+tensors (float32, float16, bfloat16) are handed to the library as strided views. Every failure
 raises :class:`Error` with the library's status and message; a failed call leaves the cache
 usable.
 
@@ -185,20 +185,31 @@ class Artifact(_Owned):
         return Geometry.from_c(lib.kvcap_artifact_geometry(self._ptr()).contents)
 
 
+def _is_torch(x: Any) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "data_ptr")
+
+
+_TORCH_DTYPES = {"torch.float32": _capi.DTYPE_F32, "torch.float16": _capi.DTYPE_F16,
+                 "torch.bfloat16": _capi.DTYPE_BF16}
+
+
+def _host_tensor(x: Any, what: str) -> None:
+    """A torch tensor this host-memory cache can read, or an Error naming `what`."""
+    if x.device.type != "cpu":
+        raise _argument(f"{what}: a tensor on {x.device}; this cache keeps host memory (pass a "
+                        "CPU tensor)")
+
+
 def _as_array(x: Any, what: str) -> np.ndarray:
-    """NumPy view of an array-like without a copy; torch CPU tensors through DLPack/the array
-    interface. A tensor on another device or of another dtype is an error naming `what`."""
+    """NumPy view of an array-like without a copy; torch CPU tensors through the array
+    interface. A tensor on another device, or a bfloat16 one (NumPy has no bfloat16), is an
+    error naming `what`."""
     if isinstance(x, np.ndarray):
         return x
-    device = getattr(x, "device", None)
-    if device is not None and getattr(device, "type", "cpu") != "cpu":
-        raise _argument(f"{what}: a tensor on {device}; this cache keeps host memory (pass a CPU "
-                        "tensor)")
-    if hasattr(x, "detach") and hasattr(x, "numpy"):  # torch.Tensor
-        dt = str(getattr(x, "dtype", ""))
-        if dt == "torch.bfloat16":
-            raise _argument(f"{what}: bfloat16 tensors are not taken yet; pass float32 or "
-                            "float16")
+    if _is_torch(x):
+        _host_tensor(x, what)
+        if str(x.dtype) == "torch.bfloat16":
+            raise _argument(f"{what}: a bfloat16 tensor; this call takes float32")
         return x.detach().numpy()
     try:
         return np.asarray(x)
@@ -206,9 +217,26 @@ def _as_array(x: Any, what: str) -> np.ndarray:
         raise _argument(f"{what}: not an array ({type(x).__name__}): {e}") from None
 
 
-def _view(x: Any, what: str, heads: int, tokens: int, d: int) -> Tuple[_capi.TensorView, np.ndarray]:
-    """A struct kvcap_tensor_view over a [heads][tokens][d] array (any head and token strides,
-    contiguous channels), with the array kept alive by the caller."""
+def _view(x: Any, what: str, heads: int, tokens: int, d: int) -> Tuple[_capi.TensorView, Any]:
+    """A struct kvcap_tensor_view over a [heads][tokens][d] array or torch tensor (float32,
+    float16, or bfloat16 for tensors; any head and token strides, contiguous channels), read in
+    place. Returns the view and the object the caller keeps alive during the call."""
+    if _is_torch(x):
+        _host_tensor(x, what)
+        if str(x.dtype) not in _TORCH_DTYPES:
+            raise _argument(f"{what}: dtype {x.dtype}, expected float32, float16 or bfloat16")
+        if x.dim() != 3 or tuple(x.shape) != (heads, tokens, d):
+            raise _argument(f"{what}: shape {tuple(x.shape)}, expected ({heads}, {tokens}, {d}) "
+                            "[kv_heads][tokens][head_dim]")
+        if x.stride(2) != 1:
+            x = x.contiguous()  # channels must be contiguous: one copy, only then
+        v = _capi.TensorView()
+        v.base = x.data_ptr()
+        v.pages = None
+        v.page_size = 0
+        v.dtype = _TORCH_DTYPES[str(x.dtype)]
+        v.head_stride, v.token_stride = x.stride(0), x.stride(1)
+        return v, x
     a = _as_array(x, what)
     if a.ndim != 3 or a.shape != (heads, tokens, d):
         raise _argument(f"{what}: shape {tuple(a.shape)}, expected ({heads}, {tokens}, {d}) "
@@ -272,14 +300,14 @@ class Cache(_Owned):
     def add_span(self, seq: int, layer: int, k: Any, v: Any, *, kind: str = "text",
                  grid: Tuple[int, int] = (0, 0), p0: int = 0) -> None:
         """One prefill span of `seq` at `layer`: k and v are [kv_heads][tokens][head_dim]
-        (float32 or float16; any head and token strides), read in place. ``kind`` "vision"
+        (float32 or float16, or torch CPU tensors also in bfloat16; any head and token strides),
+        read in place. ``kind`` "vision"
         (with its ``grid`` (rows, cols)) or "text"; ``p0`` the position of its first token."""
         if kind not in _KINDS:
             raise _argument(f"span.kind: '{kind}' is not one of vision, text")
         g = self.geometry
-        ka = _as_array(k, "k")
-        n = ka.shape[1] if ka.ndim == 3 else -1
-        kv, ka = _view(ka, "k", g.kv_heads, n, g.head_dim)
+        n = k.shape[1] if len(getattr(k, "shape", ())) == 3 else -1
+        kv, ka = _view(k, "k", g.kv_heads, n, g.head_dim)
         vv, va = _view(v, "v", g.kv_heads, n, g.head_dim)
         rows, cols = grid if kind == "vision" else (0, 0)
         span = _capi.SpanDesc(_KINDS[kind], n, rows, cols, p0)
@@ -299,10 +327,11 @@ class Cache(_Owned):
     def append(self, seq: int, layer: int, k: Any, v: Any) -> None:
         """One generated token: k and v [kv_heads][head_dim] (or [kv_heads][1][head_dim])."""
         g = self.geometry
-        ka, va = _as_array(k, "k"), _as_array(v, "v")
-        if ka.ndim == 2:
+        ka = k if _is_torch(k) or isinstance(k, np.ndarray) else _as_array(k, "k")
+        va = v if _is_torch(v) or isinstance(v, np.ndarray) else _as_array(v, "v")
+        if len(ka.shape) == 2:
             ka = ka[:, None, :]
-        if va.ndim == 2:
+        if len(va.shape) == 2:
             va = va[:, None, :]
         kv, ka = _view(ka, "k", g.kv_heads, 1, g.head_dim)
         vv, va = _view(va, "v", g.kv_heads, 1, g.head_dim)

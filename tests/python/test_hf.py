@@ -1,0 +1,329 @@
+"""test_hf.py — kvcap.hf, the transformers integration, against transformers itself and against
+the C reference engine:
+ - SmolLM2-135M-Instruct read by transformers from the project's GGUF: 64 greedy tokens with
+   the full policy equal transformers' own cache token for token, logits within LOGIT_TOL;
+   with a compressing policy (FlashCache on an image-like span) the tokens and the
+   teacher-forced NLL equal the C engine's (kvcap-eval generate) on the same ids and config;
+ - tiny random-weight Qwen2-VL and Idefics3 built here (no download): spans, grids and M-RoPE
+   offsets detected from a synthetic image, full through kvcap equals transformers, and record
+   -> kvcap-calibrate -> kvcap-convert -> generate with kvcapsule at retention 1 equals full;
+ - LLaVA and LLaVA-NeXT span detection against transformers' own feature counts;
+ - bad input (dtype, device, shape, spans, an artifact of another model) raises kvcap.Error
+   naming the problem and leaves the cache usable.
+Skipped (visibly) where torch/transformers or the model file are missing."""
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import kvcap  # noqa: E402
+import kvcap.hf  # noqa: E402
+from kvcap.hf import Span  # noqa: E402
+
+TOOLS = Path(os.environ.get("KVCAP_TOOLS", "")) if os.environ.get("KVCAP_TOOLS") else None
+MODEL = Path(os.environ.get("KVCAP_MODEL") or
+             Path.home() / ".cache/kvcap/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+# Full through kvcap vs transformers' SDPA, f32 weights and storage: the two attentions sum in
+# different orders (libkvcap's online softmax in f32), a few ulps that 30 layers carry to the
+# logits: measured 2.9e-5 over 64 tokens; the bound leaves 30x.
+LOGIT_TOL = 1e-3
+# The same policy through transformers and through the C engine: different matmul kernels, the
+# same cache decisions; measured 9e-6 nats/token over 32 tokens.
+NLL_TOL = 2e-4
+# Tiny random models at retention 1 (the KVCapsule maps reconstruct exactly up to float
+# rounding through the PCA basis and key maps): relative to the largest logit; measured ~1e-5.
+TINY_REL_TOL = 1e-3
+
+
+def tool(name):
+    if TOOLS is None or not (TOOLS / name).exists():
+        pytest.skip(f"{name} not found (KVCAP_TOOLS names the build folder)")
+    return str(TOOLS / name)
+
+
+def greedy(model, inputs, n, **kw):
+    out = model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True, **kw)
+    return out.sequences[0, inputs["input_ids"].shape[1]:], torch.stack(out.logits)
+
+
+# ---- SmolLM2 from the GGUF ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm():
+    if not MODEL.exists():
+        pytest.skip(f"{MODEL} not found (scripts/fetch-model.sh fetches it)")
+    pytest.importorskip("gguf")
+    tok = transformers.AutoTokenizer.from_pretrained(MODEL.parent, gguf_file=MODEL.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        MODEL.parent, gguf_file=MODEL.name, dtype=torch.float32).eval()
+    return model, tok
+
+
+def license_prompt(tok, n):
+    text = Path("/usr/share/common-licenses/Apache-2.0").read_text()[:4000]
+    ids = tok(text, return_tensors="pt")["input_ids"][:, :n]
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def test_full_generation_equals_transformers(smollm):
+    model, tok = smollm
+    inputs = dict(tok("The capital of France is Paris. The capital of Germany is",
+                      return_tensors="pt"))
+    model.set_attn_implementation("sdpa")
+    want, want_logits = greedy(model, inputs, 64)
+    model.set_attn_implementation(kvcap.hf.ATTENTION)
+    cache = kvcap.hf.KvcapCache(model, policies={"text": "full", "generated": "full"})
+    got, got_logits = greedy(model, inputs, 64, cache=cache)
+    assert got.tolist() == want.tolist()
+    assert float((got_logits - want_logits).abs().max()) <= LOGIT_TOL
+    s = cache.stats()
+    n = inputs["input_ids"].shape[1]
+    assert s["tokens_by_kind"] == {"vision": 0, "text": n, "generated": 63}
+    assert s["bytes_by_policy"]["full"] > 0
+
+
+def test_compressing_policy_matches_the_c_engine(smollm, tmp_path):
+    model, tok = smollm
+    model.set_attn_implementation(kvcap.hf.ATTENTION)
+    inputs = license_prompt(tok, 120)
+    n = inputs["input_ids"].shape[1]
+    spans = [Span("text", 0, 16, (0, 0), 0), Span("vision", 16, 64, (8, 8), 16),
+             Span("text", 80, n - 80, (0, 0), 80)]
+    policies = {"vision": "flashcache", "text": "full", "generated": "full"}
+    full, _ = greedy(model, inputs, 32)
+    cache = kvcap.hf.KvcapCache(model, policies=policies, spans=spans, storage="f32")
+    got, _ = greedy(model, inputs, 32, cache=cache)
+    nll, agree = kvcap.hf.continuation_nll(
+        model, inputs, full, kvcap.hf.KvcapCache(model, policies=policies, spans=spans,
+                                                 storage="f32"))
+    config = tmp_path / "runtime.yaml"
+    config.write_text(kvcap.hf.runtime_yaml(policies))
+    r = subprocess.run([tool("kvcap-eval"), "generate", "-m", str(MODEL),
+                        "--ids", ",".join(map(str, inputs["input_ids"][0].tolist())),
+                        "--spans", f"text:16,vision:8x8,text:{n - 80}", "-c", str(config),
+                        "--generate", "32", "--continuation", ",".join(map(str, full.tolist()))],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    c = json.loads(r.stdout)
+    assert got.tolist() == c["generated"]
+    assert abs(nll - c["continuation_nll"]) <= NLL_TOL
+    assert agree == pytest.approx(c["continuation_agreement"])
+    # FlashCache really evicted: the span holds 40 % of its rows, and the answer moved
+    s = cache.stats()
+    assert s["bytes_by_policy"]["flashcache"] < 0.5 * 64 / n * s["bytes_full_equivalent"] * 2
+    assert got.tolist() != full.tolist()
+
+
+# ---- Tiny vision-language models ----------------------------------------------------------------
+
+def tiny_qwen2_vl():
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2VLConfig(
+        text_config=dict(vocab_size=256, hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                         head_dim=64, max_position_embeddings=512, initializer_range=0.2,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [8, 12, 12]},
+                         bos_token_id=1, eos_token_id=2),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=128, num_heads=2, patch_size=4,
+                           temporal_patch_size=2, spatial_merge_size=2, in_channels=3),
+        image_token_id=250, video_token_id=251, vision_start_token_id=252,
+        vision_end_token_id=253, vocab_size=256, bos_token_id=1, eos_token_id=2)
+    model = transformers.Qwen2VLForConditionalGeneration(cfg).eval()
+
+    def prompt(seed):
+        """Text, an 8x8-patch image (a 4x4 grid after the 2x2 merge), text."""
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.tensor([[1, 3, 4, 252] + [250] * 16 + [253, 5, 6, 7, 8]])
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                "pixel_values": torch.randn(64, 3 * 2 * 4 * 4, generator=g),
+                "image_grid_thw": torch.tensor([[1, 8, 8]]),
+                "mm_token_type_ids": (ids == 250).int()}
+
+    # M-RoPE: the image starts at position 4 (one offset for all sections); the text after it
+    # at 4 + max(4, 4) = 8, not at its index 20
+    spans = [Span("text", 0, 4, (0, 0), 0), Span("vision", 4, 16, (4, 4), 4),
+             Span("text", 20, 5, (0, 0), 8)]
+    return model, prompt, spans
+
+
+def tiny_idefics3():
+    torch.manual_seed(0)
+    cfg = transformers.Idefics3Config(
+        text_config=dict(model_type="llama", vocab_size=256, hidden_size=128,
+                         intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
+                         initializer_range=0.2, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=2, image_size=64, patch_size=8),
+        scale_factor=2, image_token_id=250, vocab_size=256)
+    model = transformers.Idefics3ForConditionalGeneration(cfg).eval()
+
+    def prompt(seed):
+        """Text, a 64x64 image (8x8 patches, 4x4 tokens after the 2x2 pixel shuffle), text."""
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.tensor([[1, 3, 4] + [250] * 16 + [5, 6, 7, 8]])
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                "pixel_values": torch.randn(1, 1, 3, 64, 64, generator=g)}
+
+    spans = [Span("text", 0, 3, (0, 0), 0), Span("vision", 3, 16, (4, 4), 3),
+             Span("text", 19, 4, (0, 0), 19)]
+    return model, prompt, spans
+
+
+def calibrate(tmp, model, record_dir, rows, cols):
+    """kvcap-calibrate on the recorded shards at retention 1, then kvcap-convert."""
+    g = kvcap.hf.geometry_from_config(model.config)
+    rope = f"{{type: {g.rope}, pairing: half, theta: {g.theta}" + (
+        f", sections: [{', '.join(map(str, g.sections))}]}}" if g.sections else "}")
+    config = tmp / "calib.yaml"
+    config.write_text(
+        f"model:\n  name: tiny\n  layers: {g.layers}\n  q_heads: {g.q_heads}\n"
+        f"  kv_heads: {g.kv_heads}\n  head_dim: {g.head_dim}\n  rope: {rope}\n"
+        f"buckets:\n  - {{rows: {rows}, cols: {cols}, structure: dense}}\n"
+        "schedule:\n  keys: {kind: uniform, ratio: 1.0}\n  values: {kind: uniform, ratio: 1.0}\n"
+        "keys: {method: closed_form, activation: linear, hidden: 0, ridge: 1.0e-6}\n"
+        "validation: {fraction: 0.2, seed: 7}\nstorage: f32\n")
+    state, artifact = tmp / "state.kvcs", tmp / "tiny.kvcap"
+    r = subprocess.run([tool("kvcap-calibrate"), "-c", str(config), "-d", str(record_dir),
+                        "-o", str(state), "-q"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([tool("kvcap-convert"), str(state), "-o", str(artifact),
+                        "-k", "uniform:1.0", "-r", "uniform:1.0", "--fallback", "full"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return artifact
+
+
+@pytest.mark.parametrize("make", [tiny_qwen2_vl, tiny_idefics3], ids=["qwen2_vl", "idefics3"])
+def test_tiny_vlm_end_to_end(make, tmp_path):
+    model, prompt, want_spans = make()
+    p = prompt(99)
+    assert kvcap.hf.detect_spans(model.config, p["input_ids"],
+                                 image_grid_thw=p.get("image_grid_thw")) == [want_spans]
+    want, want_logits = greedy(model, p, 8)
+    scale = float(want_logits.abs().max())
+
+    # full through kvcap equals transformers
+    got, cache = kvcap.hf.generate(model, p, policies={"vision": "full"}, max_new_tokens=8,
+                                   min_new_tokens=8, do_sample=False, output_logits=True,
+                                   return_dict_in_generate=True)
+    assert got.sequences[0, p["input_ids"].shape[1]:].tolist() == want.tolist()
+    assert float((torch.stack(got.logits) - want_logits).abs().max()) <= TINY_REL_TOL * scale
+    assert cache.stats()["tokens_by_kind"]["vision"] == 16
+
+    # record -> kvcap-calibrate -> kvcap-convert -> kvcapsule at retention 1
+    record_dir = tmp_path / "record"
+    for seed in range(10):
+        kvcap.hf.generate(model, prompt(seed), record_dir=record_dir,
+                          policies={"vision": "full"}, max_new_tokens=4, min_new_tokens=4,
+                          do_sample=False)
+    assert len(list(record_dir.glob("*.safetensors"))) == 10
+    artifact = calibrate(tmp_path, model, record_dir, 4, 4)
+    got, cache = kvcap.hf.generate(model, p, artifact=artifact, policies={"vision": "kvcapsule"},
+                                   fallback="full", max_new_tokens=8, min_new_tokens=8,
+                                   do_sample=False, output_logits=True,
+                                   return_dict_in_generate=True)
+    assert got.sequences[0, p["input_ids"].shape[1]:].tolist() == want.tolist()
+    assert float((torch.stack(got.logits) - want_logits).abs().max()) <= TINY_REL_TOL * scale
+    assert cache.stats()["bytes_by_policy"]["kvcapsule"] > 0
+
+    # a compressing policy through the same path changes the answer (the cache is used)
+    got, _ = kvcap.hf.generate(model, p, policies={"vision": "streaming"},
+                               sections={"streaming": {"sinks": 2, "window": 2}},
+                               max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                               output_logits=True, return_dict_in_generate=True)
+    assert float((torch.stack(got.logits) - want_logits).abs().max()) > TINY_REL_TOL * scale
+
+
+# ---- LLaVA span detection -------------------------------------------------------------------------
+
+def test_llava_spans():
+    cfg = transformers.LlavaConfig(image_token_id=32000)  # CLIP ViT-L/14 at 336: 24x24
+    ids = [1, 2] + [32000] * 576 + [3, 4, 5]
+    assert kvcap.hf.detect_spans(cfg, [ids]) == [[
+        Span("text", 0, 2, (0, 0), 0), Span("vision", 2, 576, (24, 24), 2),
+        Span("text", 578, 3, (0, 0), 578)]]
+    with pytest.raises(kvcap.Error, match="square"):
+        kvcap.hf.detect_spans(cfg, [[1] + [32000] * 575])
+
+
+def test_llava_next_spans():
+    from transformers.models.llava_next.modeling_llava_next import (get_anyres_image_grid_shape,
+                                                                     unpad_image)
+    cfg = transformers.LlavaNextConfig(image_token_id=32000)
+    side = cfg.vision_config.image_size // cfg.vision_config.patch_size
+    size = (500, 300)  # height, width
+    hp, wp = get_anyres_image_grid_shape(size, cfg.image_grid_pinpoints,
+                                         cfg.vision_config.image_size)
+    feat = unpad_image(torch.zeros(1, hp * side, wp * side), torch.tensor(size))
+    rows, cols = feat.shape[1], feat.shape[2] + 1  # a newline token ends every row
+    ids = [1] + [32000] * (side * side + rows * cols) + [2]
+    spans = kvcap.hf.detect_spans(cfg, [ids], image_sizes=[size])[0]
+    assert [s.kind for s in spans] == ["text", "vision", "vision", "text"]
+    assert spans[1].grid == (side, side) and spans[2].grid == (rows, cols)
+    with pytest.raises(kvcap.Error, match="image_sizes"):
+        kvcap.hf.detect_spans(cfg, [ids[:-5]], image_sizes=[size])
+
+
+# ---- Bad input --------------------------------------------------------------------------------------
+
+def test_bad_input_leaves_the_cache_usable(tmp_path):
+    model, prompt, spans = tiny_idefics3()
+    p = prompt(1)
+    model.set_attn_implementation(kvcap.hf.ATTENTION)
+    want, _ = greedy(model, p, 6)
+    cache = kvcap.hf.KvcapCache(model, input_ids=p["input_ids"], policies={"vision": "full"})
+    good = torch.zeros(1, 1, 4, 64)
+    for bad, pattern in ((good.double(), "dtype torch.float64"),
+                         (torch.zeros(1, 1, 4, 64, device="meta"), "meta"),
+                         (torch.zeros(1, 2, 4, 64), r"shape \(1, 2, 4, 64\)")):
+        with pytest.raises(kvcap.Error, match=pattern) as e:
+            cache.update(bad, bad, 0)
+        assert "layer 0" in e.value.message
+    assert cache.get_seq_length() == 0
+    got, _ = greedy(model, p, 6, cache=cache)  # still usable: the whole generation
+    assert got.tolist() == want.tolist()
+
+    # spans that do not cover the prompt, or a wrong batch
+    with pytest.raises(kvcap.Error, match="cover 22 tokens"):
+        kvcap.hf.generate(model, p, cache=kvcap.hf.KvcapCache(
+            model, spans=[Span("text", 0, 22)]), max_new_tokens=2)
+    # an artifact of another model (the tiny Qwen2-VL's M-RoPE geometry)
+    qwen, qprompt, _ = tiny_qwen2_vl()
+    record_dir = tmp_path / "record"
+    for seed in range(6):
+        kvcap.hf.generate(qwen, qprompt(seed), record_dir=record_dir,
+                          policies={"vision": "full"}, max_new_tokens=2, do_sample=False)
+    artifact = calibrate(tmp_path, qwen, record_dir, 4, 4)
+    with pytest.raises(kvcap.Error) as e:
+        kvcap.hf.KvcapCache(model, artifact=artifact)
+    assert e.value.status_name == "GEOMETRY" and "geometry.rope" in e.value.message
+    # policies that are not
+    with pytest.raises(kvcap.Error, match="'fastest' is not one of"):
+        kvcap.hf.KvcapCache(model, policies={"vision": "fastest"})
+
+
+def test_readme_example():
+    """The README's kvcap.hf example, taken from the README itself, runs as written."""
+    if not MODEL.exists():
+        pytest.skip(f"{MODEL} not found (scripts/fetch-model.sh fetches it)")
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "README.md").read_text()
+    block = text.split("<!-- hf-example -->\n```python\n", 1)[1].split("```\n<!-- /hf-example -->")[0]
+    block = block.replace('Path.home() / ".cache/kvcap/models/SmolLM2-135M-Instruct.Q4_1.gguf"',
+                          f"Path({str(MODEL)!r})")
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True,
+                       timeout=600, cwd=root / "python")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Paris" in r.stdout and "bytes held" in r.stdout
