@@ -1,7 +1,7 @@
 #!/bin/sh
 # tests/python_install.sh — `pip install ./python` into a new virtual environment (the package
-# builds libkvcap from this repository and bundles it), then the README's "From Python"
-# example run there. Usage: python_install.sh SOURCE_DIR WORK_DIR. Exits 77 (skipped) when no
+# builds libkvcap and the calibration tools from this repository and bundles them), then the
+# README's "From Python" example and the bundled tools run there. Usage: python_install.sh SOURCE_DIR WORK_DIR. Exits 77 (skipped) when no
 # venv can be made or the package index cannot be reached.
 src=$1
 work=$2
@@ -28,4 +28,8 @@ if [ ! -s "$work/example.py" ]; then
   echo "FAIL: README.md has no example between <!-- python-example --> markers"
   exit 1
 fi
-cd "$work" && "$py" example.py
+cd "$work" && "$py" example.py || exit 1
+# The bundled tools, as console scripts and through kvcap.tools.
+"$work/venv/bin/kvcap-convert" --help >/dev/null || { echo "FAIL: kvcap-convert --help"; exit 1; }
+"$work/venv/bin/kvcap-calibrate" --help >/dev/null || { echo "FAIL: kvcap-calibrate --help"; exit 1; }
+"$py" -c "import kvcap.tools as t; p = t.find('kvcap-calibrate'); assert '/site-packages/kvcap/bin/' in p, p"

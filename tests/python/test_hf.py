@@ -24,6 +24,7 @@ transformers = pytest.importorskip("transformers")
 
 import kvcap  # noqa: E402
 import kvcap.hf  # noqa: E402
+import kvcap.tools  # noqa: E402
 from kvcap.hf import Span  # noqa: E402
 
 TOOLS = Path(os.environ.get("KVCAP_TOOLS", "")) if os.environ.get("KVCAP_TOOLS") else None
@@ -180,7 +181,8 @@ def tiny_idefics3():
 
 
 def calibrate(tmp, model, record_dir, rows, cols):
-    """kvcap-calibrate on the recorded shards at retention 1, then kvcap-convert."""
+    """kvcap-calibrate on the recorded shards at retention 1, then kvcap-convert (through
+    kvcap.tools)."""
     g = kvcap.hf.geometry_from_config(model.config)
     rope = f"{{type: {g.rope}, pairing: half, theta: {g.theta}" + (
         f", sections: [{', '.join(map(str, g.sections))}]}}" if g.sections else "}")
@@ -192,14 +194,12 @@ def calibrate(tmp, model, record_dir, rows, cols):
         "schedule:\n  keys: {kind: uniform, ratio: 1.0}\n  values: {kind: uniform, ratio: 1.0}\n"
         "keys: {method: closed_form, activation: linear, hidden: 0, ridge: 1.0e-6}\n"
         "validation: {fraction: 0.2, seed: 7}\nstorage: f32\n")
-    state, artifact = tmp / "state.kvcs", tmp / "tiny.kvcap"
-    r = subprocess.run([tool("kvcap-calibrate"), "-c", str(config), "-d", str(record_dir),
-                        "-o", str(state), "-q"], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    r = subprocess.run([tool("kvcap-convert"), str(state), "-o", str(artifact),
-                        "-k", "uniform:1.0", "-r", "uniform:1.0", "--fallback", "full"],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
+    tool("kvcap-calibrate")
+    state = kvcap.tools.calibrate(record_dir, tmp / "state.kvcs", config=config, device="cpu")
+    artifact = kvcap.tools.convert(state, tmp / "tiny.kvcap", keys="uniform:1.0",
+                                   values="uniform:1.0", fallback="full")
+    report = kvcap.tools.inspect(artifact)
+    assert "kind       artifact" in report and "4x4 dense" in report
     return artifact
 
 
