@@ -13,7 +13,8 @@ kvcap's, and prints per prompt and in all: greedy agreement, the teacher-forced 
 full cache's continuation under kvcap's cache against full's, and bytes held. bench times
 greedy generation through transformers' own cache and through kvcap's (full, and the policy
 given), taking turns for --rounds rounds: median seconds and their ratio to transformers', the
-process's peak memory growth during the run, and the bytes each cache holds at the end.
+growth of the process's peak resident memory during a run (0: the run fit in memory the
+process already held), and the bytes each cache holds at the end.
 """
 
 from __future__ import annotations
@@ -232,7 +233,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     print(f"{a.tokens} greedy tokens after a {n}-token prompt, {a.rounds} rounds taking turns; "
           f"threads {torch.get_num_threads()}")
     print(f"{'cache':<36} {'median s':>9} {'tok/s':>8} {'vs transformers':>15} "
-          f"{'peak +MB':>9} {'cache MB':>9} {'same tokens':>11}")
+          f"{'RSS +MB':>9} {'cache MB':>9} {'same tokens':>11}")
     for name, _ in runs:
         t = statistics.median(times[name])
         pk = f"{statistics.median(peak[name]) / 1024:9.1f}" if peak[name] else f"{'-':>9}"
