@@ -312,16 +312,8 @@ static int parse_options(int argc, char **argv, struct options *o)
     }
     if (o->track == TRACK_IMAGE)
         o->task_queries = 0; /* the retrieval task is text inside the span */
-    if (!o->model) {
-        const char *env = getenv("KVCAP_MODEL"), *home = getenv("HOME");
-        if (env && *env)
-            o->model = env;
-        else {
-            snprintf(o->model_default, sizeof o->model_default, "%s/.cache/kvcap/models/%s",
-                     home ? home : ".", DEFAULT_MODEL_FILE);
-            o->model = o->model_default;
-        }
-    }
+    if (!o->model)
+        o->model = kvllama_default_model(o->model_default, sizeof o->model_default);
     return 0;
 }
 

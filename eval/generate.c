@@ -236,16 +236,8 @@ int kvcap_eval_generate(int argc, char **argv)
     if (rc)
         return rc;
     char model_default[4096];
-    if (!o.model) {
-        const char *env = getenv("KVCAP_MODEL"), *home = getenv("HOME");
-        if (env && *env) {
-            o.model = env;
-        } else {
-            snprintf(model_default, sizeof model_default,
-                     "%s/.cache/kvcap/models/SmolLM2-135M-Instruct.Q4_1.gguf", home ? home : ".");
-            o.model = model_default;
-        }
-    }
+    if (!o.model)
+        o.model = kvllama_default_model(model_default, sizeof model_default);
     struct kvllama_model *m = NULL;
     struct kvcap_artifact *art = NULL;
     struct kvllama_decoder *dec = NULL;

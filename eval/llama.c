@@ -580,3 +580,13 @@ double kvllama_log_prob(const float *logits, int n, int32_t id)
 {
     return (double)logits[id] - kvllama_log_sum_exp(logits, n);
 }
+
+const char *kvllama_default_model(char *buf, size_t cap)
+{
+    const char *env = getenv("KVCAP_MODEL"), *home = getenv("HOME");
+    if (env && *env)
+        return env;
+    snprintf(buf, cap, "%s/.cache/kvcap/models/SmolLM2-135M-Instruct.Q4_1.gguf",
+             home ? home : ".");
+    return buf;
+}

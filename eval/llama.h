@@ -22,6 +22,10 @@ struct kvllama_hparams {
 
 struct kvllama_model;
 
+/* The model the tools use without -m: $KVCAP_MODEL, else
+ * $HOME/.cache/kvcap/models/SmolLM2-135M-Instruct.Q4_1.gguf (written into buf). */
+const char *kvllama_default_model(char *buf, size_t cap);
+
 /* Loads a GGUF file of architecture "llama" (tied or separate output matrix). Errors name the
  * file and the key or tensor at fault. */
 enum kvcap_status kvllama_load(const char *path, struct kvllama_model **out);
