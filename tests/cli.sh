@@ -186,6 +186,14 @@ expect bench_rows 0 "fused KVCapsule, tiled maps of 16 points, h 6, R_v 6" "$ben
   fail "bench_rows: not one cold rate per kernel"
 grep -Eq "^  (in L2|cold) .* 0\.0 " "$work/bench_rows.out" && fail "bench_rows: a kernel read nothing"
 
+# kvcap-eval generate: usage errors name the option, before any model is read
+ev="$bin/kvcap-eval"
+expect gen_help 0 "usage: kvcap-eval generate --ids LIST" "$ev" generate --help
+expect gen_no_ids 2 "--ids is required" "$ev" generate
+expect gen_bad_ids 2 "--ids: '1,x' is not a list of token ids" "$ev" generate --ids 1,x
+expect gen_bad_span 2 "--spans: 'image:4': expected text:N or vision:RxC" "$ev" generate --ids 1,2 --spans image:4
+expect gen_cover 2 "--spans: cover 5 tokens, --ids has 2" "$ev" generate --ids 1,2 --spans text:1,vision:2x2
+expect gen_no_model 1 "no_such.gguf" "$ev" generate --ids 1,2 -m "$work/no_such.gguf"
 if [ "$failures" -ne 0 ]; then
   echo "$failures CLI check(s) failed"
   exit 1
