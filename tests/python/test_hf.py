@@ -327,3 +327,31 @@ def test_readme_example():
                        timeout=600, cwd=root / "python")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "Paris" in r.stdout and "bytes held" in r.stdout
+
+
+def test_batch_and_bfloat16():
+    """Two prompts of one length in one batch, and a bfloat16 model (the cache stores bf16,
+    its K/V read in place): each row equals transformers' own generation."""
+    model, prompt, _ = tiny_idefics3()
+    a, b = prompt(3), prompt(4)
+    both = {"input_ids": torch.cat([a["input_ids"], b["input_ids"].flip(1)]),
+            "pixel_values": torch.cat([a["pixel_values"], b["pixel_values"]])}
+    both["attention_mask"] = torch.ones_like(both["input_ids"])
+    # bf16: transformers attends in bf16, libkvcap in f32 over the bf16 rows, and the model's
+    # bf16 layers round both; measured 1.2e-2 of the largest logit (a few bf16 ulps)
+    for dtype, tol in ((torch.float32, TINY_REL_TOL), (torch.bfloat16, 0.05)):
+        model = model.to(dtype)
+        inputs = dict(both, pixel_values=both["pixel_values"].to(dtype))
+        model.set_attn_implementation("sdpa")
+        want = model.generate(**inputs, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                              output_logits=True, return_dict_in_generate=True)
+        got, cache = kvcap.hf.generate(model, inputs, policies={"vision": "full"},
+                                       max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                                       output_logits=True, return_dict_in_generate=True)
+        assert cache.batch_size == 2
+        scale = float(torch.stack(want.logits).abs().max())
+        diff = float((torch.stack(got.logits).float() - torch.stack(want.logits).float()).abs().max())
+        assert diff <= tol * scale, (dtype, diff, scale)
+        if dtype == torch.float32:
+            assert got.sequences.tolist() == want.sequences.tolist()
+        assert cache.kv is not None and cache.stats()["tokens_by_kind"]["vision"] == 32
