@@ -1596,6 +1596,20 @@ static enum kvcap_status write_metrics(const struct options *o, const struct mod
     cJSON_AddNumberToObject(setup, "continuation_tokens", o->continuation);
     cJSON_AddNumberToObject(setup, "fidelity_steps", o->fidelity_steps);
     cJSON_AddNumberToObject(setup, "prompts", n_prompts);
+    /* The token ids of each prompt (head + span + tail) and its teacher-forced continuation,
+     * so that another engine can replay the same text (scripts/kvpress_reference.py). */
+    cJSON *replay = cJSON_AddArrayToObject(root, "prompt_ids");
+    for (int p = 0; p < n_prompts && p < corpus->n_chunks; p++) {
+        const struct chunk *ch = &corpus->chunks[p];
+        int n = prompt_len(o) + o->continuation;
+        n = n < ch->n ? n : ch->n;
+        cJSON *one = cJSON_CreateObject(), *ids = cJSON_CreateArray();
+        cJSON_AddStringToObject(one, "doc", corpus->names[ch->doc]);
+        for (int i = 0; i < n; i++)
+            cJSON_AddItemToArray(ids, cJSON_CreateNumber(ch->ids[i]));
+        cJSON_AddItemToObject(one, "ids", ids);
+        cJSON_AddItemToArray(replay, one);
+    }
     cJSON_AddNumberToObject(setup, "threads", o->threads ? o->threads
                                                          : (int)sysconf(_SC_NPROCESSORS_ONLN));
     cJSON_AddStringToObject(setup, "storage", kvcap_dtype_name(o->storage));

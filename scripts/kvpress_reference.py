@@ -1,0 +1,225 @@
+#!/usr/bin/env python3
+"""kvpress_reference.py — NVIDIA's kvpress as an outside reference beside kvcap's evaluation:
+the same model (SmolLM2-135M-Instruct from the project's GGUF, run by transformers), the same
+prompts (the "prompt_ids" a kvcap-eval text-track run writes into its metrics.json), only the
+span compressed (the head and tail tokens always kept), at the same retentions. Metrics as
+kvcap-eval computes them, per press and retention, averaged over the prompts: the
+teacher-forced NLL of the held-out continuation in nats/token and its difference from the full
+cache's (dNLL), the KL divergence of the next-token distribution from full's, next-token
+agreement with full's argmax, and the realised share of the span kept.
+
+Presses: ScorerPress subclasses get the span restriction by a wrapper that gives every token
+outside the span the highest score (kept) and sets the compression ratio so that head + tail +
+retention x span tokens remain, the same number per KV head (kvpress's ScorerPress rule).
+KVzip shares its budget across layers and heads (its own rule); the tokens outside the span get
+its sink treatment (never evicted). Run by scripts/kvpress-reference.sh, which makes the venv
+(kvpress 0.5.5 needs transformers < 5.3). Text track only: the image track's span enters as
+embeddings.
+"""
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--metrics", required=True,
+                    help="a kvcap-eval run's metrics.json (text track): prompts and layout")
+    ap.add_argument("--model", default=os.environ.get("KVCAP_MODEL") or os.path.expanduser(
+        "~/.cache/kvcap/models/SmolLM2-135M-Instruct.Q4_1.gguf"), help="the GGUF model")
+    ap.add_argument("--retentions", default="0.2,0.4", help="span shares kept (default 0.2,0.4)")
+    ap.add_argument("--presses", default="kvzip,expected_attention,snapkv,observed_attention,"
+                    "streaming_llm,random", help="comma-separated (default: all six)")
+    ap.add_argument("--prompts", type=int, default=0, help="at most this many prompts (0: all)")
+    ap.add_argument("--out", required=True, help="JSON file to write (rows per press x retention)")
+    return ap.parse_args()
+
+
+def load_model(gguf_path, workdir):
+    """transformers reads the GGUF (dequantised to f32); saved once as a plain checkpoint so
+    that presses which load the tokenizer by the model's name (KVzip) find it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.dirname(os.path.abspath(gguf_path)), os.path.basename(gguf_path)
+    plain = os.path.join(workdir, "checkpoint")
+    if not os.path.isdir(plain):
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        model.save_pretrained(plain)
+        tok.save_pretrained(plain)
+    return AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32,
+                                                attn_implementation="sdpa").eval()
+
+
+@torch.no_grad()
+def continuation_logprobs(model, prompt, cont, press=None, eager=False):
+    """Log-probabilities of the continuation's positions: the prompt prefilled (compressed by
+    `press` inside its context), then the continuation teacher-forced in one forward over the
+    compressed cache at its true positions. Returns [len(cont)][vocab] and the cache length."""
+    from transformers import DynamicCache
+
+    if eager:
+        model.set_attn_implementation("eager")
+    cache = DynamicCache(config=model.config)
+    ids = torch.tensor([prompt])
+    try:
+        if press is None:
+            out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        else:
+            with press(model):
+                out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+    finally:
+        if eager:
+            model.set_attn_implementation("sdpa")
+    first = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+    n = len(prompt)
+    c = torch.tensor([cont[:-1]])
+    pos = torch.arange(n, n + c.shape[1]).unsqueeze(0)
+    rest = model(input_ids=c, past_key_values=cache, position_ids=pos, use_cache=True)
+    lp = torch.cat([first[None], torch.log_softmax(rest.logits[0].float(), dim=-1)])
+    return lp, cache
+
+
+def span_kept(cache, model, head, span, tail, n_forced):
+    """The realised share of the span kept, over all layers and KV heads: the rows the cache
+    holds (KVzip: less the rows it masks), less the continuation's n_forced rows and the head
+    and tail, over the span's rows."""
+    kvh, L = model.config.num_key_value_heads, len(model.model.layers)
+    held = sum(layer.keys.shape[2] for layer in cache.layers) * kvh
+    for layer in model.model.layers:
+        masked = getattr(layer.self_attn, "masked_key_indices", None)
+        if masked is not None:
+            held -= len(masked[0])
+    return (held - (n_forced + head + tail) * kvh * L) / (span * kvh * L)
+
+
+def make_press(name, retention, head, span, n):
+    """A kvpress press compressing only the span of an n-token prompt to `retention`."""
+    from kvpress import (ExpectedAttentionPress, KVzipPress, ObservedAttentionPress,
+                         RandomPress, ScorerPress, SnapKVPress, StreamingLLMPress)
+
+    ratio = (1.0 - retention) * span / n  # of the whole prompt: head and tail stay
+
+    if name == "kvzip":
+        @dataclass
+        class SpanKVzip(KVzipPress):
+            head_tokens: int = 0
+            span_tokens: int = 0
+
+            def compress_post(self, model):
+                if self.compression_ratio > 0:
+                    top = self.score_val.amax() + 1.0
+                    self.score_val[..., : self.head_tokens] = top
+                    self.score_val[..., self.head_tokens + self.span_tokens:] = top
+                return super().compress_post(model)
+
+        return SpanKVzip(compression_ratio=ratio, head_tokens=head, span_tokens=span), False
+
+    inner = {"expected_attention": ExpectedAttentionPress, "snapkv": SnapKVPress,
+             "observed_attention": ObservedAttentionPress, "streaming_llm": StreamingLLMPress,
+             "random": RandomPress}[name]
+    kw = {"seed": 0} if name == "random" else {}
+
+    @dataclass
+    class SpanOnly(ScorerPress):
+        inner: ScorerPress = field(default=None)
+
+        def score(self, module, hidden_states, keys, values, attentions, kwargs):
+            s = self.inner.score(module, hidden_states, keys, values, attentions, kwargs).clone()
+            top = torch.finfo(s.dtype).max
+            s[..., :head] = top
+            s[..., head + span:] = top
+            return s
+
+    return SpanOnly(compression_ratio=ratio, inner=inner(**kw)), name == "observed_attention"
+
+
+def main():
+    a = parse_args()
+    with open(a.metrics) as f:
+        m = json.load(f)
+    if m.get("track", {}).get("kind") != "text" or "prompt_ids" not in m:
+        sys.exit(f"{a.metrics}: not a text-track kvcap-eval run with prompt_ids (rerun kvcap-eval "
+                 "run --track text)")
+    setup = m["setup"]
+    head, span, tail = setup["head_tokens"], setup["span_tokens"], setup["tail_tokens"]
+    n = head + span + tail
+    prompts = m["prompt_ids"][: a.prompts or None]
+    retentions = [float(x) for x in a.retentions.split(",")]
+    presses = [p for p in a.presses.split(",") if p]
+    import kvpress
+    import transformers
+
+    work = os.environ.get("KVCAP_KVPRESS_WORK") or tempfile.mkdtemp(prefix="kvpress-ref-")
+    model = load_model(a.model, work)
+    full = []
+    for p in prompts:
+        ids = p["ids"]
+        lp, _ = continuation_logprobs(model, ids[:n], ids[n:])
+        full.append(lp)
+    rows = []
+    total = len(presses) * len(retentions) * len(prompts)
+    done, t0 = 0, time.time()
+    for name in presses:
+        for r in retentions:
+            nll = dnll = kl = agree = kept = 0.0
+            for p, lp_full in zip(prompts, full):
+                ids = p["ids"]
+                cont = torch.tensor(ids[n:])
+                press, eager = make_press(name, r, head, span, n)
+                lp, cache = continuation_logprobs(model, ids[:n], ids[n:], press, eager)
+                tok_nll = -lp.gather(1, cont[:, None]).mean().item()
+                full_nll = -lp_full.gather(1, cont[:, None]).mean().item()
+                nll += tok_nll
+                dnll += tok_nll - full_nll
+                kl += (lp_full.exp() * (lp_full - lp)).sum(-1).mean().item()
+                agree += (lp.argmax(-1) == lp_full.argmax(-1)).float().mean().item()
+                kept += span_kept(cache, model, head, span, tail, len(ids) - n - 1)
+                for layer in model.model.layers:  # KVzip's masks must not leak to the next run
+                    layer.self_attn.masked_key_indices = None
+                done += 1
+                if sys.stderr.isatty():
+                    sys.stderr.write(f"\r\033[Kkvpress: {done}/{total} ({time.time() - t0:.0f} s)")
+            k = len(prompts)
+            rows.append({"press": name, "retention": r, "nll": nll / k, "dnll": dnll / k,
+                         "kl": kl / k, "next_token_agreement": agree / k,
+                         "realised_retention": kept / k})
+    if sys.stderr.isatty():
+        sys.stderr.write("\r\033[K")
+    out = {"source": "kvpress", "kvpress_version": kvpress.__version__ if hasattr(
+        kvpress, "__version__") else "0.5.5", "transformers_version": transformers.__version__,
+        "metrics": os.path.abspath(a.metrics), "prompts": len(prompts),
+        "layout": {"head": head, "span": span, "tail": tail,
+                   "continuation": len(prompts[0]["ids"]) - n},
+        "full_nll": sum(-lp.gather(1, torch.tensor(p["ids"][n:])[:, None]).mean().item()
+                        for p, lp in zip(prompts, full)) / len(prompts),
+        "rows": rows}
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=1)
+    kv_full = next((r["nll"] for r in m["runs"] if r["label"] == "full"), float("nan"))
+    print(f"kvpress {out['kvpress_version']} on transformers {out['transformers_version']}, "
+          f"beside kvcap-eval's run {a.metrics}: {len(prompts)} prompts of {head} + {span} + "
+          f"{tail} tokens, {out['layout']['continuation']} teacher-forced")
+    print(f"full NLL: transformers {out['full_nll']:.4f}, kvcap's engine {kv_full:.4f} "
+          f"(storage {setup.get('storage', '?')}; the same prompts give the same text)")
+    table = [("kvpress " + r["press"], r["retention"], r["realised_retention"], r["dnll"],
+              r["kl"], r["next_token_agreement"]) for r in rows]
+    if len(prompts) == setup["prompts"]:  # kvcap's rows cover the same prompts only then
+        table += [("kvcap " + r["label"], r["retention"], r["realised_retention"],
+                   r["nll_delta"], r["kl"], r["next_token_agreement"])
+                  for r in m["runs"] if r["label"] != "full"
+                  and any(abs(r["retention"] - x) < 1e-9 for x in retentions)]
+    print(f"{'method':<30} {'kept':>5} {'real':>6} {'dNLL':>8} {'KL':>8} {'agree':>7}")
+    for name, r, real, d, kl, ag in sorted(table, key=lambda t: (t[1], t[3])):
+        print(f"{name:<30} {r:>5.2f} {real:>6.3f} {d:>+8.4f} {kl:>8.4f} {100 * ag:>6.1f}%")
+
+
+if __name__ == "__main__":
+    main()
