@@ -133,8 +133,14 @@ static int gen_parse(int argc, char **argv, struct gen_options *o)
         case 'm': o->model = optarg; break;
         case 'c': o->config = optarg; break;
         case 'a': o->artifact = optarg; break;
-        case O_IDS: rc = parse_ids(optarg, "--ids", &o->ids, &o->n_ids); break;
-        case O_CONT: rc = parse_ids(optarg, "--continuation", &o->cont, &o->n_cont); break;
+        case O_IDS: /* given again: the last one counts */
+            free(o->ids), o->ids = NULL;
+            rc = parse_ids(optarg, "--ids", &o->ids, &o->n_ids);
+            break;
+        case O_CONT:
+            free(o->cont), o->cont = NULL;
+            rc = parse_ids(optarg, "--continuation", &o->cont, &o->n_cont);
+            break;
         case O_SPANS: spans = optarg; break;
         case O_GEN: {
             char *end;
@@ -233,8 +239,10 @@ int kvcap_eval_generate(int argc, char **argv)
 {
     struct gen_options o;
     int rc = gen_parse(argc, argv, &o);
-    if (rc)
+    if (rc) {
+        free(o.ids), free(o.cont);
         return rc;
+    }
     char model_default[4096];
     if (!o.model)
         o.model = kvllama_default_model(model_default, sizeof model_default);
