@@ -1,5 +1,6 @@
 /* cli.c — shared helpers of the kvcap tools (see cli.h). */
 #include <dirent.h>
+#include <errno.h>
 #include <libgen.h>
 #include <limits.h>
 #include <signal.h>
@@ -74,6 +75,17 @@ int cli_usage_error(const char *fmt, ...)
     fprintf(stderr, " (see %s --help)\n", tool_name);
     va_end(ap);
     return 2;
+}
+
+int cli_parse_int(const char *arg, const char *name, long lo, long hi, int *out)
+{
+    char *end;
+    errno = 0;
+    long v = strtol(arg, &end, 10);
+    if (errno || *end || end == arg || v < lo || v > hi)
+        return cli_usage_error("%s: '%s' is not an integer in [%ld, %ld]", name, arg, lo, hi);
+    *out = (int)v;
+    return 0;
 }
 
 const char *cli_bytes(uint64_t bytes, char *buf, size_t cap)

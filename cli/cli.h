@@ -20,6 +20,10 @@ int cli_fail(enum kvcap_status status);
 /* Prints "TOOL: error: <formatted>" to stderr; returns exit code 2 (usage errors). */
 int cli_usage_error(const char *fmt, ...);
 
+/* An integer option: *out = the value of `arg` when it is a whole number in [lo, hi] and 0 is
+ * returned; else a usage error naming `name` (exit code 2) and *out untouched. */
+int cli_parse_int(const char *arg, const char *name, long lo, long hi, int *out);
+
 /* "1.5 MiB"-style size into buf. */
 const char *cli_bytes(uint64_t bytes, char *buf, size_t cap);
 

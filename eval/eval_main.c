@@ -153,17 +153,6 @@ struct options {
     char features_default[4096];
 };
 
-static int parse_int(const char *arg, const char *name, long lo, long hi, int *out)
-{
-    char *end;
-    errno = 0;
-    long v = strtol(arg, &end, 10);
-    if (errno || *end || end == arg || v < lo || v > hi)
-        return cli_usage_error("%s: '%s' is not an integer in [%ld, %ld]", name, arg, lo, hi);
-    *out = (int)v;
-    return 0;
-}
-
 static int parse_retentions(const char *arg, struct options *o)
 {
     o->n_retentions = 0;
@@ -255,19 +244,19 @@ static int parse_options(int argc, char **argv, struct options *o)
         case 'C': o->corpus = optarg; break;
         case 'D': o->docs = optarg; break;
         case 'o': o->out = optarg; break;
-        case O_SPAN: rc = parse_int(optarg, "--span", 2, 8192, &o->span); break;
-        case O_HEAD: rc = parse_int(optarg, "--head", 0, 1024, &o->head); break;
-        case O_TAIL: rc = parse_int(optarg, "--tail", 1, 1024, &o->tail); break;
-        case O_DECODE: rc = parse_int(optarg, "--decode", 0, 4096, &o->decode); break;
-        case O_MAXCH: rc = parse_int(optarg, "--max-chunks", 1, 1 << 20, &o->max_chunks); break;
+        case O_SPAN: rc = cli_parse_int(optarg, "--span", 2, 8192, &o->span); break;
+        case O_HEAD: rc = cli_parse_int(optarg, "--head", 0, 1024, &o->head); break;
+        case O_TAIL: rc = cli_parse_int(optarg, "--tail", 1, 1024, &o->tail); break;
+        case O_DECODE: rc = cli_parse_int(optarg, "--decode", 0, 4096, &o->decode); break;
+        case O_MAXCH: rc = cli_parse_int(optarg, "--max-chunks", 1, 1 << 20, &o->max_chunks); break;
         case O_ART: rc = parse_artifact(optarg, o); break;
         case O_RET: rc = parse_retentions(optarg, o); break;
-        case O_PROMPTS: rc = parse_int(optarg, "--prompts", 1, 256, &o->prompts); break;
-        case O_GEN: rc = parse_int(optarg, "--generate", 1, 8192, &o->generate); break;
-        case O_CONT: rc = parse_int(optarg, "--continuation", 1, 8192, &o->continuation); break;
-        case O_FID: rc = parse_int(optarg, "--fidelity-steps", 1, 1024, &o->fidelity_steps); break;
-        case O_TASK: rc = parse_int(optarg, "--task-queries", 0, 4096, &o->task_queries); break;
-        case O_THREADS: rc = parse_int(optarg, "--threads", 0, 1024, &o->threads); break;
+        case O_PROMPTS: rc = cli_parse_int(optarg, "--prompts", 1, 256, &o->prompts); break;
+        case O_GEN: rc = cli_parse_int(optarg, "--generate", 1, 8192, &o->generate); break;
+        case O_CONT: rc = cli_parse_int(optarg, "--continuation", 1, 8192, &o->continuation); break;
+        case O_FID: rc = cli_parse_int(optarg, "--fidelity-steps", 1, 1024, &o->fidelity_steps); break;
+        case O_TASK: rc = cli_parse_int(optarg, "--task-queries", 0, 4096, &o->task_queries); break;
+        case O_THREADS: rc = cli_parse_int(optarg, "--threads", 0, 1024, &o->threads); break;
         case O_COMMAND: o->command = optarg; break;
         case O_CALIB_DOCS: o->calib_docs = optarg; break;
         case O_FEATURES: o->features = optarg; break;

@@ -142,15 +142,7 @@ static int gen_parse(int argc, char **argv, struct gen_options *o)
             rc = parse_ids(optarg, "--continuation", &o->cont, &o->n_cont);
             break;
         case O_SPANS: spans = optarg; break;
-        case O_GEN: {
-            char *end;
-            errno = 0;
-            long v = strtol(optarg, &end, 10);
-            if (errno || *end || end == optarg || v < 0 || v > 8192)
-                rc = cli_usage_error("--generate: '%s' is not an integer in [0, 8192]", optarg);
-            o->n_generate = (int)v;
-            break;
-        }
+        case O_GEN: rc = cli_parse_int(optarg, "--generate", 0, 8192, &o->n_generate); break;
         case O_STORAGE:
             if (!kvcap_dtype_parse(optarg, &o->storage) ||
                 !(o->storage == KVCAP_DTYPE_F32 || o->storage == KVCAP_DTYPE_F16 ||
