@@ -17,8 +17,8 @@ its sink treatment (never evicted). Run by scripts/kvpress-reference.sh, which m
 embeddings.
 """
 import argparse
+import importlib.metadata
 import json
-import math
 import os
 import sys
 import tempfile
@@ -154,31 +154,30 @@ def main():
     prompts = m["prompt_ids"][: a.prompts or None]
     retentions = [float(x) for x in a.retentions.split(",")]
     presses = [p for p in a.presses.split(",") if p]
-    import kvpress
     import transformers
 
     work = os.environ.get("KVCAP_KVPRESS_WORK") or tempfile.mkdtemp(prefix="kvpress-ref-")
     model = load_model(a.model, work)
-    full = []
+    full, full_nll = [], []  # per prompt: the full cache's log-probabilities and NLL
     for p in prompts:
         ids = p["ids"]
         lp, _ = continuation_logprobs(model, ids[:n], ids[n:])
         full.append(lp)
+        full_nll.append(-lp.gather(1, torch.tensor(ids[n:])[:, None]).mean().item())
     rows = []
     total = len(presses) * len(retentions) * len(prompts)
     done, t0 = 0, time.time()
     for name in presses:
         for r in retentions:
             nll = dnll = kl = agree = kept = 0.0
-            for p, lp_full in zip(prompts, full):
+            for p, lp_full, nll_full in zip(prompts, full, full_nll):
                 ids = p["ids"]
                 cont = torch.tensor(ids[n:])
                 press, eager = make_press(name, r, head, span, n)
                 lp, cache = continuation_logprobs(model, ids[:n], ids[n:], press, eager)
                 tok_nll = -lp.gather(1, cont[:, None]).mean().item()
-                full_nll = -lp_full.gather(1, cont[:, None]).mean().item()
                 nll += tok_nll
-                dnll += tok_nll - full_nll
+                dnll += tok_nll - nll_full
                 kl += (lp_full.exp() * (lp_full - lp)).sum(-1).mean().item()
                 agree += (lp.argmax(-1) == lp_full.argmax(-1)).float().mean().item()
                 kept += span_kept(cache, model, head, span, tail, len(ids) - n - 1)
@@ -193,14 +192,12 @@ def main():
                          "realised_retention": kept / k})
     if sys.stderr.isatty():
         sys.stderr.write("\r\033[K")
-    out = {"source": "kvpress", "kvpress_version": kvpress.__version__ if hasattr(
-        kvpress, "__version__") else "0.5.5", "transformers_version": transformers.__version__,
-        "metrics": os.path.abspath(a.metrics), "prompts": len(prompts),
-        "layout": {"head": head, "span": span, "tail": tail,
-                   "continuation": len(prompts[0]["ids"]) - n},
-        "full_nll": sum(-lp.gather(1, torch.tensor(p["ids"][n:])[:, None]).mean().item()
-                        for p, lp in zip(prompts, full)) / len(prompts),
-        "rows": rows}
+    out = {"source": "kvpress", "kvpress_version": importlib.metadata.version("kvpress"),
+           "transformers_version": transformers.__version__,
+           "metrics": os.path.abspath(a.metrics), "prompts": len(prompts),
+           "layout": {"head": head, "span": span, "tail": tail,
+                      "continuation": len(prompts[0]["ids"]) - n},
+           "full_nll": sum(full_nll) / len(prompts), "rows": rows}
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
     kv_full = next((r["nll"] for r in m["runs"] if r["label"] == "full"), float("nan"))

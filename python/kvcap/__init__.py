@@ -217,6 +217,17 @@ def _as_array(x: Any, what: str) -> np.ndarray:
         raise _argument(f"{what}: not an array ({type(x).__name__}): {e}") from None
 
 
+def _tensor_view(base: int, dtype: int, head_stride: int, token_stride: int) -> _capi.TensorView:
+    """A contiguous-base struct kvcap_tensor_view (no page table); strides in elements."""
+    v = _capi.TensorView()
+    v.base = base
+    v.pages = None
+    v.page_size = 0
+    v.dtype = dtype
+    v.head_stride, v.token_stride = head_stride, token_stride
+    return v
+
+
 def _view(x: Any, what: str, heads: int, tokens: int, d: int) -> Tuple[_capi.TensorView, Any]:
     """A struct kvcap_tensor_view over a [heads][tokens][d] array or torch tensor (float32,
     float16, or bfloat16 for tensors; any head and token strides, contiguous channels), read in
@@ -230,13 +241,8 @@ def _view(x: Any, what: str, heads: int, tokens: int, d: int) -> Tuple[_capi.Ten
                             "[kv_heads][tokens][head_dim]")
         if x.stride(2) != 1:
             x = x.contiguous()  # channels must be contiguous: one copy, only then
-        v = _capi.TensorView()
-        v.base = x.data_ptr()
-        v.pages = None
-        v.page_size = 0
-        v.dtype = _TORCH_DTYPES[str(x.dtype)]
-        v.head_stride, v.token_stride = x.stride(0), x.stride(1)
-        return v, x
+        return _tensor_view(x.data_ptr(), _TORCH_DTYPES[str(x.dtype)], x.stride(0),
+                            x.stride(1)), x
     a = _as_array(x, what)
     if a.ndim != 3 or a.shape != (heads, tokens, d):
         raise _argument(f"{what}: shape {tuple(a.shape)}, expected ({heads}, {tokens}, {d}) "
@@ -246,14 +252,8 @@ def _view(x: Any, what: str, heads: int, tokens: int, d: int) -> Tuple[_capi.Ten
     es = a.dtype.itemsize
     if a.strides[2] != es or a.strides[0] % es or a.strides[1] % es:
         a = np.ascontiguousarray(a)  # channels must be contiguous: one copy, only then
-    v = _capi.TensorView()
-    v.base = a.ctypes.data
-    v.pages = None
-    v.page_size = 0
-    v.dtype = _NUMPY_DTYPES[a.dtype]
-    v.head_stride = a.strides[0] // es
-    v.token_stride = a.strides[1] // es
-    return v, a
+    return _tensor_view(a.ctypes.data, _NUMPY_DTYPES[a.dtype], a.strides[0] // es,
+                        a.strides[1] // es), a
 
 
 def _f32(x: Any, what: str, shape: Tuple[int, ...]) -> np.ndarray:

@@ -180,6 +180,15 @@ def tiny_idefics3():
     return model, prompt, spans
 
 
+def record(model, prompt, record_dir, n, tokens):
+    """n prompts (seeds 0..n-1) through kvcap.hf in record mode; returns the shards written."""
+    for seed in range(n):
+        kvcap.hf.generate(model, prompt(seed), record_dir=record_dir,
+                          policies={"vision": "full"}, max_new_tokens=tokens,
+                          min_new_tokens=tokens, do_sample=False)
+    return sorted(record_dir.glob("*.safetensors"))
+
+
 def calibrate(tmp, model, record_dir, rows, cols):
     """kvcap-calibrate on the recorded shards at retention 1, then kvcap-convert (through
     kvcap.tools)."""
@@ -222,11 +231,7 @@ def test_tiny_vlm_end_to_end(make, tmp_path):
 
     # record -> kvcap-calibrate -> kvcap-convert -> kvcapsule at retention 1
     record_dir = tmp_path / "record"
-    for seed in range(10):
-        kvcap.hf.generate(model, prompt(seed), record_dir=record_dir,
-                          policies={"vision": "full"}, max_new_tokens=4, min_new_tokens=4,
-                          do_sample=False)
-    assert len(list(record_dir.glob("*.safetensors"))) == 10
+    assert len(record(model, prompt, record_dir, 10, 4)) == 10
     artifact = calibrate(tmp_path, model, record_dir, 4, 4)
     got, cache = kvcap.hf.generate(model, p, artifact=artifact, policies={"vision": "kvcapsule"},
                                    fallback="full", max_new_tokens=8, min_new_tokens=8,
@@ -300,9 +305,7 @@ def test_bad_input_leaves_the_cache_usable(tmp_path):
     # an artifact of another model (the tiny Qwen2-VL's M-RoPE geometry)
     qwen, qprompt, _ = tiny_qwen2_vl()
     record_dir = tmp_path / "record"
-    for seed in range(6):
-        kvcap.hf.generate(qwen, qprompt(seed), record_dir=record_dir,
-                          policies={"vision": "full"}, max_new_tokens=2, do_sample=False)
+    record(qwen, qprompt, record_dir, 6, 2)
     artifact = calibrate(tmp_path, qwen, record_dir, 4, 4)
     with pytest.raises(kvcap.Error) as e:
         kvcap.hf.KvcapCache(model, artifact=artifact)

@@ -223,6 +223,14 @@ def detect_spans(config: Any, input_ids: Any, *, image_grid_thw: Any = None,
     return out
 
 
+def _post_vision_start(spans: Sequence[Span]) -> int:
+    """Where the prompt's tokens after its last vision span start; -1 when no text follows one."""
+    last = max((i for i, s in enumerate(spans) if s.kind == "vision"), default=-1)
+    if last < 0 or last == len(spans) - 1:
+        return -1
+    return spans[last].start + spans[last].length
+
+
 # ---- The runtime config -------------------------------------------------------------------------
 
 _POLICY_NAMES = ("full", "kvcapsule", "flashcache", "vlcache", "freekv", "streaming")
@@ -343,7 +351,8 @@ class KvcapCache(Cache):
         self.kv: Optional[kvcap.Cache] = None
         self._batch = -1
         self._prompt = 0
-        self._post_from: List[int] = []
+        self._prompt_spans: List[List[Span]] = []  # per sequence, fixed by the prompt
+        self._post_from: List[int] = []  # per sequence: where its post-vision queries start, or -1
         super().__init__(layers=[_Layer(self, i) for i in range(self.geometry.layers)])
 
     # -- set-up ------------------------------------------------------------------------------
@@ -358,9 +367,8 @@ class KvcapCache(Cache):
             raise _error("GEOMETRY", f"{artifact.path}: the artifact's geometry.theta is "
                          f"{a.theta}, the model's {g.theta}")
 
-    def _spans_of(self, seq: int, n: int, batch: Optional[int] = None) -> List[Span]:
+    def _spans_of(self, seq: int, n: int, batch: int) -> List[Span]:
         spans = self.spans
-        batch = self.batch_size if batch is None else batch
         if spans is None:
             return [Span("text", 0, n)]
         if spans and isinstance(spans[0], Span):
@@ -416,12 +424,13 @@ class KvcapCache(Cache):
             if self.kv is not None and (k.shape[0] != self.batch_size or n != self._prompt):
                 raise _argument(f"layer {li}: a prompt of {tuple(k.shape)}, layer 0's was "
                                 f"[{self.batch_size}, ., {self._prompt}, .]")
-            spans = [self._spans_of(b, n, k.shape[0]) for b in range(k.shape[0])]
-            if self.kv is None:
+            if self.kv is None:  # the first layer of the prompt fixes its spans
+                spans = [self._spans_of(b, n, k.shape[0]) for b in range(k.shape[0])]
                 self._open(k)
-                self._prompt = n
+                self._prompt, self._prompt_spans = n, spans
+                self._post_from = [_post_vision_start(sp) for sp in spans]
             for b in range(k.shape[0]):
-                for s in spans[b]:
+                for s in self._prompt_spans[b]:
                     ks, vs = k[b, :, s.start:s.start + s.length], v[b, :, s.start:s.start + s.length]
                     self.kv.add_span(b, li, ks, vs, kind=s.kind, grid=s.grid, p0=s.p0)
             layer.seen = n
@@ -457,12 +466,9 @@ class KvcapCache(Cache):
         and what record mode stores with the span)."""
         if self.kv is None or query.shape[2] != self._prompt:
             return
-        for b in range(query.shape[0]):
-            spans = self._spans_of(b, self._prompt)
-            last = max((i for i, s in enumerate(spans) if s.kind == "vision"), default=-1)
-            if last < 0 or last == len(spans) - 1:
+        for b, start in enumerate(self._post_from):
+            if start < 0:
                 continue
-            start = spans[last].start + spans[last].length
             q = query[b, :, start:, :].to(torch.float32).contiguous()
             self.kv.add_post_queries(b, layer, q.numpy())
 

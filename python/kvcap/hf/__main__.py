@@ -209,10 +209,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
             if name == "transformers":
                 cache: Any = DynamicCache(config=model.config.get_text_config(decoder=True))
             else:
-                ckw = dict(ckw)
-                ckw.setdefault("storage", a.storage)
-                cache = kvcap.hf.KvcapCache(model, input_ids=inputs["input_ids"], **ckw)
-                ckw.clear()
+                cache = kvcap.hf.KvcapCache(model, input_ids=inputs["input_ids"],
+                                            **{"storage": a.storage, **ckw})
             ok = _reset_peak()
             base = _rss_kb("VmRSS")
             t0 = time.perf_counter()
