@@ -14,13 +14,10 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 out=$(realpath -m "${1:-$root/build-gpu.tar.xz}")
 build=$root/build-gpu
 arch=${KVCAP_CUDA_ARCHITECTURES:-90}
-targets=(test_cuda_device test_attention_cuda test_select_cuda test_flashcache_cuda
-         test_vlcache_cuda test_freekv_cuda test_runtime_cuda test_calibrate_cuda test_train_cuda
-         kvcap-bench-cuda kvcap-bench-calibrate)
-echo "== build: ${targets[*]} in $build (sm_$arch)" >&2
+echo "== build: target gpu-checks in $build (sm_$arch)" >&2
 cmake -S "$root" -B "$build" --log-level=WARNING -DCMAKE_BUILD_TYPE=Release -DKVCAP_CUDA=ON \
   -DKVCAP_CUDA_ARCHITECTURES="$arch" >/dev/null
-cmake --build "$build" -j"$(nproc)" --target "${targets[@]}" >"$build/gpu-bundle-build.log" 2>&1 ||
+cmake --build "$build" -j"$(nproc)" --target gpu-checks >"$build/gpu-bundle-build.log" 2>&1 ||
   { tail -n 30 "$build/gpu-bundle-build.log"; exit 1; }
 
 # The libraries to carry: what the programs load, less CUDA's (the GPU machine's toolkit has
@@ -28,8 +25,8 @@ cmake --build "$build" -j"$(nproc)" --target "${targets[@]}" >"$build/gpu-bundle
 stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/rt"
-for t in "${targets[@]}"; do
-  f=$(find "$build" -maxdepth 2 -name "$t" -type f -perm -u+x | head -n 1)
+for f in "$build"/kvcap-bench-cuda "$build"/kvcap-bench-calibrate "$build"/tests/test_cuda_device \
+  "$build"/tests/test_*_cuda; do
   ldd "$f" | awk '$3 ~ /^\// { print $1, $3 }'
 done | sort -u | while read -r name path; do
   case "$name" in

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # gpu-check.sh — every GPU check in one command, for a machine with a CUDA device and an existing
-# build (Release, KVCAP_CUDA=ON, tests on):
+# build (Release, KVCAP_CUDA=ON, tests on; its target gpu-checks builds what is run here):
 #   tests      the GPU tests under ctest (each compares a device op with its CPU oracle);
 #   bench      scripts/bench-gpu.sh with the build's kvcap-bench-cuda;
 #   calibrate  kvcap-bench-calibrate, the CPU job and the device job side by side;
@@ -26,8 +26,12 @@ calib_cpus=${KVCAP_CALIB_CPUS:-2}
 read -r -a calib_args <<<"${KVCAP_CALIB_ARGS:---spans 12}"
 summary=()
 
-gpu_tests=(test_cuda_device test_attention_cuda test_select_cuda test_flashcache_cuda
-           test_vlcache_cuda test_freekv_cuda test_runtime_cuda test_calibrate_cuda test_train_cuda)
+# The GPU test programs the build has (the CMake target gpu-checks builds them all).
+gpu_tests=()
+for f in "$build"/tests/test_cuda_device "$build"/tests/test_*_cuda; do
+  [ -x "$f" ] && gpu_tests+=("$(basename "$f")")
+done
+[ ${#gpu_tests[@]} -gt 0 ] || { echo "gpu-check: no GPU tests in $build/tests (build the target gpu-checks)" >&2; exit 2; }
 
 read -r -a sanitized <<<"${KVCAP_CHECK_PROGRAMS:-${gpu_tests[*]}}"
 read -r -a bench_args <<<"${KVCAP_BENCH_ARGS:-}"
