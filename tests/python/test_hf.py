@@ -309,7 +309,8 @@ def test_bad_input_leaves_the_cache_usable(tmp_path):
     artifact = calibrate(tmp_path, qwen, record_dir, 4, 4)
     with pytest.raises(kvcap.Error) as e:
         kvcap.hf.KvcapCache(model, artifact=artifact)
-    assert e.value.status_name == "GEOMETRY" and "geometry.rope" in e.value.message
+    assert e.value.status_name == "GEOMETRY" and "model.rope.type" in e.value.message
+    assert str(artifact) in e.value.message
     # policies that are not
     with pytest.raises(kvcap.Error, match="'fastest' is not one of"):
         kvcap.hf.KvcapCache(model, policies={"vision": "fastest"})

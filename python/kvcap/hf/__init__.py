@@ -338,9 +338,8 @@ class KvcapCache(Cache):
         self.config_path = os.fspath(config) if config is not None else None
         if artifact is not None and not isinstance(artifact, Artifact):
             artifact = Artifact(artifact)
-        if artifact is not None:
-            self._check_artifact(artifact)
         self.artifact = artifact
+        self._probe()
         if spans is None and input_ids is not None:
             spans = detect_spans(mconfig, input_ids, image_grid_thw=image_grid_thw,
                                  image_sizes=image_sizes)
@@ -357,15 +356,17 @@ class KvcapCache(Cache):
 
     # -- set-up ------------------------------------------------------------------------------
 
-    def _check_artifact(self, artifact: Artifact) -> None:
-        a, g = artifact.geometry, self.geometry
-        for field in ("layers", "q_heads", "kv_heads", "head_dim", "rope", "pairing"):
-            if getattr(a, field) != getattr(g, field):
-                raise _error("GEOMETRY", f"{artifact.path}: the artifact's geometry.{field} is "
-                             f"{getattr(a, field)!r}, the model's {getattr(g, field)!r}")
-        if a.rope != "none" and not math.isclose(a.theta, g.theta, rel_tol=1e-9):
-            raise _error("GEOMETRY", f"{artifact.path}: the artifact's geometry.theta is "
-                         f"{a.theta}, the model's {g.theta}")
+    def _probe(self) -> None:
+        """The library's own checks of the geometry, the runtime config and the artifact (its
+        geometry against the model's), now rather than at the prompt: a one-sequence cache is
+        made and freed. An artifact's error names its file."""
+        try:
+            kvcap.Cache(self.geometry, n_seqs=1, storage="f32", artifact=self.artifact,
+                        config=self.config_path).close()
+        except Error as e:
+            if self.artifact is not None and e.status_name == "GEOMETRY":
+                raise Error(e.status, f"{self.artifact.path}: {e.message}") from None
+            raise
 
     def _spans_of(self, seq: int, n: int, batch: int) -> List[Span]:
         spans = self.spans
