@@ -375,6 +375,8 @@ static int check_selection(struct pair *P, int h, const float *qsel, int k, cons
         if (!in_got)
             best_out = fmax(best_out, score[want[i]]);
     }
+    if (worst_in == INFINITY) /* the same pages: only the order (ascending) differs */
+        fail_msg("%s: the device listed its pages in another order than the CPU", what);
     if (!(fabs(best_out - worst_in) <= SELECT_TIE_REL_TOL * fabs(best_out)))
         fail_msg("%s: picked a page of score %.9g where the CPU picked one of %.9g", what,
                  worst_in, best_out);
