@@ -4,13 +4,17 @@
 // CPU _ref functions in kernels/attention.c are the oracles (tests/test_attention_cuda.c).
 //
 // Design (math in f32 everywhere; storage F32/F16/BF16 converted as loaded):
-//  - rows: grid (C chunks, B problems), 128 threads. A chunk is >= 256 tokens (more when max_n
-//    would need more than 128 chunks). The block keeps its nq queries in shared memory and walks
-//    its chunk in tiles of 32 tokens (16 when nq·d is large, to stay within 48 KiB): K tile
-//    loaded coalesced into shared memory as f32 (rows padded to d+1 floats so that threads on
-//    consecutive tokens hit different banks), one thread per (query, token) score, one warp
-//    per query for the online softmax, then o[nq][d] accumulated in registers (up to 32 per
-//    thread) reading V rows coalesced. Each block writes its partial to scratch.
+//  - rows: grid (C chunks, B problems), 128 threads. A chunk is >= 64 tokens, more when max_n
+//    would need more than 128 chunks or the call more than ROWS_TARGET_BLOCKS blocks (enough to
+//    fill a large GPU several times over; more only adds partial traffic). The block keeps its
+//    nq queries in shared memory and walks its chunk in tiles of 32 tokens (16 when nq·d is
+//    large, to stay within 48 KiB): K tile loaded coalesced into shared memory as f32 (rows
+//    padded to d+1 floats so that threads on consecutive tokens hit different banks), one
+//    thread per (query, token) score, one warp per query for the online softmax, then a thread
+//    per column c accumulates o[g][c] for every query g in registers, reading each V element
+//    once (coalesced along the row). Loads are issued ROWS_BATCH at a time before they are
+//    used: decode attention is latency-bound unless each thread keeps several loads in flight.
+//    Each block writes its partial to scratch.
 //  - capsule: grid (C chunks, spans), 256 threads. A span's work is cut into pieces (tile t,
 //    a range of <= 256 of the tile's m points; dense maps have one tile of m = n points, so a
 //    dense span becomes ceil(m/256) pieces), consecutive pieces grouped into chunks. The block
@@ -27,8 +31,9 @@
 // Bytes per step (DESIGN §4), the performance model, es = bytes per stored element:
 //  - rows, per problem: 2·n·d·es of K and V read once from DRAM; plus nq·d·4 (queries) and the
 //    split's partials: 2·C·nq·(d+2)·4 written and read back, and 2·nq·(d+2)·4 for the caller's
-//    partial. A chunk of >= 256 tokens keeps the partial traffic at most ~nq/128 of the K/V
-//    bytes for F16 (~nq/256 for F32).
+//    partial. The partials are nq·(d+2)·4 bytes per chunk against 2·chunk·d·es of K/V: for a
+//    64-token chunk of F16 that is ~nq/64 written and as much read back (mostly from L2); the
+//    chunk grows with max_n and the batch (ROWS_TARGET_BLOCKS), which shrinks that share.
 //  - capsule, per call: the maps (h·m + m + rv·m)·4 once from DRAM (every block reads what it
 //    needs; after the first read they are L2-resident: tiled maps are a few KiB, dense ones a
 //    few MiB); per span (h + rv)·d·es per tile + d·es (H_t, Ṽ_t, μ) once from DRAM — a dense
@@ -59,8 +64,10 @@ extern "C" {
 #define SMEM_BUDGET (48 * 1024)
 #define MAX_SPLIT 128 // chunks per problem or span: bounds the merge's work and scratch
 #define ROWS_THREADS 128
-#define ROWS_MIN_CHUNK 256 // tokens; see the bytes-per-step note above
-#define ROWS_OUT (MAX_NQ * MAX_D / ROWS_THREADS) // o elements per thread
+#define ROWS_MIN_CHUNK 64 // tokens; see the bytes-per-step note above
+#define ROWS_TARGET_BLOCKS 1024 // blocks per call beyond which chunks grow instead
+#define ROWS_COLS (MAX_D / ROWS_THREADS) // output columns per thread (each for every query)
+#define ROWS_BATCH 8 // independent global loads a thread issues before using them
 #define CAPS_THREADS 256
 #define CAPS_POINTS 256 // points per piece, and per chunk for small tiles
 #define MERGE_THREADS 128
@@ -133,10 +140,13 @@ __global__ void __launch_bounds__(ROWS_THREADS)
         mrun[g] = -INFINITY;
         lrun[g] = 0.0f;
     }
-    float acc[ROWS_OUT];
+    // o[g][c] for this thread's columns c = tid + k·ROWS_THREADS (k < ROWS_COLS), every query.
+    float acc[ROWS_COLS][MAX_NQ];
 #pragma unroll
-    for (int k = 0; k < ROWS_OUT; k++)
-        acc[k] = 0.0f;
+    for (int k = 0; k < ROWS_COLS; k++)
+#pragma unroll
+        for (int g = 0; g < MAX_NQ; g++)
+            acc[k][g] = 0.0f;
 
     const T *K = static_cast<const T *>(pr.k), *V = static_cast<const T *>(pr.v);
     const size_t stride = (size_t)pr.row_stride;
@@ -145,10 +155,21 @@ __global__ void __launch_bounds__(ROWS_THREADS)
     __syncthreads();
 
     for (int j0 = j_begin; j0 < j_end; j0 += tok) {
-        const int nv = min(tok, j_end - j0);
-        for (int e = tid; e < nv * d; e += blockDim.x) {
-            int t = e / d, c = e - t * d;
-            ks[t * ld + c] = kvcap_cuda_load(&K[(size_t)(j0 + t) * stride + c]);
+        const int nv = min(tok, j_end - j0), nvd = nv * d;
+        // K tile into shared memory, ROWS_BATCH independent loads in flight per thread.
+        for (int e0 = tid; e0 < nvd; e0 += ROWS_BATCH * ROWS_THREADS) {
+            float x[ROWS_BATCH];
+#pragma unroll
+            for (int u = 0; u < ROWS_BATCH; u++) {
+                int e = e0 + u * ROWS_THREADS, t = e / d, c = e - t * d;
+                x[u] = e < nvd ? kvcap_cuda_load(&K[(size_t)(j0 + t) * stride + c]) : 0.0f;
+            }
+#pragma unroll
+            for (int u = 0; u < ROWS_BATCH; u++) {
+                int e = e0 + u * ROWS_THREADS, t = e / d, c = e - t * d;
+                if (e < nvd)
+                    ks[t * ld + c] = x[u];
+            }
         }
         __syncthreads();
         for (int e = tid; e < nq * tok; e += blockDim.x) {
@@ -165,16 +186,31 @@ __global__ void __launch_bounds__(ROWS_THREADS)
         for (int g = warp; g < nq; g += nwarps)
             softmax_step(ps + g * tok, nv, mrun + g, lrun + g, alpha + g, psum + g, lane);
         __syncthreads();
+        // o = alpha o + Σ_t p[g][t] V[t]: a thread per column (coalesced rows of V), each V
+        // element loaded once for all queries, ROWS_BATCH tokens' loads in flight.
 #pragma unroll
-        for (int k = 0; k < ROWS_OUT; k++) {
-            int e = tid + k * ROWS_THREADS;
-            if (e < nqd) {
-                int g = e / d, c = e - g * d;
-                const float *pg = ps + g * tok;
-                float a = acc[k] * alpha[g];
-                for (int t = 0; t < nv; t++)
-                    a += pg[t] * kvcap_cuda_load(&V[(size_t)(j0 + t) * stride + c]);
-                acc[k] = a;
+        for (int k = 0; k < ROWS_COLS; k++) {
+            const int c = tid + k * ROWS_THREADS;
+            if (c < d) {
+#pragma unroll
+                for (int g = 0; g < MAX_NQ; g++)
+                    if (g < nq)
+                        acc[k][g] *= alpha[g];
+                for (int t0 = 0; t0 < nv; t0 += ROWS_BATCH) {
+                    float v[ROWS_BATCH];
+#pragma unroll
+                    for (int u = 0; u < ROWS_BATCH; u++)
+                        v[u] = t0 + u < nv
+                                   ? kvcap_cuda_load(&V[(size_t)(j0 + t0 + u) * stride + c])
+                                   : 0.0f;
+#pragma unroll
+                    for (int u = 0; u < ROWS_BATCH; u++)
+                        if (t0 + u < nv)
+#pragma unroll
+                            for (int g = 0; g < MAX_NQ; g++)
+                                if (g < nq)
+                                    acc[k][g] += ps[g * tok + t0 + u] * v[u];
+                }
             }
         }
         __syncthreads(); // ks and ps are rewritten by the next tile
@@ -188,10 +224,13 @@ __global__ void __launch_bounds__(ROWS_THREADS)
         out[nq + g] = lrun[g];
     }
 #pragma unroll
-    for (int k = 0; k < ROWS_OUT; k++) {
-        int e = tid + k * ROWS_THREADS;
-        if (e < nqd)
-            out[2 * nq + e] = acc[k];
+    for (int k = 0; k < ROWS_COLS; k++) {
+        const int c = tid + k * ROWS_THREADS;
+        if (c < d)
+#pragma unroll
+            for (int g = 0; g < MAX_NQ; g++)
+                if (g < nq)
+                    out[2 * nq + g * d + c] = acc[k][g];
     }
 }
 
@@ -474,6 +513,9 @@ enum kvcap_status rows_plan_make(const char *op, int batch, int max_n, int nq, i
     KVCAP_RETURN_IF(max_n < 0, KVCAP_ERR_INVALID_ARGUMENT, "cuda %s: max_n = %d, must be >= 0",
                     op, max_n);
     int64_t per = ((int64_t)max_n + MAX_SPLIT - 1) / MAX_SPLIT;
+    const int64_t fill = ((int64_t)max_n * batch + ROWS_TARGET_BLOCKS - 1) / ROWS_TARGET_BLOCKS;
+    if (per < fill)
+        per = fill;
     int64_t chunk = (per + 31) / 32 * 32;
     if (chunk < ROWS_MIN_CHUNK)
         chunk = ROWS_MIN_CHUNK;
