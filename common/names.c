@@ -41,7 +41,8 @@ static const struct name_entry rope_pairings[] = {{"half", KVCAP_ROPE_PAIRING_HA
 static const struct name_entry policies[] = {
     {"full", KVCAP_POLICY_FULL},         {"kvcapsule", KVCAP_POLICY_KVCAPSULE},
     {"flashcache", KVCAP_POLICY_FLASHCACHE}, {"vlcache", KVCAP_POLICY_VLCACHE},
-    {"freekv", KVCAP_POLICY_FREEKV},     {"streaming", KVCAP_POLICY_STREAMING}};
+    {"freekv", KVCAP_POLICY_FREEKV},     {"streaming", KVCAP_POLICY_STREAMING},
+    {"kvzip", KVCAP_POLICY_KVZIP},       {"random", KVCAP_POLICY_RANDOM}};
 static const struct name_entry structures[] = {{"dense", KVCAP_STRUCTURE_DENSE},
                                                {"tiled", KVCAP_STRUCTURE_TILED}};
 static const struct name_entry dtypes[] = {

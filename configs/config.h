@@ -163,6 +163,21 @@ struct kvcap_streaming_config {
     int window; /* >= 1, default 1024 */
 };
 
+/* kvzip (arXiv 2505.23416): the span keeps `retention` of its tokens over all layers and KV heads
+ * together, `sinks` first and `window` last tokens of every head always among them. */
+struct kvcap_kvzip_config {
+    double retention; /* (0, 1], default 0.4 */
+    int sinks, window; /* default 0 */
+};
+
+/* random: each KV head of each layer keeps `retention` of the span's tokens (sinks and window
+ * included) drawn uniformly, from `seed`, the layer and the head. */
+struct kvcap_random_config {
+    double retention; /* (0, 1], default 0.4 */
+    int sinks, window; /* default 0 */
+    int64_t seed;      /* default 0 */
+};
+
 #define KVCAP_FALLBACK_NONE ((enum kvcap_policy)-1)
 
 struct kvcap_runtime_config {
@@ -181,6 +196,8 @@ struct kvcap_runtime_config {
     struct kvcap_vlcache_config vlcache;
     struct kvcap_freekv_config freekv;
     struct kvcap_streaming_config streaming;
+    struct kvcap_kvzip_config kvzip;
+    struct kvcap_random_config random;
     int has_model;                     /* 1 when the optional `model:` section was given */
     struct kvcap_model_geometry model; /* validated like the calibration config's */
 };

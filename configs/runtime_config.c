@@ -26,6 +26,9 @@ void kvcap_runtime_config_default(struct kvcap_runtime_config *cfg)
     cfg->freekv = (struct kvcap_freekv_config){
         .page_size = 32, .budget = 2048, .tau = 0.9, .sink_pages = 1, .window_pages = 2};
     cfg->streaming = (struct kvcap_streaming_config){.sinks = 4, .window = 1024};
+    cfg->kvzip = (struct kvcap_kvzip_config){.retention = 0.4, .sinks = 0, .window = 0};
+    cfg->random = (struct kvcap_random_config){.retention = 0.4, .sinks = 0, .window = 0,
+                                               .seed = 0};
     cfg->has_model = 0;
 }
 
@@ -62,7 +65,7 @@ static enum kvcap_status parse_runtime(struct kvcap_yaml *c, yaml_node_t *root, 
 {
     static const char *const keys[] = {"artifact", "policies", "fallback",  "flashcache",
                                        "vlcache",  "freekv",   "streaming", "kvcapsule",
-                                       "model",    NULL};
+                                       "kvzip",    "random",   "model",    NULL};
     static const char *const kinds[] = {"vision", "text", "generated", NULL};
     static const char *const flash_keys[] = {"gamma", "retention", "min_tokens", "sinks",
                                              "window", NULL};
@@ -71,6 +74,8 @@ static enum kvcap_status parse_runtime(struct kvcap_yaml *c, yaml_node_t *root, 
     static const char *const freekv_keys[] = {"page_size", "budget", "tau", "sink_pages",
                                               "window_pages", NULL};
     static const char *const streaming_keys[] = {"sinks", "window", NULL};
+    static const char *const kvzip_keys[] = {"retention", "sinks", "window", NULL};
+    static const char *const random_keys[] = {"retention", "sinks", "window", "seed", NULL};
     static const char *const none[] = {NULL};
     struct kvcap_runtime_config *cfg = out;
     KVCAP_TRY(kvcap_yaml_check_mapping(c, root, "", keys, NULL));
@@ -161,6 +166,27 @@ static enum kvcap_status parse_runtime(struct kvcap_yaml *c, yaml_node_t *root, 
         KVCAP_TRY(kvcap_yaml_check_mapping(c, n, f, streaming_keys, NULL));
         KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "sinks", 0, 1 << 30, &cfg->streaming.sinks));
         KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "window", 1, 1 << 30, &cfg->streaming.window));
+    }
+    if ((n = kvcap_yaml_lookup(c, root, "kvzip"))) {
+        struct kvcap_kvzip_config *p = &cfg->kvzip;
+        const char *f = "kvzip";
+        KVCAP_TRY(kvcap_yaml_check_mapping(c, n, f, kvzip_keys, NULL));
+        KVCAP_TRY(kvcap_yaml_get_double(c, n, f, "retention",
+                                        KVCAP_YAML_RATIO, &p->retention));
+        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "sinks", 0, 1 << 30, &p->sinks));
+        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "window", 0, 1 << 30, &p->window));
+    }
+    if ((n = kvcap_yaml_lookup(c, root, "random"))) {
+        struct kvcap_random_config *p = &cfg->random;
+        const char *f = "random";
+        KVCAP_TRY(kvcap_yaml_check_mapping(c, n, f, random_keys, NULL));
+        KVCAP_TRY(kvcap_yaml_get_double(c, n, f, "retention",
+                                        KVCAP_YAML_RATIO, &p->retention));
+        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "sinks", 0, 1 << 30, &p->sinks));
+        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "window", 0, 1 << 30, &p->window));
+        int seed = 0;
+        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "seed", 0, INT_MAX, &seed));
+        p->seed = seed;
     }
     if ((n = kvcap_yaml_lookup(c, root, "kvcapsule")))
         KVCAP_TRY(kvcap_yaml_check_mapping(c, n, "kvcapsule", none, NULL)); /* reserved */

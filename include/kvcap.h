@@ -164,8 +164,12 @@ enum kvcap_policy {
     KVCAP_POLICY_FLASHCACHE = 2, /* DCT low-pass deviation eviction */
     KVCAP_POLICY_VLCACHE = 3,    /* post-vision-attention eviction */
     KVCAP_POLICY_FREEKV = 4,     /* paged retrieval from a host-side store */
-    KVCAP_POLICY_STREAMING = 5   /* attention sinks + recent window */
+    KVCAP_POLICY_STREAMING = 5,  /* attention sinks + recent window */
+    KVCAP_POLICY_KVZIP = 6,      /* reconstruction-attention eviction, one budget for all
+                                  * layers and KV heads (needs the reconstruction queries) */
+    KVCAP_POLICY_RANDOM = 7      /* uniform random eviction: the baseline of evaluations */
 };
+#define KVCAP_POLICY_COUNT 8
 
 /* Span kinds a policy is chosen for. */
 enum kvcap_span_kind {
@@ -351,7 +355,11 @@ KVCAP_API enum kvcap_status kvcap_cache_add_span(struct kvcap_cache *cache, int 
  * fp32, rotated at their own positions): the last n tokens of the prompt, i.e. of the spans
  * added so far. Required before the end of prefill when a span's policy is vlcache (which
  * scores tokens by the attention these queries pay them); otherwise optional (recorded in
- * record mode with the most recent vision span). Several calls extend the set. Device cache:
+ * record mode with the most recent vision span). A kvzip span takes, through this call, the
+ * queries of the engine's context-reconstruction pass instead (the tokens of "repeat the
+ * previous context" and of the prompt again, run after the prompt, each rotated at its own
+ * position): they see the whole prompt. A sequence with both a vlcache and a kvzip span gives
+ * both policies the same queries. Several calls extend the set. Device cache:
  * q is device memory; the arguments are checked and the queries not read (no policy a device
  * cache offers uses them). */
 KVCAP_API enum kvcap_status kvcap_cache_add_post_queries(struct kvcap_cache *cache, int seq,
@@ -399,7 +407,7 @@ KVCAP_API enum kvcap_status kvcap_cache_attend_lse(struct kvcap_cache *cache, in
 
 struct kvcap_cache_stats {
     uint64_t bytes_held;                /* all sequences, layers and heads */
-    uint64_t bytes_by_policy[6];        /* indexed by enum kvcap_policy */
+    uint64_t bytes_by_policy[KVCAP_POLICY_COUNT]; /* indexed by enum kvcap_policy */
     uint64_t bytes_by_kind[3];          /* indexed by enum kvcap_span_kind */
     uint64_t bytes_full_equivalent;     /* what `full` would hold for the same tokens */
     int64_t tokens_by_kind[3];          /* tokens seen (before compression) */

@@ -20,6 +20,7 @@
 
 #include "common/internal.h"
 #include "common/dtype.h"
+#include "kernels/rows_block.h"
 #include "kernels/vlcache.h"
 
 #define VL_BLOCK 256 /* key rows per block: τ·G × 256 scores stay in L2 for typical τ·G */
@@ -148,40 +149,6 @@ size_t kvcap_vlcache_scratch_floats(int tau, int G, int d)
     return total;
 }
 
-/* Where the next key row comes from: row `row` of chunk `chunk`. */
-struct key_cursor {
-    int chunk, row;
-};
-
-/* Up to VL_BLOCK next key rows as f32 into kb [nb][d] (chunk boundaries do not end a block,
- * so many small chunks still make full-width sgemms); returns nb. */
-static int load_block(const struct kvcap_rows *keys, int n_chunks, struct key_cursor *cur, int d,
-                      float *kb)
-{
-    int nb = 0;
-    while (nb < VL_BLOCK && cur->chunk < n_chunks) {
-        const struct kvcap_rows *k = &keys[cur->chunk];
-        int take = k->n - cur->row < VL_BLOCK - nb ? k->n - cur->row : VL_BLOCK - nb;
-        if (take <= 0) {
-            cur->chunk++;
-            cur->row = 0;
-            continue;
-        }
-        size_t es = kvcap_dtype_size(k->dtype);
-        const unsigned char *src =
-            (const unsigned char *)k->k + (size_t)cur->row * k->row_stride * es;
-        if (k->row_stride == (size_t)d)
-            kvcap_load_f32(k->dtype, src, (size_t)take * d, kb + (size_t)nb * d);
-        else
-            for (int t = 0; t < take; t++)
-                kvcap_load_f32(k->dtype, src + (size_t)t * k->row_stride * es, (size_t)d,
-                               kb + (size_t)(nb + t) * d);
-        nb += take;
-        cur->row += take;
-    }
-    return nb;
-}
-
 /* Scratch layout (floats), nq = τ·G query rows, row r = i·G + g:
  *   qs  [nq][d]          queries times scale
  *   sc  [nq][VL_BLOCK]   one block's scores
@@ -217,9 +184,9 @@ enum kvcap_status kvcap_vlcache_head(const float *q, size_t q_stride, int tau, i
      * cut short, by `visible`. */
     int64_t nbelow = 0;
     for (int pass = 1; pass <= 2; pass++) {
-        struct key_cursor cur = {0, 0};
+        struct kvcap_rows_cursor cur = {0, 0};
         for (int j0 = 0; j0 < m;) {
-            int nb = load_block(keys, n_chunks, &cur, d, kb);
+            int nb = kvcap_rows_load_block(keys, n_chunks, &cur, d, VL_BLOCK, kb);
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nq, nb, d, 1.0f, qs, d, kb, d,
                         0.0f, sc, VL_BLOCK);
             if (pass == 2)

@@ -19,6 +19,8 @@ static const struct kvcap_policy_impl *policy_impl(enum kvcap_policy p)
     case KVCAP_POLICY_FLASHCACHE: return &kvcap_policy_flashcache_impl;
     case KVCAP_POLICY_VLCACHE: return &kvcap_policy_vlcache_impl;
     case KVCAP_POLICY_FREEKV: return &kvcap_policy_freekv_impl;
+    case KVCAP_POLICY_KVZIP: return &kvcap_policy_kvzip_impl;
+    case KVCAP_POLICY_RANDOM: return &kvcap_policy_random_impl;
     default: return NULL;
     }
 }

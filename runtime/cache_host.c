@@ -271,12 +271,15 @@ static enum kvcap_status attend_part(struct kvcap_cache *c, int layer, int h, in
         for (int i = 0; i <= sl->n_segs; i++) {
             const struct kvcap_segment *seg = i < sl->n_segs ? &sl->segs[i] : &sl->gen;
             int lo, hi;
+            size_t first;
+            int n_rows;
             if (seg->policy == KVCAP_POLICY_KVCAPSULE || seg->n_rows == 0)
                 continue;
-            part_range(seg->n_rows, k, P, ATTEND_MIN_TOKENS, &lo, &hi);
+            kvcap_segment_head_rows(seg, h, &first, &n_rows);
+            part_range(n_rows, k, P, ATTEND_MIN_TOKENS, &lo, &hi);
             if (hi == lo)
                 continue;
-            size_t at = ((size_t)h * seg->cap + lo) * d * es;
+            size_t at = (first + (size_t)lo) * d * es;
             struct kvcap_rows rows = {(const char *)seg->k + at, (const char *)seg->v + at,
                                       c->storage, (size_t)d, hi - lo};
             uint64_t got;

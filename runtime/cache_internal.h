@@ -33,6 +33,8 @@ extern const struct kvcap_policy_impl kvcap_policy_kvcapsule_impl;
 extern const struct kvcap_policy_impl kvcap_policy_flashcache_impl;
 extern const struct kvcap_policy_impl kvcap_policy_vlcache_impl;
 extern const struct kvcap_policy_impl kvcap_policy_freekv_impl;
+extern const struct kvcap_policy_impl kvcap_policy_kvzip_impl;
+extern const struct kvcap_policy_impl kvcap_policy_random_impl;
 
 /* ---- Helpers shared by the policies ----------------------------------------------------- */
 
@@ -58,12 +60,27 @@ enum kvcap_status kvcap_segment_fill(struct kvcap_cache *c, struct kvcap_segment
                                      const struct kvcap_tensor_view *k,
                                      const struct kvcap_tensor_view *v, const int *tokens, int n);
 
+/* Head h's plain rows of a segment: the first row's index into k and v (rows of head_dim
+ * elements) and how many, for either layout (cache_state.h). */
+static inline void kvcap_segment_head_rows(const struct kvcap_segment *s, int h, size_t *at,
+                                           int *n)
+{
+    if (s->head_at) {
+        *at = (size_t)s->head_at[h];
+        *n = (int)(s->head_at[h + 1] - s->head_at[h]);
+    } else {
+        *at = (size_t)h * (size_t)s->cap;
+        *n = s->n_rows;
+    }
+}
+
 /* A span's rows after eviction, built aside while the span is unchanged: a cross-layer policy
  * builds every layer's before it changes any (kvcap_segment_commit cannot fail), so a failure
  * leaves all layers as they were and end_prefill can be repeated with the same outcome. */
 struct kvcap_kept_rows {
-    void *k, *v; /* [kv_heads][cap][head_dim], storage dtype */
-    int n_keep, cap;
+    void *k, *v;      /* [kv_heads][cap][head_dim], storage dtype; packed when head_at is set */
+    int n_keep, cap;  /* packed: n_keep the most rows a head keeps, cap unused */
+    int64_t *head_at; /* NULL, or the packed layout's kv_heads + 1 row offsets */
 };
 
 /* Eviction by score, the step FlashCache and VL-Cache share: each head h keeps the protected
@@ -75,6 +92,13 @@ enum kvcap_status kvcap_segment_keep_top(const struct kvcap_cache *c,
                                          const struct kvcap_segment *seg, const float *score,
                                          size_t head_stride, int lo, int hi, int budget,
                                          struct kvcap_kept_rows *out);
+
+/* Eviction by mark: each head h keeps the rows j of seg with mark[h * seg->n_rows + j] != 0, in
+ * token order, packed (kvcap_kept_rows.head_at) when the heads keep different numbers of rows;
+ * `seg` (plain rows, not packed) is not changed. */
+enum kvcap_status kvcap_segment_keep_marked(const struct kvcap_cache *c,
+                                            const struct kvcap_segment *seg,
+                                            const unsigned char *mark, struct kvcap_kept_rows *out);
 
 /* Replaces seg's rows by `kept` (taking ownership) and frees the evicted ones for real. */
 void kvcap_segment_commit(struct kvcap_segment *seg, struct kvcap_kept_rows *kept);

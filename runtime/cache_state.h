@@ -18,9 +18,13 @@ struct kvcap_segment {
     enum kvcap_span_kind kind;
     enum kvcap_policy policy;
     int n_tokens, rows, cols, p0; /* the span as the engine described it */
-    /* plain rows: [kv_heads][cap][head_dim] in the storage dtype, n_rows kept */
+    /* plain rows: [kv_heads][cap][head_dim] in the storage dtype, n_rows kept; or, after an
+     * eviction that keeps a different number of rows per head (kvzip), packed: head h's rows
+     * are rows [head_at[h], head_at[h + 1]) of k and v (head_at: kv_heads + 1 entries), and
+     * n_rows is the most any head holds (kvcap_segment_head_rows reads both layouts) */
     void *k, *v;
     int n_rows, cap;
+    int64_t *head_at;
     /* Prefill done, finish (cross-layer compression) not yet: the rows are all n_tokens,
      * and `score` ([kv_heads][n_tokens] f32, policy-defined, may be NULL) and `weight` (the
      * layer's share) wait for kvcap_cache_end_prefill. */

@@ -83,6 +83,11 @@ static enum kvcap_status score_layer(struct kvcap_cache *c, int seq, int layer, 
     j.n = seg->n_tokens;
     for (int i = 0; i <= sl->n_segs; i++) {
         const struct kvcap_segment *s = i < sl->n_segs ? &sl->segs[i] : &sl->gen;
+        KVCAP_RETURN_IF(holds_prompt_rows(s) && s->head_at, KVCAP_ERR_UNSUPPORTED,
+                        "seq %d layer %d: vlcache scores over the prompt's rows, and span %d "
+                        "(%s) holds a different number per KV head; put vlcache spans before "
+                        "it or use another policy for one of them",
+                        seq, layer, i, kvcap_policy_name(s->policy));
         if (holds_prompt_rows(s)) {
             if (i == span)
                 j.offset = j.m;

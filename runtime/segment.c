@@ -50,17 +50,70 @@ static enum kvcap_status copy_kept(const struct kvcap_cache *c, const struct kvc
             memcpy(k + (h * cap + (size_t)i) * row, (const char *)seg->k + from, row);
             memcpy(v + (h * cap + (size_t)i) * row, (const char *)seg->v + from, row);
         }
-    *out = (struct kvcap_kept_rows){k, v, n_keep, (int)cap};
+    *out = (struct kvcap_kept_rows){k, v, n_keep, (int)cap, NULL};
     return KVCAP_OK;
+}
+
+enum kvcap_status kvcap_segment_keep_marked(const struct kvcap_cache *c,
+                                            const struct kvcap_segment *seg,
+                                            const unsigned char *mark, struct kvcap_kept_rows *out)
+{
+    const int H = c->g.n_kv_heads, n = seg->n_rows;
+    int64_t *at = malloc(sizeof(int64_t) * (size_t)(H + 1));
+    KVCAP_RETURN_IF(!at, KVCAP_ERR_OUT_OF_MEMORY, "cache: out of memory evicting a span");
+    int most = 0, ragged = 0;
+    at[0] = 0;
+    for (int h = 0; h < H; h++) {
+        int kept = 0;
+        for (int j = 0; j < n; j++)
+            kept += mark[(size_t)h * n + j] != 0;
+        at[h + 1] = at[h] + kept;
+        ragged |= h > 0 && kept != at[1];
+        most = kept > most ? kept : most;
+    }
+    int *keep = malloc(sizeof(int) * (size_t)(at[H] > 0 ? at[H] : 1));
+    enum kvcap_status st = keep ? KVCAP_OK
+                                : kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY,
+                                             "cache: out of memory evicting a span");
+    for (int h = 0, i = 0; st == KVCAP_OK && h < H; h++)
+        for (int j = 0; j < n; j++)
+            if (mark[(size_t)h * n + j])
+                keep[i++] = j;
+    if (st == KVCAP_OK && !ragged) {
+        st = copy_kept(c, seg, keep, most, out);
+        free(at);
+        at = NULL;
+    } else if (st == KVCAP_OK) {
+        size_t row = (size_t)c->g.head_dim * kvcap_dtype_size(c->storage);
+        size_t total = at[H] > 0 ? (size_t)at[H] : 1;
+        char *k = malloc(total * row), *v = malloc(total * row);
+        if (!k || !v) {
+            free(k), free(v);
+            st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "cache: out of memory compacting a span");
+        } else {
+            for (int h = 0; h < H; h++)
+                for (int64_t i = at[h]; i < at[h + 1]; i++) {
+                    size_t from = ((size_t)h * seg->cap + (size_t)keep[i]) * row;
+                    memcpy(k + (size_t)i * row, (const char *)seg->k + from, row);
+                    memcpy(v + (size_t)i * row, (const char *)seg->v + from, row);
+                }
+            *out = (struct kvcap_kept_rows){k, v, most, 0, at};
+            at = NULL;
+        }
+    }
+    free(at);
+    free(keep);
+    return st;
 }
 
 void kvcap_segment_commit(struct kvcap_segment *seg, struct kvcap_kept_rows *kept)
 {
-    free(seg->k), free(seg->v);
+    free(seg->k), free(seg->v), free(seg->head_at);
     seg->k = kept->k;
     seg->v = kept->v;
     seg->cap = kept->cap;
     seg->n_rows = kept->n_keep;
+    seg->head_at = kept->head_at;
     *kept = (struct kvcap_kept_rows){0};
 }
 
@@ -68,7 +121,7 @@ void kvcap_kept_rows_free(struct kvcap_kept_rows *kept)
 {
     if (!kept)
         return;
-    free(kept->k), free(kept->v);
+    free(kept->k), free(kept->v), free(kept->head_at);
     *kept = (struct kvcap_kept_rows){0};
 }
 
@@ -103,9 +156,10 @@ enum kvcap_status kvcap_segment_keep_top(const struct kvcap_cache *c,
 void kvcap_segment_release(const struct kvcap_cache *c, struct kvcap_segment *seg)
 {
     c->store->segment_free(seg);
-    free(seg->score);
+    free(seg->score), free(seg->head_at);
     seg->k = seg->v = seg->hs = seg->vt = seg->mu = NULL;
     seg->score = NULL;
+    seg->head_at = NULL;
     seg->n_rows = seg->cap = 0;
 }
 
@@ -115,6 +169,8 @@ uint64_t kvcap_segment_bytes(const struct kvcap_cache *c, const struct kvcap_seg
     uint64_t es = kvcap_dtype_size(c->storage);
     if (seg->policy == KVCAP_POLICY_KVCAPSULE && seg->hs)
         return H * ((uint64_t)seg->tiles * (uint64_t)(seg->h + seg->rv) * d + d) * es;
+    if (seg->head_at) /* packed: exactly the rows kept */
+        return 2 * (uint64_t)seg->head_at[H] * d * es;
     return H * 2 * (uint64_t)seg->cap * d * es; /* what is allocated, not only used */
 }
 

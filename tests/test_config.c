@@ -234,6 +234,13 @@ static void assert_runtime_equal(const struct kvcap_runtime_config *a,
     assert_int_equal(a->freekv.window_pages, b->freekv.window_pages);
     assert_int_equal(a->streaming.sinks, b->streaming.sinks);
     assert_int_equal(a->streaming.window, b->streaming.window);
+    assert_true(a->kvzip.retention == b->kvzip.retention);
+    assert_int_equal(a->kvzip.sinks, b->kvzip.sinks);
+    assert_int_equal(a->kvzip.window, b->kvzip.window);
+    assert_true(a->random.retention == b->random.retention);
+    assert_int_equal(a->random.sinks, b->random.sinks);
+    assert_int_equal(a->random.window, b->random.window);
+    assert_int_equal(a->random.seed, b->random.seed);
     assert_int_equal(a->has_model, b->has_model);
 }
 
@@ -513,6 +520,11 @@ static void test_runtime_forms(void **state)
     assert_int_equal(r.freekv.window_pages, 4);
     assert_int_equal(r.streaming.sinks, 8);
     assert_int_equal(r.streaming.window, 256);
+    assert_true(r.kvzip.retention == 0.25);
+    assert_int_equal(r.kvzip.sinks, 4);
+    assert_int_equal(r.kvzip.window, 0); /* default kept */
+    assert_true(r.random.retention == 0.5);
+    assert_int_equal(r.random.seed, 17);
     assert_int_equal(r.has_model, 1);
     assert_int_equal(r.model.n_layers, 30);
     assert_int_equal(r.model.rope_pairing, KVCAP_ROPE_PAIRING_ADJACENT);
@@ -592,7 +604,8 @@ static const struct bad_case bad_cases[] = {
     {"calib-storage.yaml", "12:10", "storage: 'f64' is not one of F32, F16, BF16"},
     /* runtime */
     {"runtime-policy-name.yaml", "3:11", "policies.vision: 'fastcache' is not one of full, "
-                                         "kvcapsule, flashcache, vlcache, freekv, streaming"},
+                                         "kvcapsule, flashcache, vlcache, freekv, streaming, "
+                                         "kvzip, random"},
     {"runtime-fallback-kvcapsule.yaml", "3:11", "fallback: cannot be kvcapsule"},
     {"runtime-kvcapsule-text.yaml", "4:9", "policies.text: kvcapsule applies to vision spans "
                                            "only"},
@@ -604,6 +617,8 @@ static const struct bad_case bad_cases[] = {
                                            "keys)"},
     {"runtime-gamma-range.yaml", "2:21", "flashcache.gamma: 0 is outside (0, 1]"},
     {"runtime-window-range.yaml", "4:11", "streaming.window: 0 is outside 1..1073741824"},
+    {"runtime-kvzip-retention.yaml", "2:20", "kvzip.retention: 0 is outside (0, 1]"},
+    {"runtime-random-key.yaml", "2:26", "random.sead: unknown key (expected retention"},
 };
 
 static void test_bad_corpus(void **state)

@@ -35,6 +35,7 @@
 #include "tests/test_artifact.h"
 #include "tests/test_util.h"
 #include "kernels/vlcache.h"
+#include "kernels/kvzip.h"
 
 /* fp32 storage: the fused and the materialised paths sum in different orders; both are fp32
  * with fp32/double accumulation, so they agree to a few ulps of the output's norm. */
@@ -1106,10 +1107,12 @@ static void test_incomplete_prefill_named(void **state)
 static void expect_rows(const struct kvcap_segment *seg, const struct kvcap_model_geometry *g,
                         int h, const float *xk, const float *xv, const int *keep, int n)
 {
-    int d = g->head_dim;
-    assert_int_equal(seg->n_rows, n);
-    const float *k = (const float *)seg->k + (size_t)h * seg->cap * d;
-    const float *v = (const float *)seg->v + (size_t)h * seg->cap * d;
+    int d = g->head_dim, held;
+    size_t at;
+    kvcap_segment_head_rows(seg, h, &at, &held); /* either layout: per head or packed */
+    assert_int_equal(held, n);
+    const float *k = (const float *)seg->k + at * d;
+    const float *v = (const float *)seg->v + at * d;
     for (int i = 0; i < n; i++) {
         assert_memory_equal(k + (size_t)i * d, xk + (size_t)keep[i] * d, sizeof(float) * d);
         assert_memory_equal(v + (size_t)i * d, xv + (size_t)keep[i] * d, sizeof(float) * d);
@@ -1310,6 +1313,221 @@ static void test_vlcache_in_cache(void **state)
     check_vlcache_in_cache(20, 2, 3, 0.1); /* protected: sinks and a window (the extension) */
     check_vlcache_in_cache(6, 0, 0, 0.5);  /* the paper's rule: the recent window reaches back
                                             * through the text into the span, no sinks */
+}
+
+
+/* KVzip in a cache: a text head (full), the kvzip span, a text tail (full), and n_r
+ * reconstruction queries per layer. The rows kept must be the brute force's: the oracle's
+ * scores over the whole prompt, one budget over every layer and head (the readable selection),
+ * sinks and window kept; heads keep different numbers of rows (packed), the bytes held are
+ * exactly retention × the span's, and decode attention over the packed rows matches a naive
+ * softmax over the rows the brute force keeps. */
+static void test_kvzip_in_cache(void **state)
+{
+    (void)state;
+    struct kvcap_model_geometry g = geometry(3, 6, 2, 64);
+    const int L = g.n_layers, H = g.n_kv_heads, Hq = g.n_q_heads, G = Hq / H, d = g.head_dim;
+    const int nh = 9, nv = 80, nt = 7, n_r = 23, sinks = 2, window = 3;
+    const double retention = 0.3;
+    const char *yaml = "policies: {vision: kvzip, text: full}\n"
+                       "kvzip: {retention: 0.3, sinks: 2, window: 3}\n";
+    struct kvcap_cache *c = make_cache(&g, 1, KVCAP_DTYPE_F32, NULL, yaml);
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 61);
+    const int ns[3] = {nh, nv, nt};
+    float *x[3][3], *rq[3];
+    for (int l = 0; l < L; l++) {
+        int p0 = 0;
+        for (int s = 0; s < 3; s++) {
+            x[l][s] = malloc(sizeof(float) * 2 * (size_t)H * ns[s] * d);
+            fill(&r, x[l][s], 2 * (size_t)H * ns[s] * d, 1.0);
+            struct kvcap_span_desc ds = {s == 1 ? KVCAP_SPAN_VISION : KVCAP_SPAN_TEXT, ns[s],
+                                         s == 1 ? 8 : 0, s == 1 ? 10 : 0, p0};
+            struct kvcap_tensor_view a = hnd(x[l][s], ns[s], d);
+            struct kvcap_tensor_view b = hnd(x[l][s] + (size_t)H * ns[s] * d, ns[s], d);
+            assert_int_equal(kvcap_cache_add_span(c, 0, l, &ds, &a, &b), KVCAP_OK);
+            p0 += ns[s];
+        }
+        rq[l] = malloc(sizeof(float) * (size_t)n_r * Hq * d); /* token-major, as the API */
+        fill(&r, rq[l], (size_t)n_r * Hq * d, 0.5 + 0.6 * l);  /* layers differ in sharpness */
+    }
+    /* before the queries: the end of prefill names what is missing, and changes nothing */
+    assert_int_equal(kvcap_cache_end_prefill(c, 0), KVCAP_ERR_STATE);
+    assert_non_null(strstr(kvcap_last_error(), "reconstruction"));
+    for (int l = 0; l < L; l++) {
+        /* [n_r][q_heads][d] → the API's [q_heads][n_r][d] */
+        float *qh = malloc(sizeof(float) * (size_t)n_r * Hq * d);
+        for (int i = 0; i < n_r; i++)
+            for (int q = 0; q < Hq; q++)
+                memcpy(qh + ((size_t)q * n_r + i) * d, rq[l] + ((size_t)i * Hq + q) * d,
+                       sizeof(float) * d);
+        assert_int_equal(kvcap_cache_add_post_queries(c, 0, l, qh, n_r), KVCAP_OK);
+        free(qh);
+    }
+    assert_int_equal(kvcap_cache_end_prefill(c, 0), KVCAP_OK);
+
+    /* brute force */
+    const int lo = sinks, hi = nv - window, nc = hi - lo, m = nh + nv + nt;
+    float *score = malloc(sizeof(float) * (size_t)L * H * nc), *full = malloc(sizeof(float) * m);
+    for (int l = 0; l < L; l++)
+        for (int h = 0; h < H; h++) {
+            struct kvcap_rows ch[3];
+            for (int s = 0; s < 3; s++)
+                ch[s] = (struct kvcap_rows){x[l][s] + (size_t)h * ns[s] * d, NULL,
+                                            KVCAP_DTYPE_F32, (size_t)d, ns[s]};
+            memset(full, 0, sizeof(float) * m);
+            assert_int_equal(kvcap_kvzip_head_ref(rq[l] + (size_t)h * G * d, (size_t)Hq * d, n_r,
+                                                  G, d, 1.0f / sqrtf((float)d), ch, 3, full),
+                             KVCAP_OK);
+            memcpy(score + ((size_t)l * H + h) * nc, full + nh + lo, sizeof(float) * nc);
+        }
+    int keep_n[6];
+    unsigned char *sel = malloc((size_t)L * H * nc);
+    int64_t budget = llround(retention * nv) * (int64_t)L * H - (int64_t)L * H * (nv - nc);
+    assert_int_equal(kvcap_kvzip_select_ref(score, L * H, nc, budget, keep_n, sel), budget);
+    int differ = 0;
+    for (int u = 1; u < L * H; u++)
+        differ |= keep_n[u] != keep_n[0];
+    assert_true(differ); /* the budget really moved between layers and heads */
+    int64_t kept_rows = 0;
+    for (int l = 0; l < L; l++) {
+        const struct kvcap_segment *seg = &kvcap_cache_seq_layer(c, 0, l)->segs[1];
+        for (int h = 0; h < H; h++) {
+            int keep[128], k = 0;
+            for (int j = 0; j < nv; j++)
+                if (j < lo || j >= hi || sel[((size_t)l * H + h) * nc + (j - lo)])
+                    keep[k++] = j;
+            kept_rows += k;
+            expect_rows(seg, &g, h, x[l][1] + (size_t)h * nv * d,
+                        x[l][1] + (size_t)(H + h) * nv * d, keep, k);
+        }
+    }
+    assert_int_equal(kept_rows, llround(retention * nv) * (int64_t)L * H);
+    struct kvcap_cache_stats st;
+    assert_int_equal(kvcap_cache_stats(c, &st), KVCAP_OK);
+    assert_int_equal(st.bytes_by_policy[KVCAP_POLICY_KVZIP],
+                     (uint64_t)kept_rows * 2 * d * sizeof(float));
+
+    /* decode over the packed rows: head text + kept span rows + tail text, naive softmax */
+    float *q = malloc(sizeof(float) * (size_t)Hq * d), *out = malloc(sizeof(float) * Hq * d);
+    float *kk = malloc(sizeof(float) * (size_t)m * d), *vv = malloc(sizeof(float) * (size_t)m * d);
+    double o[64];
+    for (int l = 0; l < L; l++) {
+        fill(&r, q, (size_t)Hq * d, 1.0);
+        assert_int_equal(kvcap_cache_attend(c, l, q, out), KVCAP_OK);
+        for (int h = 0; h < H; h++) {
+            int n = 0;
+            for (int s = 0; s < 3; s++)
+                for (int j = 0; j < ns[s]; j++) {
+                    if (s == 1 && j >= lo && j < hi && !sel[((size_t)l * H + h) * nc + (j - lo)])
+                        continue;
+                    memcpy(kk + (size_t)n * d, x[l][s] + ((size_t)h * ns[s] + j) * d,
+                           sizeof(float) * d);
+                    memcpy(vv + (size_t)n * d, x[l][s] + ((size_t)(H + h) * ns[s] + j) * d,
+                           sizeof(float) * d);
+                    n++;
+                }
+            for (int gq = 0; gq < G; gq++) {
+                int qi = h * G + gq;
+                naive_attention(q + (size_t)qi * d, kk, vv, n, d, o);
+                for (int e = 0; e < d; e++)
+                    assert_true(fabs(out[(size_t)qi * d + e] - o[e]) <= 1e-5 * (1 + fabs(o[e])));
+            }
+        }
+    }
+    free(q), free(out), free(kk), free(vv), free(score), free(full), free(sel);
+    for (int l = 0; l < L; l++) {
+        for (int s = 0; s < 3; s++)
+            free(x[l][s]);
+        free(rq[l]);
+    }
+    kvcap_cache_free(c);
+}
+
+/* A vlcache span after a kvzip span that evicted different numbers of rows per head: refused
+ * by name, not scored over a prompt of the wrong length. */
+static void test_kvzip_then_vlcache_refused(void **state)
+{
+    (void)state;
+    struct kvcap_model_geometry g = geometry(2, 4, 2, 64);
+    const int H = g.n_kv_heads, d = g.head_dim, n = 40;
+    struct kvcap_cache *c = make_cache(&g, 1, KVCAP_DTYPE_F32, NULL,
+                                       "policies: {vision: kvzip, text: vlcache}\n"
+                                       "kvzip: {retention: 0.25}\n");
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 5);
+    float *x = malloc(sizeof(float) * 2 * (size_t)H * n * d), *q = malloc(sizeof(float) * 4 * 3 * d);
+    for (int l = 0; l < g.n_layers; l++) {
+        fill(&r, x, 2 * (size_t)H * n * d, 1.0);
+        fill(&r, q, (size_t)4 * 3 * d, 1.0 + 2.0 * l); /* layers differ in sharpness */
+        struct kvcap_span_desc dv = {KVCAP_SPAN_VISION, n, 5, 8, 0};
+        struct kvcap_span_desc dt = {KVCAP_SPAN_TEXT, n, 0, 0, n};
+        struct kvcap_tensor_view a = hnd(x, n, d), b = hnd(x + (size_t)H * n * d, n, d);
+        assert_int_equal(kvcap_cache_add_span(c, 0, l, &dv, &a, &b), KVCAP_OK);
+        assert_int_equal(kvcap_cache_add_span(c, 0, l, &dt, &a, &b), KVCAP_OK);
+        assert_int_equal(kvcap_cache_add_post_queries(c, 0, l, q, 3), KVCAP_OK);
+    }
+    assert_int_equal(kvcap_cache_end_prefill(c, 0), KVCAP_ERR_UNSUPPORTED);
+    assert_non_null(strstr(kvcap_last_error(), "vlcache"));
+    assert_non_null(kvcap_cache_seq_layer(c, 0, 0)->segs[0].head_at); /* heads really differ */
+    free(x), free(q);
+    kvcap_cache_free(c);
+}
+
+/* Random eviction: each head keeps sinks, window and a draw of the rest, retention × n in all;
+ * the same seed draws the same rows, another seed other rows, heads draw differently. */
+static void test_random_in_cache(void **state)
+{
+    (void)state;
+    struct kvcap_model_geometry g = geometry(2, 4, 2, 64);
+    const int H = g.n_kv_heads, d = g.head_dim, n = 64;
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 9);
+    float *x = malloc(sizeof(float) * 2 * (size_t)H * n * d);
+    for (size_t i = 0; i < 2 * (size_t)H * n * d; i++)
+        x[i] = (float)(i / d); /* row i holds its own index: rows kept are readable */
+    int rows[3][2][2][16]; /* [cache][layer][head][row] → token */
+    const char *yamls[3] = {
+        "policies: {vision: random}\nrandom: {retention: 0.25, sinks: 2, window: 3, seed: 4}\n",
+        "policies: {vision: random}\nrandom: {retention: 0.25, sinks: 2, window: 3, seed: 4}\n",
+        "policies: {vision: random}\nrandom: {retention: 0.25, sinks: 2, window: 3, seed: 5}\n"};
+    for (int ci = 0; ci < 3; ci++) {
+        struct kvcap_cache *c = make_cache(&g, 1, KVCAP_DTYPE_F32, NULL, yamls[ci]);
+        for (int l = 0; l < g.n_layers; l++) {
+            struct kvcap_span_desc dv = {KVCAP_SPAN_VISION, n, 8, 8, 0};
+            struct kvcap_tensor_view a = hnd(x, n, d), b = hnd(x + (size_t)H * n * d, n, d);
+            assert_int_equal(kvcap_cache_add_span(c, 0, l, &dv, &a, &b), KVCAP_OK);
+        }
+        assert_int_equal(kvcap_cache_end_prefill(c, 0), KVCAP_OK);
+        for (int l = 0; l < g.n_layers; l++) {
+            const struct kvcap_segment *seg = &kvcap_cache_seq_layer(c, 0, l)->segs[0];
+            for (int h = 0; h < H; h++) {
+                size_t at;
+                int held;
+                kvcap_segment_head_rows(seg, h, &at, &held);
+                assert_int_equal(held, 16);
+                const float *k = (const float *)seg->k + at * d;
+                for (int i = 0; i < held; i++) {
+                    rows[ci][l][h][i] = (int)k[(size_t)i * d] - h * n; /* token index */
+                    if (i > 0)
+                        assert_true(rows[ci][l][h][i] > rows[ci][l][h][i - 1]);
+                }
+                assert_int_equal(rows[ci][l][h][0], 0);
+                assert_int_equal(rows[ci][l][h][1], 1);
+                assert_int_equal(rows[ci][l][h][13], n - 3);
+                assert_int_equal(rows[ci][l][h][15], n - 1);
+            }
+        }
+        struct kvcap_cache_stats st;
+        assert_int_equal(kvcap_cache_stats(c, &st), KVCAP_OK);
+        assert_int_equal(st.bytes_by_policy[KVCAP_POLICY_RANDOM],
+                         (uint64_t)2 * 2 * H * 16 * d * sizeof(float));
+        kvcap_cache_free(c);
+    }
+    assert_memory_equal(rows[0], rows[1], sizeof rows[0]);
+    assert_true(memcmp(rows[0], rows[2], sizeof rows[0]) != 0);
+    assert_true(memcmp(rows[0][0][0], rows[0][0][1], sizeof rows[0][0][0]) != 0);
+    free(x);
 }
 
 /* A NaN in an artifact's maps is refused when it is opened (it used to turn every decode
@@ -1527,6 +1745,9 @@ int main(void)
         cmocka_unit_test(test_incomplete_prefill_named),
         cmocka_unit_test(test_flashcache_in_cache),
         cmocka_unit_test(test_vlcache_in_cache),
+        cmocka_unit_test(test_kvzip_in_cache),
+        cmocka_unit_test(test_kvzip_then_vlcache_refused),
+        cmocka_unit_test(test_random_in_cache),
         cmocka_unit_test(test_composition),
         cmocka_unit_test(test_poisoned_artifact),
         cmocka_unit_test(test_inconsistent_artifact),

@@ -37,7 +37,8 @@ DTYPE_F32, DTYPE_F16, DTYPE_BF16, DTYPE_F64, DTYPE_I32, DTYPE_U8 = range(6)
 ROPE_NONE, ROPE_ROPE, ROPE_MROPE = range(3)
 PAIRING_HALF, PAIRING_ADJACENT = range(2)
 # enum kvcap_policy
-POLICIES = ("full", "kvcapsule", "flashcache", "vlcache", "freekv", "streaming")
+POLICIES = ("full", "kvcapsule", "flashcache", "vlcache", "freekv", "streaming", "kvzip",
+            "random")
 # enum kvcap_span_kind
 SPAN_VISION, SPAN_TEXT, SPAN_GENERATED = range(3)
 # enum kvcap_memory
@@ -105,7 +106,7 @@ class SpanDesc(ctypes.Structure):
 class CacheStats(ctypes.Structure):
     _fields_ = [
         ("bytes_held", ctypes.c_uint64),
-        ("bytes_by_policy", ctypes.c_uint64 * 6),
+        ("bytes_by_policy", ctypes.c_uint64 * len(POLICIES)),
         ("bytes_by_kind", ctypes.c_uint64 * 3),
         ("bytes_full_equivalent", ctypes.c_uint64),
         ("tokens_by_kind", ctypes.c_int64 * 3),

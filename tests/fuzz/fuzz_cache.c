@@ -284,16 +284,18 @@ static struct kvcap_artifact *build_artifact(const struct plan *p, uint64_t seed
 
 /* ---- The runtime config ------------------------------------------------------------------- */
 
-static const char *const POLICY_NAMES[] = {"full", "kvcapsule", "flashcache",
-                                           "vlcache", "freekv", "streaming"};
+static const char *const POLICY_NAMES[] = {"full",      "kvcapsule", "flashcache", "vlcache",
+                                           "freekv",    "streaming", "kvzip",      "random"};
+#define N_POLICIES ((int)(sizeof POLICY_NAMES / sizeof *POLICY_NAMES))
 
 /* Writes a runtime YAML from the fuzzer's choices (mostly valid values; some the parser or the
  * cache must refuse) and returns its vision policy. */
 static enum kvcap_policy write_config(struct fuzz_bytes *in, char *path, size_t cap)
 {
     char yaml[2048];
-    int vision = fuzz_pick(in, 6), text = fuzz_pick(in, 6), gen = fuzz_pick(in, 6);
-    int fallback = fuzz_pick(in, 7); /* 6: none */
+    int vision = fuzz_pick(in, N_POLICIES), text = fuzz_pick(in, N_POLICIES);
+    int gen = fuzz_pick(in, N_POLICIES);
+    int fallback = fuzz_pick(in, N_POLICIES + 1); /* N_POLICIES: none */
     int page = fuzz_int(in, 1, 8), sink_pages = fuzz_int(in, 0, 2),
         window_pages = fuzz_int(in, 1, 2);
     int budget = (sink_pages + window_pages + 1) * page + fuzz_int(in, -2, 24);
@@ -304,13 +306,18 @@ static enum kvcap_policy write_config(struct fuzz_bytes *in, char *path, size_t 
              "vlcache: {p: %g, budget: %g, min_fraction: %g, recent_fraction: %g, sinks: %d, "
              "window: %d}\n"
              "freekv: {page_size: %d, budget: %d, tau: %g, sink_pages: %d, window_pages: %d}\n"
-             "streaming: {sinks: %d, window: %d}\n",
+             "streaming: {sinks: %d, window: %d}\n"
+             "kvzip: {retention: %g, sinks: %d, window: %d}\n"
+             "random: {retention: %g, sinks: %d, window: %d, seed: %d}\n",
              POLICY_NAMES[vision], POLICY_NAMES[text], POLICY_NAMES[gen],
-             fallback == 6 ? "none" : POLICY_NAMES[fallback], fuzz_unit(in), fuzz_unit(in),
+             fallback == N_POLICIES ? "none" : POLICY_NAMES[fallback], fuzz_unit(in),
+             fuzz_unit(in),
              fuzz_int(in, 0, 4), fuzz_int(in, 0, 3), fuzz_int(in, 0, 3), fuzz_u8(in) / 256.0,
              fuzz_unit(in), fuzz_unit(in), fuzz_u8(in) / 255.0, fuzz_int(in, 0, 3),
              fuzz_int(in, 0, 3), page, budget, fuzz_int(in, -4, 4) / 4.0, sink_pages,
-             window_pages, fuzz_int(in, 0, 4), fuzz_int(in, 1, 8));
+             window_pages, fuzz_int(in, 0, 4), fuzz_int(in, 1, 8), fuzz_unit(in),
+             fuzz_int(in, 0, 3), fuzz_int(in, 0, 3), fuzz_unit(in), fuzz_int(in, 0, 3),
+             fuzz_int(in, 0, 3), fuzz_int(in, 0, 9));
     fuzz_write_file(path, cap, "runtime.yaml", yaml, strlen(yaml));
     return (enum kvcap_policy)vision;
 }
@@ -486,7 +493,8 @@ static void drive(struct driver *dv, struct fuzz_bytes *in, enum kvcap_policy vi
                 invalid_call(dv, in);
         }
         /* VL-Cache scores with the post-vision queries; other policies may be given them too. */
-        if (vision == KVCAP_POLICY_VLCACHE || fuzz_pick(in, 4) == 0) {
+        if (vision == KVCAP_POLICY_VLCACHE || vision == KVCAP_POLICY_KVZIP ||
+            fuzz_pick(in, 4) == 0) {
             int n_post = fuzz_int(in, 1, 4);
             for (int l = 0; l < L; l++) {
                 fill(&dv->rng, dv->q, (size_t)g->n_q_heads * n_post * d, 1.0);

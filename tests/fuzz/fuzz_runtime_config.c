@@ -13,10 +13,10 @@ static void check_loaded(const struct kvcap_runtime_config *c)
 {
     FUZZ_ASSERT(memchr(c->artifact, '\0', sizeof c->artifact) != NULL, "artifact not terminated");
     for (int k = 0; k < 3; k++)
-        FUZZ_ASSERT(c->policy[k] >= KVCAP_POLICY_FULL && c->policy[k] <= KVCAP_POLICY_STREAMING,
+        FUZZ_ASSERT(c->policy[k] >= KVCAP_POLICY_FULL && c->policy[k] < KVCAP_POLICY_COUNT,
                     "policy[%d] = %d", k, (int)c->policy[k]);
     FUZZ_ASSERT(c->fallback == KVCAP_FALLBACK_NONE ||
-                    (c->fallback >= KVCAP_POLICY_FULL && c->fallback <= KVCAP_POLICY_STREAMING &&
+                    (c->fallback >= KVCAP_POLICY_FULL && c->fallback < KVCAP_POLICY_COUNT &&
                      c->fallback != KVCAP_POLICY_KVCAPSULE),
                 "fallback %d", (int)c->fallback);
     const struct kvcap_flashcache_config *fc = &c->flashcache;

@@ -233,7 +233,8 @@ def _post_vision_start(spans: Sequence[Span]) -> int:
 
 # ---- The runtime config -------------------------------------------------------------------------
 
-_POLICY_NAMES = ("full", "kvcapsule", "flashcache", "vlcache", "freekv", "streaming")
+_POLICY_NAMES = ("full", "kvcapsule", "flashcache", "vlcache", "freekv", "streaming",
+                 "kvzip", "random")
 
 
 def runtime_yaml(policies: Mapping[str, str], sections: Optional[Mapping[str, Mapping[str, Any]]]

@@ -1,0 +1,45 @@
+/* rows_block.h — key rows gathered block by block across chunks of rows (kvcap_rows), as f32:
+ * how the scoring kernels (vlcache.c, kvzip.c) stream a prompt's keys through one sgemm per
+ * block without holding them all. Internal to kernels/. */
+#ifndef KVCAP_ROWS_BLOCK_H
+#define KVCAP_ROWS_BLOCK_H
+
+#include "common/dtype.h"
+#include "kernels/attention.h"
+
+/* Where the next key row comes from: row `row` of chunk `chunk`. */
+struct kvcap_rows_cursor {
+    int chunk, row;
+};
+
+/* Up to `block` next key rows as f32 into kb [nb][d] (chunk boundaries do not end a block, so
+ * many small chunks still make full-width sgemms); returns nb. */
+static inline int kvcap_rows_load_block(const struct kvcap_rows *keys, int n_chunks,
+                                        struct kvcap_rows_cursor *cur, int d, int block,
+                                        float *kb)
+{
+    int nb = 0;
+    while (nb < block && cur->chunk < n_chunks) {
+        const struct kvcap_rows *k = &keys[cur->chunk];
+        int take = k->n - cur->row < block - nb ? k->n - cur->row : block - nb;
+        if (take <= 0) {
+            cur->chunk++;
+            cur->row = 0;
+            continue;
+        }
+        size_t es = kvcap_dtype_size(k->dtype);
+        const unsigned char *src =
+            (const unsigned char *)k->k + (size_t)cur->row * k->row_stride * es;
+        if (k->row_stride == (size_t)d)
+            kvcap_load_f32(k->dtype, src, (size_t)take * d, kb + (size_t)nb * d);
+        else
+            for (int t = 0; t < take; t++)
+                kvcap_load_f32(k->dtype, src + (size_t)t * k->row_stride * es, (size_t)d,
+                               kb + (size_t)(nb + t) * d);
+        nb += take;
+        cur->row += take;
+    }
+    return nb;
+}
+
+#endif

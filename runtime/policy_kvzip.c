@@ -1,0 +1,177 @@
+/* policy_kvzip.c — KVzip (arXiv 2505.23416) on a span. Prefill keeps the rows; the
+ * engine runs the context-reconstruction pass ("repeat the previous context", then the prompt
+ * again) after the prompt and hands its queries to the cache through
+ * kvcap_cache_add_post_queries. At the end of prefill, per layer and KV head, each of the
+ * span's tokens is scored by the largest attention a reconstruction query of the group pays
+ * it (softmax over the prompt held in rows, kernels/kvzip.h); then one budget, retention × the
+ * span's tokens × layers × KV heads, goes to the largest scores of all layers and heads
+ * together, so layers and heads keep different numbers of rows (the rows of a head are packed,
+ * cache_state.h). The first `sinks` and last `window` tokens of every head are always kept
+ * and counted in the budget, so bytes held = retention × full for the span. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "runtime/cache_internal.h"
+#include "kernels/kvzip.h"
+
+static enum kvcap_status kvzip_prefill(struct kvcap_cache *c, int seq, int layer,
+                                       struct kvcap_segment *seg,
+                                       const struct kvcap_tensor_view *k,
+                                       const struct kvcap_tensor_view *v)
+{
+    (void)seq, (void)layer;
+    KVCAP_TRY(kvcap_segment_fill(c, seg, k, v, NULL, seg->n_tokens));
+    seg->pending = 1;
+    return KVCAP_OK;
+}
+
+/* Whether a segment holds prompt rows the reconstruction attends (as VL-Cache's prompt). */
+static int holds_prompt_rows(const struct kvcap_segment *s)
+{
+    return s->k && s->n_rows > 0 && s->policy != KVCAP_POLICY_KVCAPSULE;
+}
+
+struct layer_job {
+    const struct kvcap_cache *c;
+    const struct kvcap_seq_layer *sl;
+    int span, lo, hi; /* the span's segment and its compressible tokens [lo, hi) */
+    float *out;       /* [heads][hi - lo] */
+    float **scratch;  /* [threads]: the kernel's scratch */
+    struct kvcap_parallel_error err;
+};
+
+#define MAX_PROMPT_SEGMENTS 256
+
+static void layer_head(void *ctx, int h, int thread)
+{
+    struct layer_job *j = ctx;
+    const struct kvcap_model_geometry *g = &j->c->g;
+    const struct kvcap_seq_layer *sl = j->sl;
+    const int G = g->n_q_heads / g->n_kv_heads, d = g->head_dim;
+    const size_t es = kvcap_dtype_size(j->c->storage);
+    struct kvcap_rows chunks[MAX_PROMPT_SEGMENTS];
+    int n_chunks = 0, m = 0, offset = 0;
+    for (int i = 0; i <= sl->n_segs; i++) {
+        const struct kvcap_segment *s = i < sl->n_segs ? &sl->segs[i] : &sl->gen;
+        if (!holds_prompt_rows(s) || n_chunks == MAX_PROMPT_SEGMENTS)
+            continue; /* kvzip_finish refused more segments before any head ran */
+        size_t at;
+        int n;
+        kvcap_segment_head_rows(s, h, &at, &n);
+        if (i == j->span)
+            offset = m;
+        chunks[n_chunks++] = (struct kvcap_rows){(const char *)s->k + at * d * es, NULL,
+                                                 j->c->storage, (size_t)d, n};
+        m += n;
+    }
+    float *score = calloc((size_t)m, sizeof(float)); /* the whole prompt's, for this head */
+    enum kvcap_status st =
+        score ? KVCAP_OK : kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "kvzip: out of memory");
+    if (st == KVCAP_OK) {
+        kvcap_quiet_push();
+        st = kvcap_kvzip_head(sl->post_q + (size_t)h * G * d, (size_t)g->n_q_heads * d,
+                              sl->n_post, G, d, 1.0f / sqrtf((float)d), chunks, n_chunks, score,
+                              j->scratch[thread]);
+        kvcap_quiet_pop();
+    }
+    if (st == KVCAP_OK)
+        memcpy(j->out + (size_t)h * (j->hi - j->lo), score + offset + j->lo,
+               sizeof(float) * (size_t)(j->hi - j->lo));
+    free(score);
+    if (st != KVCAP_OK)
+        kvcap_parallel_fail(&j->err, st);
+}
+
+/* The scores of span `span`'s compressible tokens at `layer`, every KV head, into out. */
+static enum kvcap_status score_layer(struct kvcap_cache *c, int seq, int layer, int span,
+                                     int lo, int hi, float *out)
+{
+    struct kvcap_seq_layer *sl = kvcap_cache_seq_layer(c, seq, layer);
+    const int G = c->g.n_q_heads / c->g.n_kv_heads, d = c->g.head_dim;
+    KVCAP_RETURN_IF(sl->n_post < 1, KVCAP_ERR_STATE,
+                    "seq %d layer %d: kvzip needs the queries of the context-reconstruction "
+                    "pass (kvcap_cache_add_post_queries) before the end of prefill",
+                    seq, layer);
+    int n_prompt = 0;
+    for (int i = 0; i <= sl->n_segs; i++)
+        n_prompt += holds_prompt_rows(i < sl->n_segs ? &sl->segs[i] : &sl->gen);
+    KVCAP_RETURN_IF(n_prompt > MAX_PROMPT_SEGMENTS, KVCAP_ERR_UNSUPPORTED,
+                    "seq %d layer %d: kvzip attends at most %d prompt spans, the prompt has %d",
+                    seq, layer, MAX_PROMPT_SEGMENTS, n_prompt);
+    struct layer_job j;
+    memset(&j, 0, sizeof j);
+    j.c = c, j.sl = sl, j.span = span, j.lo = lo, j.hi = hi, j.out = out;
+    size_t floats = kvcap_kvzip_scratch_floats(sl->n_post, G, d);
+    j.scratch = calloc((size_t)c->threads, sizeof *j.scratch);
+    int ok = j.scratch != NULL && floats != SIZE_MAX;
+    for (int t = 0; ok && t < c->threads; t++)
+        ok = (j.scratch[t] = malloc(sizeof(float) * floats)) != NULL;
+    enum kvcap_status st = KVCAP_OK;
+    if (!ok)
+        st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "kvzip: out of memory at layer %d", layer);
+    if (st == KVCAP_OK) {
+        kvcap_cache_parallel(c, c->g.n_kv_heads, layer_head, &j);
+        if (kvcap_parallel_failed(&j.err))
+            st = kvcap_parallel_status(&j.err);
+    }
+    for (int t = 0; j.scratch && t < c->threads; t++)
+        free(j.scratch[t]);
+    free(j.scratch);
+    return st;
+}
+
+static enum kvcap_status kvzip_finish(struct kvcap_cache *c, int seq, int span)
+{
+    const int L = c->g.n_layers, H = c->g.n_kv_heads;
+    const struct kvcap_kvzip_config *cfg = &c->cfg.kvzip;
+    const int n = kvcap_cache_seq_layer(c, seq, 0)->segs[span].n_tokens;
+    const int lo = cfg->sinks < n ? cfg->sinks : n;
+    const int hi = n - (cfg->window < n - lo ? cfg->window : n - lo), nc = hi - lo;
+    double t0 = kvcap_seconds();
+    const size_t units = (size_t)L * H;
+    float *score = malloc(sizeof(float) * (units * nc > 0 ? units * nc : 1));
+    int *keep = malloc(sizeof(int) * units);
+    int *work = malloc(sizeof(int) * (2 * units * nc > 0 ? 2 * units * nc : 1));
+    unsigned char *sel = malloc(units * nc > 0 ? units * nc : 1);
+    unsigned char *mark = malloc((size_t)H * n > 0 ? (size_t)H * n : 1);
+    struct kvcap_kept_rows *kept = calloc((size_t)L, sizeof *kept);
+    enum kvcap_status st = KVCAP_OK;
+    if (!score || !keep || !work || !sel || !mark || !kept)
+        st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "kvzip: out of memory");
+    for (int l = 0; st == KVCAP_OK && l < L && nc > 0; l++)
+        st = score_layer(c, seq, l, span, lo, hi, score + (size_t)l * H * nc);
+    if (st == KVCAP_OK) {
+        /* every head keeps its protected tokens; the rest of the budget goes to the largest
+         * scores of every layer and head together */
+        int64_t budget = llround(cfg->retention * (double)n) * (int64_t)units -
+                         (int64_t)units * (n - nc);
+        if (kvcap_kvzip_select(score, (int)units, nc, budget > 0 ? budget : 0, keep, sel,
+                               work) < 0)
+            st = kvcap_fail(KVCAP_ERR_INVALID_ARGUMENT, "kvzip: %zu x %d scores are too many",
+                            units, nc);
+    }
+    for (int l = 0; st == KVCAP_OK && l < L; l++) {
+        const struct kvcap_segment *seg = &kvcap_cache_seq_layer(c, seq, l)->segs[span];
+        for (int h = 0; h < H; h++) {
+            unsigned char *mh = mark + (size_t)h * n;
+            memset(mh, 1, (size_t)n);
+            memcpy(mh + lo, sel + ((size_t)l * H + h) * nc, (size_t)nc);
+        }
+        st = kvcap_segment_keep_marked(c, seg, mark, &kept[l]);
+    }
+    /* every layer's rows were built before any changes: all are committed, or none */
+    for (int l = 0; st == KVCAP_OK && l < L; l++) {
+        struct kvcap_segment *seg = &kvcap_cache_seq_layer(c, seq, l)->segs[span];
+        kvcap_segment_commit(seg, &kept[l]);
+        seg->pending = 0;
+    }
+    for (int l = 0; kept && l < L; l++)
+        kvcap_kept_rows_free(&kept[l]);
+    free(score), free(keep), free(work), free(sel), free(mark), free(kept);
+    c->compress_seconds += kvcap_seconds() - t0;
+    return st;
+}
+
+const struct kvcap_policy_impl kvcap_policy_kvzip_impl = {KVCAP_POLICY_KVZIP, kvzip_prefill,
+                                                          kvzip_finish};
