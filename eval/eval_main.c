@@ -430,13 +430,20 @@ struct prompt {
     float *q_post;         /* [layers][q_heads][tail][head_dim]: the tail's queries */
     float *q_dec;          /* [layers][q_heads][n_fid][head_dim] */
     float *logits;         /* [n_vocab] of the last prompt token */
+    float *q_replay;       /* [layers][q_heads][n_replay][head_dim]: the context-reconstruction
+                            * pass's queries (kvzip), NULL until prompt_replay */
+    float *lse_replay;     /* [layers][q_heads][n_replay]: each one's log-sum-exp over the
+                            * pass's own keys (causal), which the cache does not hold */
+    int n_replay;
+    double prefill_s, replay_s; /* the model's prefill of the prompt, and of the pass */
 };
 
 /* Frees what a prefill holds; the layout stays. */
 static void prompt_free(struct prompt *p)
 {
-    free(p->k), free(p->v), free(p->q_post), free(p->q_dec), free(p->logits);
-    p->k = p->v = p->q_post = p->q_dec = p->logits = NULL;
+    free(p->k), free(p->v), free(p->q_post), free(p->q_dec), free(p->logits), free(p->q_replay);
+    free(p->lse_replay);
+    p->k = p->v = p->q_post = p->q_dec = p->logits = p->q_replay = p->lse_replay = NULL;
 }
 
 /* Tokens of a prompt: head + span + tail. */
@@ -452,7 +459,8 @@ static enum kvcap_status prompt_prefill_image(const struct model_ctx *mc, const 
     const int P = head + span + tail, n = P + n_fid, nq = tail + n_fid;
     const size_t L = (size_t)hp->n_layers, H = (size_t)hp->n_heads, d = (size_t)hp->head_dim;
     const size_t kd = (size_t)hp->n_kv_heads * d, V = (size_t)hp->n_vocab;
-    *p = (struct prompt){ids, head, span, tail, rows, embd, n_fid, NULL, NULL, NULL, NULL, NULL};
+    *p = (struct prompt){ids, head, span, tail, rows, embd, n_fid, NULL, NULL, NULL, NULL, NULL,
+                         NULL, NULL, 0, 0, 0};
     p->k = malloc(L * n * kd * sizeof(float));
     p->v = malloc(L * n * kd * sizeof(float));
     p->q_post = malloc(L * H * (size_t)tail * d * sizeof(float));
@@ -465,8 +473,10 @@ static enum kvcap_status prompt_prefill_image(const struct model_ctx *mc, const 
         s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "no memory for a prompt's K/V");
     struct kvllama_prefill_out out = {p->k, p->v, q, nq, logits, n_fid + 1};
     const struct kvllama_embd_span image = {head, span, embd};
+    const double t0 = kvcap_seconds();
     if (s == KVCAP_OK)
         s = kvllama_prefill_embd(mc->model, ids, n, embd ? &image : NULL, &out);
+    p->prefill_s = kvcap_seconds() - t0;
     if (s == KVCAP_OK) {
         memcpy(p->logits, logits, V * sizeof(float)); /* the first of the last n_fid + 1 */
         for (size_t lh = 0; lh < L * H; lh++) {
@@ -488,11 +498,90 @@ static enum kvcap_status prompt_prefill(const struct model_ctx *mc, const int32_
     return prompt_prefill_image(mc, ids, head, span, tail, n_fid, 1, NULL, p);
 }
 
+/* KVzip's context-reconstruction pass (arXiv 2505.23416, as kvpress runs it): after the prompt,
+ * the instruction to repeat it, the chat template's turn to the assistant, and the prompt again
+ * (an image span as its embeddings again). The model runs it with full attention over the
+ * prompt (the reference engine prefills prompt and pass together, so replay_s counts the
+ * prompt's prefill again: an engine continuing from its cache pays replay_s − prefill_s);
+ * the pass's queries go to p->q_replay. */
+static const char *const k_replay_text = "\n\nRepeat the previous context exactly.";
+static const char *const k_replay_turn = "<|im_end|>\n<|im_start|>assistant\n";
+
+static enum kvcap_status prompt_replay(const struct model_ctx *mc, struct prompt *p)
+{
+    const struct kvllama_hparams *hp = mc->hp;
+    const int P = prompt_tokens(p);
+    int32_t *a = NULL, *b = NULL;
+    size_t na = 0, nb = 0;
+    KVCAP_TRY(kvtok_encode(mc->tok, k_replay_text, strlen(k_replay_text), 0, &a, &na));
+    enum kvcap_status s = kvtok_encode(mc->tok, k_replay_turn, strlen(k_replay_turn), 1, &b, &nb);
+    const int R = (int)(na + nb) + P, n = P + R;
+    const size_t L = (size_t)hp->n_layers, H = (size_t)hp->n_heads, d = (size_t)hp->head_dim;
+    const size_t kd = (size_t)hp->n_kv_heads * d;
+    int32_t *ids = s == KVCAP_OK ? malloc(sizeof *ids * (size_t)n) : NULL;
+    float *q = s == KVCAP_OK ? malloc(sizeof *q * L * H * (size_t)R * d) : NULL;
+    float *k = s == KVCAP_OK ? malloc(sizeof *k * L * (size_t)n * kd) : NULL;
+    float *lse = s == KVCAP_OK ? malloc(sizeof *lse * L * H * (size_t)R) : NULL;
+    if (s == KVCAP_OK && (!ids || !q || !k || !lse))
+        s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "no memory for the reconstruction pass");
+    if (s == KVCAP_OK) {
+        memcpy(ids, p->ids, sizeof *ids * (size_t)P);
+        memcpy(ids + P, a, sizeof *ids * na);
+        memcpy(ids + P + na, b, sizeof *ids * nb);
+        memcpy(ids + P + na + nb, p->ids, sizeof *ids * (size_t)P);
+        const struct kvllama_embd_span images[2] = {
+            {p->head, p->span, p->embd}, {P + (int)(na + nb) + p->head, p->span, p->embd}};
+        struct kvllama_prefill_out out = {k, NULL, q, R, NULL, 0};
+        const double t0 = kvcap_seconds();
+        s = kvllama_prefill_spans(mc->model, ids, n, images, p->embd ? 2 : 0, &out);
+        /* Each pass query's log-sum-exp over the pass's keys up to itself (positions P..P+i),
+         * the part of its softmax the cache does not hold. */
+        const int G = (int)(H / (size_t)hp->n_kv_heads);
+        const float scale = 1.0f / sqrtf((float)d);
+#pragma omp parallel for schedule(dynamic, 1)
+        for (size_t lh = 0; lh < L * H; lh++) {
+            const size_t l = lh / H, hq = lh % H, kvh = hq / (size_t)G;
+            float *sc = malloc(sizeof *sc * (size_t)R);
+            for (int i = 0; sc && i < R; i++) {
+                const float *qi = q + (lh * (size_t)R + (size_t)i) * d;
+                float mx = -INFINITY;
+                for (int j = 0; j <= i; j++) {
+                    const float *kj = k + ((l * (size_t)n + (size_t)(P + j)) * kd + kvh * d);
+                    float dot = 0;
+                    for (size_t c = 0; c < d; c++)
+                        dot += qi[c] * kj[c];
+                    sc[j] = dot * scale;
+                    mx = sc[j] > mx ? sc[j] : mx;
+                }
+                double z = 0;
+                for (int j = 0; j <= i; j++)
+                    z += exp((double)(sc[j] - mx));
+                lse[lh * (size_t)R + (size_t)i] = mx + (float)log(z);
+            }
+            if (!sc) /* reported below: a NaN the cache refuses by name */
+                for (int i = 0; i < R; i++)
+                    lse[lh * (size_t)R + (size_t)i] = NAN;
+            free(sc);
+        }
+        p->replay_s = kvcap_seconds() - t0;
+    }
+    for (size_t i = 0; s == KVCAP_OK && i < L * H * (size_t)R; i++)
+        if (isnan(lse[i]))
+            s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "no memory for the reconstruction scores");
+    if (s == KVCAP_OK) {
+        free(p->q_replay), free(p->lse_replay);
+        p->q_replay = q, p->lse_replay = lse, p->n_replay = R;
+        q = lse = NULL;
+    }
+    free(a), free(b), free(ids), free(q), free(k), free(lse);
+    return s;
+}
+
 /* Hands a prefilled prompt to sequence `seq` of a cache: the head (text, if any), the span
  * (vision: the image's grid, or a 1 x span grid of text), the tail (text), then the tail's
- * queries as the post-vision queries. */
+ * queries as the post-vision queries, or with `replay` the reconstruction pass's (kvzip). */
 static enum kvcap_status prompt_to_cache(const struct model_ctx *mc, const struct prompt *p,
-                                         struct kvcap_cache *cache, int seq)
+                                         struct kvcap_cache *cache, int seq, int replay)
 {
     const struct kvllama_hparams *hp = mc->hp;
     const size_t n = (size_t)prompt_tokens(p) + p->n_fid;
@@ -513,9 +602,18 @@ static enum kvcap_status prompt_to_cache(const struct model_ctx *mc, const struc
             vv.base = v + (size_t)parts[i].p0 * kd;
             KVCAP_TRY(kvcap_cache_add_span(cache, seq, l, &parts[i], &kv, &vv));
         }
-        KVCAP_TRY(kvcap_cache_add_post_queries(
-            cache, seq, l, p->q_post + (size_t)l * hp->n_heads * p->tail * hp->head_dim,
-            p->tail));
+        if (replay) {
+            KVCAP_RETURN_IF(!p->q_replay, KVCAP_ERR_STATE,
+                            "prompt %d: no reconstruction pass ran (prompt_replay)", seq);
+            KVCAP_TRY(kvcap_cache_add_post_queries_lse(
+                cache, seq, l,
+                p->q_replay + (size_t)l * hp->n_heads * p->n_replay * hp->head_dim,
+                p->lse_replay + (size_t)l * hp->n_heads * p->n_replay, p->n_replay));
+        } else {
+            KVCAP_TRY(kvcap_cache_add_post_queries(
+                cache, seq, l, p->q_post + (size_t)l * hp->n_heads * p->tail * hp->head_dim,
+                p->tail));
+        }
     }
     return KVCAP_OK;
 }
@@ -681,7 +779,7 @@ static int cmd_record(const struct options *opt)
                 s = prompt_prefill_image(&mc, text, o->head, o->span, o->tail, 0,
                                          embd ? im.f.grid : 1, embd, &p);
             if (s == KVCAP_OK) {
-                s = prompt_to_cache(&mc, &p, cache, i);
+                s = prompt_to_cache(&mc, &p, cache, i, 0);
                 prompt_free(&p);
             }
             if (s == KVCAP_OK) /* the span is complete: a flush may write it */
@@ -729,6 +827,10 @@ struct run {
                                        * is the target's (Algorithm 1 under-fills) */
     const struct kvcap_artifact *art;
     int freekv_tokens;                /* span tokens FreeKV attends per KV head and step */
+    int replay;                       /* kvzip: the cache takes the reconstruction pass's queries */
+    double compress_ms;               /* per prompt: the cache's scoring and eviction, plus
+                                       * (replay) the reconstruction pass beyond the prefill */
+    double prefill_ms;                /* per prompt: the model's prefill, the denominator */
     struct kvcap_cache *cache;        /* the cache of the current phase */
     struct kvllama_group group;
     /* results */
@@ -823,6 +925,13 @@ static int build_runs(const struct options *o, struct kvcap_artifact **arts, str
                 FREEKV_PAGE, pages * FREEKV_PAGE);
         runs[n - 1].freekv_tokens = pages * FREEKV_PAGE < o->span ? pages * FREEKV_PAGE : o->span;
         runs[n - 1].nominal = (double)pages * FREEKV_PAGE / o->span;
+        add_run(runs, &n, "kvzip", "kvzip", r,
+                "policies: {vision: kvzip, text: full, generated: full}\n"
+                "kvzip: {retention: %.6f}\n", r);
+        runs[n - 1].replay = 1;
+        add_run(runs, &n, "random", "random", r,
+                "policies: {vision: random, text: full, generated: full}\n"
+                "random: {retention: %.6f, seed: 0}\n", r);
     }
     const char *last_variant = NULL;
     for (int a = 0; a < o->n_artifacts; a++) {
@@ -871,7 +980,7 @@ static enum kvcap_status run_cache(const struct options *o, const struct model_c
     KVCAP_TRY(create_cache(mc, run->yaml, run->art, n_prompts, o->storage, o->threads, NULL, &c));
     enum kvcap_status s = KVCAP_OK;
     for (int p = 0; s == KVCAP_OK && p < n_prompts; p++) {
-        s = prompt_to_cache(mc, &prompts[p], c, p);
+        s = prompt_to_cache(mc, &prompts[p], c, p, run->replay);
         if (s == KVCAP_OK)
             s = kvcap_cache_end_prefill(c, p);
     }
@@ -928,6 +1037,14 @@ static enum kvcap_status phase_setup(const struct options *o, const struct model
         if (measure) {
             struct kvcap_cache_stats st;
             KVCAP_TRY(kvcap_cache_stats(run->cache, &st));
+            double replay_s = 0, prefill_s = 0;
+            for (int p = 0; p < n_prompts; p++) {
+                prefill_s += prompts[p].prefill_s;
+                if (run->replay)
+                    replay_s += prompts[p].replay_s - prompts[p].prefill_s;
+            }
+            run->compress_ms = 1e3 * (st.compress_seconds + replay_s) / n_prompts;
+            run->prefill_ms = 1e3 * prefill_s / n_prompts;
             run->bytes_held = (double)st.bytes_held / n_prompts;
             run->bytes_held_span = (double)st.bytes_by_kind[KVCAP_SPAN_VISION] / n_prompts;
             run->realised = run->freekv_tokens ? (double)run->freekv_tokens / o->span
@@ -1341,6 +1458,11 @@ static enum kvcap_status task_run(const struct options *o, const struct model_ct
         cli_progress_begin(&bar, "retrieval task, prefill", o->quiet);
         for (int i = 0; s == KVCAP_OK && i < nb; i++) {
             s = prompt_prefill(mc, pr[i].ids, pr[i].head, pr[i].span, pr[i].tail, 0, &pr[i]);
+            for (int r = 0; s == KVCAP_OK && r < n_runs; r++)
+                if (runs[r].replay) { /* once per prompt, for every kvzip run */
+                    s = prompt_replay(mc, &pr[i]);
+                    break;
+                }
             cli_progress_update(&bar, first + i + 1, t->n);
         }
         if (s == KVCAP_OK)
@@ -1638,6 +1760,14 @@ static enum kvcap_status write_metrics(const struct options *o, const struct mod
         if (run->freekv_tokens)
             compression = (double)o->span / run->freekv_tokens;
         cJSON_AddItemToObject(j, "compression", num_or_null(compression));
+        /* prefill cost: compression work per prompt (scoring, eviction; kvzip also its
+         * reconstruction pass) over the model's prefill of the prompt */
+        cJSON_AddItemToObject(j, "compress_ms", num_or_null(run->compress_ms));
+        cJSON_AddItemToObject(j, "prefill_ms", num_or_null(run->prefill_ms));
+        cJSON_AddItemToObject(j, "prefill_cost", num_or_null(run->prefill_ms > 0
+                                                                 ? run->compress_ms /
+                                                                       run->prefill_ms
+                                                                 : NAN));
         int64_t agree = 0, total = 0;
         cJSON *fd = cJSON_AddArrayToObject(j, "first_divergence");
         for (int p = 0; p < n_prompts; p++) {
@@ -1887,6 +2017,17 @@ static int cmd_run(const struct options *opt, int argc, char **argv)
                                  embd ? im.f.grid : 1,
                                  embd ? embd + (size_t)p * im.f.n_tokens * mc.hp->n_embd : NULL,
                                  &prompts[p]);
+    int any_replay = 0;
+    for (int r = 0; r < n_runs; r++)
+        any_replay |= runs[r].replay;
+    if (s == KVCAP_OK && any_replay) {
+        struct cli_progress bar;
+        cli_progress_begin(&bar, "reconstruction pass (kvzip)", o->quiet);
+        for (int p = 0; s == KVCAP_OK && p < n_prompts; p++) {
+            s = prompt_replay(&mc, &prompts[p]);
+            cli_progress_update(&bar, p + 1, n_prompts);
+        }
+    }
     /* Equal budgets: VL-Cache's nominal budget is searched against full's span bytes. */
     double full_span = 0;
     if (s == KVCAP_OK) {

@@ -365,12 +365,24 @@ enum kvcap_status kvllama_prefill_embd(const struct kvllama_model *m, const int3
                                        const struct kvllama_embd_span *span,
                                        struct kvllama_prefill_out *out)
 {
-    KVCAP_RETURN_IF(!m || !ids || !out || n < 1, KVCAP_ERR_INVALID_ARGUMENT,
-                    "kvllama_prefill: NULL argument or n < 1");
-    KVCAP_RETURN_IF(span && (!span->embd || span->at < 0 || span->n < 1 || span->at > n - span->n),
+    return kvllama_prefill_spans(m, ids, n, span, span ? 1 : 0, out);
+}
+
+enum kvcap_status kvllama_prefill_spans(const struct kvllama_model *m, const int32_t *ids, int n,
+                                        const struct kvllama_embd_span *spans, int n_spans,
+                                        struct kvllama_prefill_out *out)
+{
+    KVCAP_RETURN_IF(!m || !ids || !out || n < 1 || n_spans < 0 || (n_spans > 0 && !spans),
                     KVCAP_ERR_INVALID_ARGUMENT,
-                    "kvllama_prefill: embedding span [%d, %d) not inside the %d tokens",
-                    span->at, span->at + span->n, n);
+                    "kvllama_prefill: NULL argument, n < 1 or n_spans < 0");
+    for (int i = 0; i < n_spans; i++) {
+        const struct kvllama_embd_span *sp = &spans[i];
+        const int from = i ? spans[i - 1].at + spans[i - 1].n : 0;
+        KVCAP_RETURN_IF(!sp->embd || sp->at < from || sp->n < 1 || sp->at > n - sp->n,
+                        KVCAP_ERR_INVALID_ARGUMENT,
+                        "kvllama_prefill: embedding span %d [%d, %d) not inside the %d tokens "
+                        "after the previous span", i, sp->at, sp->at + sp->n, n);
+    }
     const struct kvllama_hparams *hp = &m->hp;
     KVCAP_RETURN_IF(n > hp->n_ctx, KVCAP_ERR_INVALID_ARGUMENT,
                     "kvllama_prefill: %d tokens exceed the context length %d", n, hp->n_ctx);
@@ -380,9 +392,11 @@ enum kvcap_status kvllama_prefill_embd(const struct kvllama_model *m, const int3
     KVCAP_RETURN_IF(out->logits && (out->n_logits < 1 || out->n_logits > n),
                     KVCAP_ERR_INVALID_ARGUMENT, "kvllama_prefill: n_logits %d not in [1, %d]",
                     out->n_logits, n);
-    KVCAP_TRY(check_ids(m, ids, span ? span->at : n));
-    if (span)
-        KVCAP_TRY(check_ids(m, ids + span->at + span->n, n - span->at - span->n));
+    for (int i = 0, from = 0; i <= n_spans; i++) { /* the token ids between the spans */
+        const int to = i < n_spans ? spans[i].at : n;
+        KVCAP_TRY(check_ids(m, ids + from, to - from));
+        from = i < n_spans ? spans[i].at + spans[i].n : n;
+    }
     const int E = hp->n_embd, F = hp->n_ff, d = hp->head_dim, H = hp->n_heads;
     const int KV = hp->n_kv_heads, QD = H * d, KD = KV * d;
     const size_t N = (size_t)n;
@@ -396,20 +410,21 @@ enum kvcap_status kvllama_prefill_embd(const struct kvllama_model *m, const int3
         s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "llama: no memory to prefill %d tokens", n);
         goto done;
     }
-    if (!span) {
-        embed(m, ids, n, x);
-    } else { /* tokens, the span's embeddings, tokens */
-        const int end = span->at + span->n;
-        embed(m, ids, span->at, x);
-        memcpy(x + (size_t)span->at * E, span->embd, (size_t)span->n * E * sizeof *x);
-        embed(m, ids + end, n - end, x + (size_t)end * E);
-        for (size_t i = (size_t)span->at * E; i < (size_t)end * E; i++)
-            if (!isfinite(x[i])) {
+    for (int i = 0, from = 0; i <= n_spans; i++) { /* tokens, a span's embeddings, ... */
+        const int to = i < n_spans ? spans[i].at : n;
+        embed(m, ids + from, to - from, x + (size_t)from * E);
+        if (i == n_spans)
+            break;
+        const struct kvllama_embd_span *sp = &spans[i];
+        memcpy(x + (size_t)sp->at * E, sp->embd, (size_t)sp->n * E * sizeof *x);
+        for (size_t e = (size_t)sp->at * E; e < (size_t)(sp->at + sp->n) * E; e++)
+            if (!isfinite(x[e])) {
                 s = kvcap_fail(KVCAP_ERR_NUMERIC,
-                               "kvllama_prefill: embedding span: non-finite value at token %d, "
-                               "channel %d", (int)(i / E) - span->at, (int)(i % E));
+                               "kvllama_prefill: embedding span %d: non-finite value at token "
+                               "%d, channel %d", i, (int)(e / E) - sp->at, (int)(e % E));
                 goto done;
             }
+        from = sp->at + sp->n;
     }
     for (int l = 0; l < hp->n_layers; l++) {
         const struct llama_layer *ly = &m->layers[l];

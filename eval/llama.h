@@ -71,6 +71,12 @@ enum kvcap_status kvllama_prefill_embd(const struct kvllama_model *m, const int3
                                        const struct kvllama_embd_span *span,
                                        struct kvllama_prefill_out *out);
 
+/* The same with several embedding spans, in order and not overlapping (n_spans 0: token ids
+ * only), e.g. an image and its repetition in a context-reconstruction pass. */
+enum kvcap_status kvllama_prefill_spans(const struct kvllama_model *m, const int32_t *ids, int n,
+                                        const struct kvllama_embd_span *spans, int n_spans,
+                                        struct kvllama_prefill_out *out);
+
 /* The token-embedding table, [n_vocab][n_embd] f32 (dequantised). */
 const float *kvllama_token_embeddings(const struct kvllama_model *m);
 

@@ -40,6 +40,7 @@ struct run {
     double nll, nll_full, nll_delta, cos_mean, rel_mean;
     double bytes_held, bytes_held_full, bytes_held_span, bytes_read, bytes_read_full;
     double step_ms, step_ms_full;
+    double prefill_cost;                  /* compression work over the prefill; NaN: absent */
     double task_accuracy, task_agreement; /* NaN without "task" */
     double *task_depth;                   /* accuracy per depth bin (NaN: none), or NULL */
     int n_task_depth;
@@ -74,6 +75,20 @@ struct goal {
     int met;
 };
 
+/* An outside reference measured on the same prompts (scripts/kvpress-reference.sh writes
+ * kvpress.json beside metrics.json): one row per press and retention. */
+struct outside_row {
+    const char *press;
+    double retention, realised, dnll, kl, agreement;
+};
+
+struct outside {
+    const char *version, *transformers; /* kvpress's and transformers' versions */
+    struct outside_row *rows;
+    int n_rows;
+    const char *mismatch; /* why the file's rows are not shown (another setup), or NULL */
+};
+
 struct report {
     const char *path; /* the metrics file, first in every message */
     cJSON *root;
@@ -104,6 +119,9 @@ struct report {
     int n_masks;
     struct goal *goals;
     int n_goals;
+    cJSON *outside_root; /* kvpress.json beside the metrics, parsed; NULL when absent */
+    char outside_path[4200];
+    struct outside outside;
     /* "track": what the span holds; image is a photo crop's features on its grid */
     int image;
     double grid_rows, grid_cols, photos, heldout_photos, heldout_crops, calibration_crops;
@@ -112,8 +130,9 @@ struct report {
     const struct report *const *others;
 };
 
-static const char *const POLICIES[] = {"full",    "streaming", "kvcapsule",  "flashcache",
-                                       "vlcache", "freekv",    "composition"};
+static const char *const POLICIES[] = {"full",   "streaming",   "kvcapsule", "flashcache",
+                                       "vlcache", "freekv",      "kvzip",     "random",
+                                       "composition"};
 
 /* Okabe–Ito first (distinguishable with the common colour-vision deficiencies), then Tableau;
  * the reference curve is drawn in near-black. */
@@ -370,13 +389,14 @@ static enum kvcap_status parse_run(struct report *r, const cJSON *o, int i)
         known |= strcmp(u->policy, POLICIES[k]) == 0;
     KVCAP_RETURN_IF(!known, KVCAP_ERR_FORMAT,
                     "%s: %s.policy: '%s' is not one of full, streaming, kvcapsule, flashcache, "
-                    "vlcache, freekv, composition",
+                    "vlcache, freekv, kvzip, random, composition",
                     r->path, where, u->policy);
     KVCAP_TRY(get_string(r, o, where, "label", 1, &u->label));
     KVCAP_TRY(get_number(r, o, where, "retention", REQUIRED, NUM_RETENTION, &u->retention));
     KVCAP_TRY(get_bool(r, o, where, "extension", &u->extension));
     KVCAP_TRY(get_number(r, o, where, "nominal", REQUIRED, NUM_NONNEG, &u->nominal));
     KVCAP_TRY(get_number(r, o, where, "realised_retention", PRESENT, NUM_NONNEG, &u->realised));
+    KVCAP_TRY(get_number(r, o, where, "prefill_cost", OPTIONAL, NUM_NONNEG, &u->prefill_cost));
     KVCAP_TRY(get_number(r, o, where, "kl", REQUIRED, NUM_NONNEG, &u->kl));
 
     static const struct {
@@ -699,6 +719,8 @@ static void report_free(struct report *r)
     free(r->masks);
     free(r->goals);
     cJSON_Delete(r->root);
+    free(r->outside.rows);
+    cJSON_Delete(r->outside_root);
 }
 
 /* The metrics file as NUL-terminated text (it must not contain a NUL itself). */
@@ -711,6 +733,69 @@ static enum kvcap_status read_all(const char *path, char **out)
         *out = NULL;
         return kvcap_fail(KVCAP_ERR_FORMAT, "%s: not JSON text (contains a NUL byte)", path);
     }
+    return KVCAP_OK;
+}
+
+/* kvpress.json beside the metrics file, when there is one: its rows, checked field by field
+ * (errors name that file). Rows measured on another layout or another number of prompts are
+ * not comparable: they are kept out of the report, which says so. */
+static enum kvcap_status outside_load(struct report *r)
+{
+    const char *slash = strrchr(r->path, '/');
+    int dir = slash ? (int)(slash - r->path) + 1 : 0;
+    snprintf(r->outside_path, sizeof r->outside_path, "%.*skvpress.json", dir, r->path);
+    if (access(r->outside_path, F_OK) != 0)
+        return KVCAP_OK;
+    struct report kp; /* only its path: the reader's messages name kvpress.json */
+    memset(&kp, 0, sizeof kp);
+    kp.path = r->outside_path;
+    char *text = NULL;
+    KVCAP_TRY(read_all(kp.path, &text));
+    r->outside_root = cJSON_Parse(text);
+    free(text);
+    KVCAP_RETURN_IF(!r->outside_root || !cJSON_IsObject(r->outside_root), KVCAP_ERR_FORMAT,
+                    "%s: not a JSON object", kp.path);
+    const cJSON *root = r->outside_root, *layout, *rows, *e;
+    const char *source;
+    KVCAP_TRY(get_string(&kp, root, "", "source", 1, &source));
+    KVCAP_RETURN_IF(strcmp(source, "kvpress") != 0, KVCAP_ERR_FORMAT,
+                    "%s: source: '%s' is not kvpress", kp.path, source);
+    KVCAP_TRY(get_string(&kp, root, "", "kvpress_version", 1, &r->outside.version));
+    KVCAP_TRY(get_string(&kp, root, "", "transformers_version", 1, &r->outside.transformers));
+    double prompts, head, span, tail, cont;
+    KVCAP_TRY(get_number(&kp, root, "", "prompts", REQUIRED, NUM_POS_COUNT, &prompts));
+    KVCAP_TRY(get_object(&kp, root, "", "layout", &layout));
+    KVCAP_RETURN_IF(!layout, KVCAP_ERR_FORMAT, "%s: layout: missing (expected an object)",
+                    kp.path);
+    KVCAP_TRY(get_number(&kp, layout, "layout", "head", REQUIRED, NUM_COUNT, &head));
+    KVCAP_TRY(get_number(&kp, layout, "layout", "span", REQUIRED, NUM_POS_COUNT, &span));
+    KVCAP_TRY(get_number(&kp, layout, "layout", "tail", REQUIRED, NUM_COUNT, &tail));
+    KVCAP_TRY(get_number(&kp, layout, "layout", "continuation", REQUIRED, NUM_POS_COUNT, &cont));
+    KVCAP_TRY(get_array(&kp, root, "rows", &rows, &r->outside.n_rows));
+    KVCAP_RETURN_IF(!rows, KVCAP_ERR_FORMAT, "%s: rows: missing (expected an array)", kp.path);
+    r->outside.rows = calloc((size_t)r->outside.n_rows + 1, sizeof *r->outside.rows);
+    KVCAP_RETURN_IF(!r->outside.rows, KVCAP_ERR_OUT_OF_MEMORY, "%s: out of memory", kp.path);
+    int i = 0;
+    cJSON_ArrayForEach(e, rows)
+    {
+        char where[32];
+        struct outside_row *o = &r->outside.rows[i];
+        snprintf(where, sizeof where, "rows[%d]", i++);
+        KVCAP_RETURN_IF(!cJSON_IsObject(e), KVCAP_ERR_FORMAT, "%s: %s: expected an object",
+                        kp.path, where);
+        KVCAP_TRY(get_string(&kp, e, where, "press", 1, &o->press));
+        KVCAP_TRY(get_number(&kp, e, where, "retention", REQUIRED, NUM_RETENTION, &o->retention));
+        KVCAP_TRY(get_number(&kp, e, where, "realised_retention", REQUIRED, NUM_NONNEG,
+                             &o->realised));
+        KVCAP_TRY(get_number(&kp, e, where, "dnll", REQUIRED, NUM_ANY, &o->dnll));
+        KVCAP_TRY(get_number(&kp, e, where, "kl", REQUIRED, NUM_NONNEG, &o->kl));
+        KVCAP_TRY(get_number(&kp, e, where, "next_token_agreement", REQUIRED, NUM_FRACTION,
+                             &o->agreement));
+    }
+    if (prompts != r->prompts || head != r->head_tokens || span != r->span_tokens ||
+        tail != r->tail_tokens || cont != r->continuation_tokens)
+        r->outside.mismatch = "it was measured on another layout or number of prompts than "
+                              "this run (rerun scripts/kvpress-reference.sh on this folder)";
     return KVCAP_OK;
 }
 
@@ -844,6 +929,7 @@ static enum kvcap_status report_load(struct report *r, const char *path)
     i = 0;
     cJSON_ArrayForEach(e, goals) KVCAP_TRY(parse_goal(r, e, i++));
 
+    KVCAP_TRY(outside_load(r));
     return build_curves(r);
 }
 
@@ -1669,7 +1755,7 @@ static void share_cell(struct buf *b, double v)
         na_cell(b);
 }
 
-enum { TABLE_COLUMNS = 12 };
+enum { TABLE_COLUMNS = 13 };
 
 static void render_table(struct buf *b, const struct report *r)
 {
@@ -1696,6 +1782,7 @@ static void render_table(struct buf *b, const struct report *r)
     bputs(b, "</span></th>"
              "<th>Bytes held<br><span class=\"unit\">% of full</span></th>"
              "<th>Step time<br><span class=\"unit\">vs full</span></th>"
+             "<th>Prefill<br>cost<br><span class=\"unit\">vs prefill</span></th>"
              "<th>FreeKV<br>corrected /<br>re-selected /<br>hidden <span class=\"unit\">%</span>"
              "</th>"
              "</tr></thead>\n<tbody>\n");
@@ -1752,6 +1839,10 @@ static void render_table(struct buf *b, const struct report *r)
             bprintf(b, "<td>%.2f&times;</td>", step);
         else
             na_cell(b);
+        if (isfinite(u->prefill_cost) && u->prefill_cost > 0)
+            bprintf(b, "<td>+%.*f&times;</td>", u->prefill_cost < 0.01 ? 4 : 2, u->prefill_cost);
+        else
+            na_cell(b);
         if (u->has_freekv) {
             bputs(b, "<td class=\"fk\">");
             const double fk[3] = {u->fk_corrected, u->fk_reselected, u->fk_hidden};
@@ -1788,10 +1879,99 @@ static void render_table(struct buf *b, const struct report *r)
              "<span class=\"key ag-bad\">below</span>. Greedy agreement (grey, secondary) "
              "cascades: once one generated token differs the continuations part. Bytes held "
              "are all layers after prefill over full's (FreeKV keeps the whole span in host "
-             "memory). FreeKV's column holds the shares of (step, KV head) pairs whose "
+             "memory). Prefill cost is the compression work per prompt (scoring and eviction; "
+             "for kvzip also its context-reconstruction pass, the model run over the prompt "
+             "again) over the model's prefill of the prompt. FreeKV's column holds the shares of (step, KV head) pairs whose "
              "speculative selection was corrected, re-selected synchronously, or fully hidden. "
              "Attention fidelity is in the plots and the per-layer heatmap below. &mdash; means "
              "not measured or not applicable.</p>\n</section>\n");
+}
+
+/* The best run of this report at a target retention by ΔNLL (full excluded), or NULL. */
+static const struct run *best_at(const struct report *r, double retention)
+{
+    const struct run *best = NULL;
+    for (int i = 0; i < r->n_runs; i++) {
+        const struct run *u = &r->runs[i];
+        if (is_reference(r, u) || fabs(u->retention - retention) > 1e-9 || !isfinite(u->nll_delta))
+            continue;
+        if (!best || u->nll_delta < best->nll_delta)
+            best = u;
+    }
+    return best;
+}
+
+/* kvpress's presses beside kvcap's best policy and random eviction, retention by retention. */
+static void render_outside(struct buf *b, const struct report *r)
+{
+    const struct outside *x = &r->outside;
+    if (!x->rows && !x->mismatch)
+        return;
+    char n1[32], d[48];
+    bputs(b, "<section>\n<h2>Outside reference: kvpress</h2>\n");
+    if (x->mismatch) {
+        bputs(b, "<p class=\"caption\">kvpress.json beside this report is not shown: ");
+        besc(b, x->mismatch);
+        bputs(b, ".</p>\n</section>\n");
+        return;
+    }
+    bputs(b, "<div class=\"table-wrap\"><table class=\"runs\">\n<thead><tr><th class=\"l\">Method"
+             "</th><th>Target<br>retention</th><th>Realised<br>retention</th>"
+             "<th>KL<br>vs full<br><span class=\"unit\">nats/token</span></th>"
+             "<th>&Delta;NLL<br>vs full<br><span class=\"unit\">nats/token</span></th>"
+             "<th>Next-token<br>agreement</th></tr></thead>\n<tbody>\n");
+    /* retentions in the order kvpress.json first lists them */
+    for (int i = 0; i < x->n_rows; i++) {
+        const double t = x->rows[i].retention;
+        int seen = 0;
+        for (int j = 0; j < i; j++)
+            seen |= x->rows[j].retention == t;
+        if (seen)
+            continue;
+        bprintf(b, "<tr class=\"group\"><td class=\"l\" colspan=\"6\">%.0f&nbsp;%% of the span "
+                   "kept</td></tr>\n", 100 * t);
+        const struct run *best = best_at(r, t), *rnd = NULL;
+        for (int k = 0; k < r->n_runs; k++)
+            if (!strcmp(r->runs[k].policy, "random") && fabs(r->runs[k].retention - t) < 1e-9)
+                rnd = &r->runs[k];
+        const struct run *ours[2] = {best, rnd != best ? rnd : NULL};
+        for (int k = 0; k < 2; k++) {
+            const struct run *u = ours[k];
+            if (!u)
+                continue;
+            bputs(b, "<tr class=\"run\"><td class=\"l\">");
+            policy_name(b, r, u);
+            bputs(b, k == 0 ? " <span class=\"ext-tag\">kvcap&rsquo;s best here</span>" : "");
+            bprintf(b, "</td><td>%.2f</td><td>%.1f&nbsp;%%</td><td>%s</td><td>%s</td>",
+                    u->retention, 100 * u->realised, fmt_kl(n1, sizeof n1, u->kl),
+                    fmt_signed(d, sizeof d, u->nll_delta, 4));
+            agreement_cell(b, u->next_token_agreement);
+            bputs(b, "</tr>\n");
+        }
+        for (int j = 0; j < x->n_rows; j++) {
+            const struct outside_row *o = &x->rows[j];
+            if (o->retention != t)
+                continue;
+            bputs(b, "<tr class=\"run ext\"><td class=\"l\">kvpress ");
+            besc(b, o->press);
+            bprintf(b, "</td><td>%.2f</td><td>%.1f&nbsp;%%</td><td>%s</td><td>%s</td>",
+                    o->retention, 100 * o->realised, fmt_kl(n1, sizeof n1, o->kl),
+                    fmt_signed(d, sizeof d, o->dnll, 4));
+            agreement_cell(b, o->agreement);
+            bputs(b, "</tr>\n");
+        }
+    }
+    bputs(b, "</tbody></table></div>\n<p class=\"caption\">kvpress ");
+    besc(b, x->version);
+    bputs(b, " on transformers ");
+    besc(b, x->transformers);
+    bputs(b, ", run by <code>scripts/kvpress-reference.sh</code> on the same model weights "
+             "(transformers reading the same GGUF, in f32), the same prompts and the same span; "
+             "tokens outside the span are always kept, and each press keeps the same share of "
+             "the span as kvcap's rows. KVzip shares its budget across layers and heads, as in "
+             "its paper; the other presses keep the same number per head. Metrics as above, "
+             "measured by the script on its own engine: compare rows within a retention.</p>\n"
+             "</section>\n");
 }
 
 /* ---- SVG plotting helpers ------------------------------------------------------------------ */
@@ -2996,6 +3176,7 @@ static void render_html(struct buf *b, const struct report *r)
     render_tracks(b, r);
     render_facts(b, r);
     render_table(b, r);
+    render_outside(b, r);
     render_fidelity(b, r);
     render_depths(b, r);
     render_heatmap(b, r);

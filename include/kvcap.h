@@ -365,6 +365,16 @@ KVCAP_API enum kvcap_status kvcap_cache_add_span(struct kvcap_cache *cache, int 
 KVCAP_API enum kvcap_status kvcap_cache_add_post_queries(struct kvcap_cache *cache, int seq,
                                                          int layer, const float *q, int n);
 
+/* kvcap_cache_add_post_queries with, per query, lse: [q_heads][n] fp32, the log-sum-exp of its
+ * scores (scaled by 1/sqrt(head_dim)) over keys the cache does not hold but the query saw: for
+ * KVzip's reconstruction pass, the pass's own tokens up to the query (causal). kvzip's softmax
+ * over the prompt then has the pass's whole normaliser, as in KVzip; -inf means "none" (what
+ * add_post_queries assumes), NaN or +inf is refused (KVCAP_ERR_NUMERIC). NULL lse is
+ * add_post_queries. */
+KVCAP_API enum kvcap_status kvcap_cache_add_post_queries_lse(struct kvcap_cache *cache, int seq,
+                                                             int layer, const float *q,
+                                                             const float *lse, int n);
+
 /* Ends the prefill of `seq`: spans whose policy compresses across layers (flashcache, vlcache)
  * are compressed now, their evicted rows freed. Needs every layer's spans, whatever the
  * policies: when some layers got a span and others did not, it fails with KVCAP_ERR_STATE

@@ -22,8 +22,9 @@
 
 #define KZ_BLOCK 256 /* key rows per block */
 
-static enum kvcap_status check_args(const char *fn, const float *q, int n_q, int G, int d,
-                                    float scale, const struct kvcap_rows *keys, int n_chunks,
+static enum kvcap_status check_args(const char *fn, const float *q, const float *lse,
+                                    size_t lse_stride, int n_q, int G, int d, float scale,
+                                    const struct kvcap_rows *keys, int n_chunks,
                                     const float *score, int *m_out)
 {
     KVCAP_RETURN_IF(!q, KVCAP_ERR_INVALID_ARGUMENT, "%s: q is NULL", fn);
@@ -38,6 +39,13 @@ static enum kvcap_status check_args(const char *fn, const float *q, int n_q, int
                     fn, (double)scale);
     KVCAP_RETURN_IF(n_chunks < 1, KVCAP_ERR_INVALID_ARGUMENT, "%s: n_chunks = %d, must be >= 1",
                     fn, n_chunks);
+    for (int i = 0; lse && i < n_q; i++)
+        for (int g = 0; g < G; g++) {
+            const float x = lse[(size_t)i * lse_stride + (size_t)g];
+            KVCAP_RETURN_IF(isnan(x) || x == INFINITY, KVCAP_ERR_INVALID_ARGUMENT,
+                            "%s: lse of query %d, head %d is %g (finite or -inf)", fn, i, g,
+                            (double)x);
+        }
     int64_t m = 0;
     for (int c = 0; c < n_chunks; c++) {
         const struct kvcap_rows *k = &keys[c];
@@ -63,13 +71,13 @@ static enum kvcap_status check_args(const char *fn, const float *q, int n_q, int
 
 /* ---- Oracle -------------------------------------------------------------------------------- */
 
-enum kvcap_status kvcap_kvzip_head_ref(const float *q, size_t q_stride, int n_q, int G, int d,
-                                       float scale, const struct kvcap_rows *keys, int n_chunks,
-                                       float *score)
+enum kvcap_status kvcap_kvzip_head_ref(const float *q, size_t q_stride, const float *lse,
+                                       size_t lse_stride, int n_q, int G, int d, float scale,
+                                       const struct kvcap_rows *keys, int n_chunks, float *score)
 {
     const char *fn = "kvcap_kvzip_head_ref";
     int m;
-    KVCAP_TRY(check_args(fn, q, n_q, G, d, scale, keys, n_chunks, score, &m));
+    KVCAP_TRY(check_args(fn, q, lse, lse_stride, n_q, G, d, scale, keys, n_chunks, score, &m));
     double *s = malloc(sizeof(double) * (size_t)m);
     KVCAP_RETURN_IF(!s, KVCAP_ERR_OUT_OF_MEMORY, "%s: out of memory for %d keys", fn, m);
     for (int i = 0; i < n_q; i++)
@@ -86,10 +94,13 @@ enum kvcap_status kvcap_kvzip_head_ref(const float *q, size_t q_stride, int n_q,
                     s[j] = a * scale;
                 }
             double mx = -INFINITY, z = 0;
+            const double extra = lse ? lse[(size_t)i * lse_stride + (size_t)g] : -INFINITY;
             for (j = 0; j < m; j++)
                 mx = s[j] > mx ? s[j] : mx;
+            mx = extra > mx ? extra : mx;
             for (j = 0; j < m; j++)
                 z += exp(s[j] - mx);
+            z += exp(extra - mx); /* 0 for -inf */
             for (j = 0; j < m; j++) {
                 float a = (float)(exp(s[j] - mx) / z);
                 score[j] = a > score[j] ? a : score[j];
@@ -118,13 +129,14 @@ size_t kvcap_kvzip_scratch_floats(int n_q, int G, int d)
  *   sc  [nq][KZ_BLOCK]   one block's scores
  *   mx  [nq], sum [nq]   running row max and Σ exp(s − mx); after pass 1 sum holds 1/sum
  *   kb  [KZ_BLOCK][d]    one block of keys in f32 */
-enum kvcap_status kvcap_kvzip_head(const float *q, size_t q_stride, int n_q, int G, int d,
-                                   float scale, const struct kvcap_rows *keys, int n_chunks,
-                                   float *score, float *scratch)
+enum kvcap_status kvcap_kvzip_head(const float *q, size_t q_stride, const float *lse,
+                                   size_t lse_stride, int n_q, int G, int d, float scale,
+                                   const struct kvcap_rows *keys, int n_chunks, float *score,
+                                   float *scratch)
 {
     const char *fn = "kvcap_kvzip_head";
     int m;
-    KVCAP_TRY(check_args(fn, q, n_q, G, d, scale, keys, n_chunks, score, &m));
+    KVCAP_TRY(check_args(fn, q, lse, lse_stride, n_q, G, d, scale, keys, n_chunks, score, &m));
     KVCAP_RETURN_IF(!scratch, KVCAP_ERR_INVALID_ARGUMENT, "%s: scratch is NULL", fn);
     const int nq = n_q * G;
     float *qs = scratch, *sc = qs + (size_t)nq * d, *mx = sc + (size_t)nq * KZ_BLOCK;
@@ -168,8 +180,18 @@ enum kvcap_status kvcap_kvzip_head(const float *q, size_t q_stride, int n_q, int
             j0 += nb;
         }
         if (pass == 1)
-            for (int r = 0; r < nq; r++)
+            for (int r = 0; r < nq; r++) {
+                /* the keys not given: their log-sum-exp joins the normaliser */
+                const float extra =
+                    lse ? lse[(size_t)(r / G) * lse_stride + (size_t)(r % G)] : -INFINITY;
+                if (extra > mx[r]) {
+                    sum[r] = sum[r] * expf(mx[r] - extra) + 1.0f;
+                    mx[r] = extra;
+                } else {
+                    sum[r] += expf(extra - mx[r]);
+                }
                 sum[r] = 1.0f / sum[r]; /* sum >= 1: the max term is exp(0) */
+            }
     }
     return KVCAP_OK;
 }

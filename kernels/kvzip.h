@@ -14,24 +14,27 @@
  * f32, query g of token i at q + i*q_stride + g*d (rotated at its own position). keys: the
  * prompt's keys in prompt order as n_chunks chunks of rows (kvcap_rows; v is not read; a chunk
  * may be empty), m tokens in all; every query sees every key (the reconstruction follows the
- * prompt). Scores are (q·k)·scale and A its softmax per query over the m keys:
+ * prompt). Scores are (q·k)·scale and A its softmax per query over the m keys and, when lse is
+ * given, the keys behind lse[i*lse_stride + g] (the log-sum-exp of query (i, g)'s scores over
+ * keys not passed here: the reconstruction tokens' own, which KVzip's softmax includes; -inf
+ * for none):
  *   score[j] = max(score[j], max over i, g of A_g[i][j])      (m floats)
- * The reconstruction tokens' own keys are not in the softmax (the cache holds the prompt only),
- * which KVzip's includes: a query's probabilities over the prompt sum to 1 here.
+ * Without lse a query's probabilities over the prompt sum to 1.
  * scratch: at least kvcap_kvzip_scratch_floats(n_q, G, d) floats (independent of m).
  * Returns KVCAP_OK, or KVCAP_ERR_INVALID_ARGUMENT naming the argument (NULL pointer, n_q, G or
  * d < 1, no keys, a chunk with a non-storage dtype, negative n or row_stride < d, non-finite
  * scale); on error nothing is written. Single-threaded apart from what BLAS does. */
-enum kvcap_status kvcap_kvzip_head(const float *q, size_t q_stride, int n_q, int G, int d,
-                                   float scale, const struct kvcap_rows *keys, int n_chunks,
-                                   float *score, float *scratch);
+enum kvcap_status kvcap_kvzip_head(const float *q, size_t q_stride, const float *lse,
+                                   size_t lse_stride, int n_q, int G, int d, float scale,
+                                   const struct kvcap_rows *keys, int n_chunks, float *score,
+                                   float *scratch);
 /* 0 for n_q, G or d < 1; SIZE_MAX on overflow. */
 size_t kvcap_kvzip_scratch_floats(int n_q, int G, int d);
 /* Naive double-precision oracle with the same contract (allocates O(m) doubles:
  * KVCAP_ERR_OUT_OF_MEMORY when that fails). */
-enum kvcap_status kvcap_kvzip_head_ref(const float *q, size_t q_stride, int n_q, int G, int d,
-                                       float scale, const struct kvcap_rows *keys, int n_chunks,
-                                       float *score);
+enum kvcap_status kvcap_kvzip_head_ref(const float *q, size_t q_stride, const float *lse,
+                                       size_t lse_stride, int n_q, int G, int d, float scale,
+                                       const struct kvcap_rows *keys, int n_chunks, float *score);
 
 /* The shared budget: `units` score rows of n floats each (one per layer and KV head, the
  * compressible tokens only) compete for `budget` places; keep[u] receives how many of row u's

@@ -181,7 +181,7 @@ void kvcap_cache_free(struct kvcap_cache *c)
             kvcap_segment_release(c, &sl->segs[s]);
         free(sl->segs);
         kvcap_segment_release(c, &sl->gen);
-        free(sl->post_q);
+        free(sl->post_q), free(sl->post_lse);
         kvcap_freekv_free(sl->freekv);
     }
     kvcap_freekv_worker_free(c->freekv_worker);
@@ -327,6 +327,32 @@ enum kvcap_status kvcap_cache_add_span(struct kvcap_cache *c, int seq, int layer
 enum kvcap_status kvcap_cache_add_post_queries(struct kvcap_cache *c, int seq, int layer,
                                                const float *q, int n)
 {
+    return kvcap_cache_add_post_queries_lse(c, seq, layer, q, NULL, n);
+}
+
+/* Grows sl->post_lse to n_post + n rows ([n][q_heads]), -inf for the earlier queries that came
+ * without one, then copies lse ([q_heads][n]) or -inf. */
+static enum kvcap_status store_post_lse(struct kvcap_cache *c, struct kvcap_seq_layer *sl,
+                                        const float *lse, int n)
+{
+    const int Hq = c->g.n_q_heads;
+    if (!lse && !sl->post_lse)
+        return KVCAP_OK;
+    const int had = sl->post_lse ? sl->n_post : 0;
+    float *grown = realloc(sl->post_lse, sizeof(float) * (size_t)Hq * (size_t)(sl->n_post + n));
+    KVCAP_RETURN_IF(!grown, KVCAP_ERR_OUT_OF_MEMORY, "post queries: out of memory");
+    sl->post_lse = grown;
+    for (size_t i = (size_t)had * Hq; i < (size_t)sl->n_post * Hq; i++)
+        grown[i] = -INFINITY;
+    for (int i = 0; i < n; i++)
+        for (int hq = 0; hq < Hq; hq++)
+            grown[(size_t)(sl->n_post + i) * Hq + hq] = lse ? lse[(size_t)hq * n + i] : -INFINITY;
+    return KVCAP_OK;
+}
+
+enum kvcap_status kvcap_cache_add_post_queries_lse(struct kvcap_cache *c, int seq, int layer,
+                                                   const float *q, const float *lse, int n)
+{
     KVCAP_TRY(check_seq_layer(c, seq, layer));
     KVCAP_RETURN_IF(!q || n < 1 || n > (1 << 20), KVCAP_ERR_INVALID_ARGUMENT,
                     "post queries: q NULL or n %d outside 1..2^20", n);
@@ -342,6 +368,11 @@ enum kvcap_status kvcap_cache_add_post_queries(struct kvcap_cache *c, int seq, i
                         (double)q[i], (int)(i / ((size_t)n * c->g.head_dim)),
                         (int)(i / (size_t)c->g.head_dim % (size_t)n),
                         (int)(i % (size_t)c->g.head_dim));
+    for (size_t i = 0; lse && i < (size_t)n * c->g.n_q_heads; i++)
+        KVCAP_RETURN_IF(isnan(lse[i]) || lse[i] == INFINITY, KVCAP_ERR_NUMERIC,
+                        "post queries: lse: %g at head %d, query %d (finite or -inf)",
+                        (double)lse[i], (int)(i / (size_t)n), (int)(i % (size_t)n));
+    KVCAP_TRY(store_post_lse(c, sl, lse, n));
     /* Kept token-major ([n][q_heads][d]) so later calls extend the same block. */
     size_t qd = (size_t)c->g.n_q_heads * c->g.head_dim;
     float *grown = realloc(sl->post_q, sizeof(float) * qd * (size_t)(sl->n_post + n));
@@ -411,8 +442,8 @@ enum kvcap_status kvcap_cache_end_prefill(struct kvcap_cache *c, int seq)
     }
     for (int l = 0; l < c->g.n_layers; l++) { /* consumed */
         struct kvcap_seq_layer *sl = kvcap_cache_seq_layer(c, seq, l);
-        free(sl->post_q);
-        sl->post_q = NULL;
+        free(sl->post_q), free(sl->post_lse);
+        sl->post_q = sl->post_lse = NULL;
         sl->n_post = 0;
     }
     if (c->recorder)

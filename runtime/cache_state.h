@@ -42,8 +42,10 @@ struct kvcap_seq_layer {
     struct kvcap_segment *segs;
     int n_segs, cap_segs;
     struct kvcap_segment gen; /* generated tokens (no rows when their policy is freekv) */
-    /* Post-vision queries (kvcap_cache_add_post_queries), token-major [n_post][q_heads][d]. */
-    float *post_q;
+    /* Post-vision queries (kvcap_cache_add_post_queries), token-major [n_post][q_heads][d], and
+     * each one's log-sum-exp over keys the cache does not hold ([n_post][q_heads]; NULL: none
+     * given, -inf everywhere). */
+    float *post_q, *post_lse;
     int n_post;
     /* Every token routed to FreeKV (spans and generated), in order; NULL when none. */
     struct kvcap_freekv *freekv;

@@ -71,8 +71,9 @@ static void layer_head(void *ctx, int h, int thread)
     if (st == KVCAP_OK) {
         kvcap_quiet_push();
         st = kvcap_kvzip_head(sl->post_q + (size_t)h * G * d, (size_t)g->n_q_heads * d,
-                              sl->n_post, G, d, 1.0f / sqrtf((float)d), chunks, n_chunks, score,
-                              j->scratch[thread]);
+                              sl->post_lse ? sl->post_lse + (size_t)h * G : NULL,
+                              (size_t)g->n_q_heads, sl->n_post, G, d, 1.0f / sqrtf((float)d),
+                              chunks, n_chunks, score, j->scratch[thread]);
         kvcap_quiet_pop();
     }
     if (st == KVCAP_OK)

@@ -58,8 +58,10 @@ static int make_keys(const float *x, int m, int d, size_t stride, enum kvcap_dty
     return n;
 }
 
+/* with_lse: every query also saw keys outside the m given (log-sum-exp around the prompt's
+ * own, some -inf), which must join each normaliser. */
 static void check_config(int m, int n_q, int G, int d, enum kvcap_dtype dt, size_t stride,
-                         double qscale, uint64_t seed)
+                         double qscale, uint64_t seed, int with_lse)
 {
     struct kvcap_rng r;
     kvcap_rng_seed(&r, seed);
@@ -76,10 +78,17 @@ static void check_config(int m, int n_q, int G, int d, enum kvcap_dtype dt, size
     for (int j = 0; j < m; j++)
         got[j] = want[j] = j % 5 == 0 ? 0.5f : 0.0f; /* max with what is there already */
     float scale = 1.0f / sqrtf((float)d);
-    assert_int_equal(kvcap_kvzip_head_ref(q, q_stride, n_q, G, d, scale, chunks, nc, want),
+    const size_t lse_stride = (size_t)G + 1;
+    float *lse = with_lse ? malloc(sizeof(float) * (size_t)n_q * lse_stride) : NULL;
+    for (size_t i = 0; lse && i < (size_t)n_q * lse_stride; i++)
+        lse[i] = i % 5 == 0 ? -INFINITY : (float)(log((double)m) + 3.0 * kvcap_rng_normal(&r));
+    assert_int_equal(kvcap_kvzip_head_ref(q, q_stride, lse, lse_stride, n_q, G, d, scale, chunks,
+                                          nc, want),
                      KVCAP_OK);
-    assert_int_equal(kvcap_kvzip_head(q, q_stride, n_q, G, d, scale, chunks, nc, got, scratch),
+    assert_int_equal(kvcap_kvzip_head(q, q_stride, lse, lse_stride, n_q, G, d, scale, chunks, nc,
+                                      got, scratch),
                      KVCAP_OK);
+    free(lse);
     double worst = 0;
     for (int j = 0; j < m; j++) {
         double err = fabs((double)got[j] - want[j]);
@@ -98,12 +107,13 @@ static void test_fast_matches_ref(void **state)
     (void)state;
     static const enum kvcap_dtype dts[] = {KVCAP_DTYPE_F32, KVCAP_DTYPE_F16, KVCAP_DTYPE_BF16};
     uint64_t seed = 1;
-    for (int t = 0; t < 3; t++) {
-        check_config(1, 1, 1, 64, dts[t], 64, 1.0, seed++);
-        check_config(300, 7, 3, 64, dts[t], 64, 1.0, seed++);
-        check_config(1100, 20, 1, 128, dts[t], 136, 2.0, seed++);   /* padded rows */
-        check_config(513, 300, 4, 64, dts[t], 64, 4.0, seed++);     /* sharp attention */
-        check_config(257, 3, 7, 96, dts[t], 96, 0.3, seed++);
+    for (int t = 0; t < 6; t++) {
+        const int lse = t >= 3;
+        check_config(1, 1, 1, 64, dts[t % 3], 64, 1.0, seed++, lse);
+        check_config(300, 7, 3, 64, dts[t % 3], 64, 1.0, seed++, lse);
+        check_config(1100, 20, 1, 128, dts[t % 3], 136, 2.0, seed++, lse);   /* padded rows */
+        check_config(513, 300, 4, 64, dts[t % 3], 64, 4.0, seed++, lse);     /* sharp attention */
+        check_config(257, 3, 7, 96, dts[t % 3], 96, 0.3, seed++, lse);
     }
 }
 
@@ -121,10 +131,20 @@ static void test_by_hand(void **state)
     struct kvcap_rows ch = {k, NULL, KVCAP_DTYPE_F32, (size_t)d, 2};
     float s[2] = {0, 0}, sr[2] = {0, 0};
     float *scratch = malloc(sizeof(float) * kvcap_kvzip_scratch_floats(2, 1, d));
-    assert_int_equal(kvcap_kvzip_head(q, (size_t)d, 2, 1, d, 1.0f, &ch, 1, s, scratch), KVCAP_OK);
-    assert_int_equal(kvcap_kvzip_head_ref(q, (size_t)d, 2, 1, d, 1.0f, &ch, 1, sr), KVCAP_OK);
+    assert_int_equal(kvcap_kvzip_head(q, (size_t)d, NULL, 0, 2, 1, d, 1.0f, &ch, 1, s, scratch), KVCAP_OK);
+    assert_int_equal(kvcap_kvzip_head_ref(q, (size_t)d, NULL, 0, 2, 1, d, 1.0f, &ch, 1, sr), KVCAP_OK);
     double p0 = exp(2.0) / (exp(2.0) + 1.0), p1 = exp(3.0) / (exp(3.0) + 1.0);
     assert_true(fabs(s[0] - p0) < TINY_ABS_TOL && fabs(sr[0] - p0) < TINY_ABS_TOL);
+    assert_true(fabs(s[1] - p1) < TINY_ABS_TOL && fabs(sr[1] - p1) < TINY_ABS_TOL);
+    /* query 0 also saw a key outside (log-sum-exp 2): e^2/(2e^2+1); query 1 none (-inf) */
+    const float lse[2] = {2.0f, -INFINITY};
+    s[0] = s[1] = sr[0] = sr[1] = 0;
+    assert_int_equal(kvcap_kvzip_head(q, (size_t)d, lse, 1, 2, 1, d, 1.0f, &ch, 1, s, scratch),
+                     KVCAP_OK);
+    assert_int_equal(kvcap_kvzip_head_ref(q, (size_t)d, lse, 1, 2, 1, d, 1.0f, &ch, 1, sr),
+                     KVCAP_OK);
+    double p0x = exp(2.0) / (2 * exp(2.0) + 1.0);
+    assert_true(fabs(s[0] - p0x) < TINY_ABS_TOL && fabs(sr[0] - p0x) < TINY_ABS_TOL);
     assert_true(fabs(s[1] - p1) < TINY_ABS_TOL && fabs(sr[1] - p1) < TINY_ABS_TOL);
     free(scratch);
 }
@@ -178,19 +198,22 @@ static void test_arguments(void **state)
     struct kvcap_rows ch = {k, NULL, KVCAP_DTYPE_F32, 64, 1};
     struct kvcap_rows bad = {k, NULL, KVCAP_DTYPE_F64, 64, 1};
     struct kvcap_rows empty = {NULL, NULL, KVCAP_DTYPE_F32, 64, 0};
-    assert_int_equal(kvcap_kvzip_head(NULL, 64, 1, 1, 64, 1.0f, &ch, 1, s, scratch),
+    assert_int_equal(kvcap_kvzip_head(NULL, 64, NULL, 0, 1, 1, 64, 1.0f, &ch, 1, s, scratch),
                      KVCAP_ERR_INVALID_ARGUMENT);
-    assert_int_equal(kvcap_kvzip_head(q, 64, 0, 1, 64, 1.0f, &ch, 1, s, scratch),
+    assert_int_equal(kvcap_kvzip_head(q, 64, NULL, 0, 0, 1, 64, 1.0f, &ch, 1, s, scratch),
                      KVCAP_ERR_INVALID_ARGUMENT);
-    assert_int_equal(kvcap_kvzip_head(q, 64, 1, 1, 64, NAN, &ch, 1, s, scratch),
+    assert_int_equal(kvcap_kvzip_head(q, 64, NULL, 0, 1, 1, 64, NAN, &ch, 1, s, scratch),
                      KVCAP_ERR_INVALID_ARGUMENT);
-    assert_int_equal(kvcap_kvzip_head(q, 64, 1, 1, 64, 1.0f, &bad, 1, s, scratch),
+    assert_int_equal(kvcap_kvzip_head(q, 64, NULL, 0, 1, 1, 64, 1.0f, &bad, 1, s, scratch),
                      KVCAP_ERR_INVALID_ARGUMENT);
-    assert_int_equal(kvcap_kvzip_head(q, 64, 1, 1, 64, 1.0f, &empty, 1, s, scratch),
+    assert_int_equal(kvcap_kvzip_head(q, 64, NULL, 0, 1, 1, 64, 1.0f, &empty, 1, s, scratch),
                      KVCAP_ERR_INVALID_ARGUMENT); /* no key at all */
-    assert_int_equal(kvcap_kvzip_head(q, 64, 1, 1, 64, 1.0f, &ch, 1, s, NULL),
+    assert_int_equal(kvcap_kvzip_head(q, 64, NULL, 0, 1, 1, 64, 1.0f, &ch, 1, s, NULL),
                      KVCAP_ERR_INVALID_ARGUMENT);
-    assert_int_equal(kvcap_kvzip_head_ref(q, 64, 1, 1, 64, 1.0f, &ch, 1, NULL),
+    assert_int_equal(kvcap_kvzip_head_ref(q, 64, NULL, 0, 1, 1, 64, 1.0f, &ch, 1, NULL),
+                     KVCAP_ERR_INVALID_ARGUMENT);
+    const float bad_lse[1] = {NAN};
+    assert_int_equal(kvcap_kvzip_head(q, 64, bad_lse, 1, 1, 1, 64, 1.0f, &ch, 1, s, scratch),
                      KVCAP_ERR_INVALID_ARGUMENT);
     assert_int_equal(kvcap_kvzip_scratch_floats(0, 1, 64), 0);
     int keep[1];

@@ -1013,6 +1013,65 @@ static void test_tracks_side_by_side(void **state)
     dirs_remove(&d);
 }
 
+/* kvpress.json beside the metrics (scripts/kvpress-reference.sh): its presses beside kvcap's best
+ * row and random eviction at each retention; another setup's file is named and not shown; a
+ * malformed one is refused naming the file and the field. */
+static void write_kvpress(const char *dir, int prompts, const char *row0)
+{
+    char path[700], text[2048];
+    snprintf(path, sizeof path, "%s/kvpress.json", dir);
+    snprintf(text, sizeof text,
+             "{\"source\": \"kvpress\", \"kvpress_version\": \"0.5.5\", "
+             "\"transformers_version\": \"5.2.0\", \"prompts\": %d, "
+             "\"layout\": {\"head\": 16, \"span\": 256, \"tail\": 64, \"continuation\": 64}, "
+             "\"rows\": [%s, {\"press\": \"snapkv\", \"retention\": 0.2, \"dnll\": 0.14, "
+             "\"kl\": 0.13, \"next_token_agreement\": 0.84, \"realised_retention\": 0.199}]}",
+             prompts, row0);
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs(text, f);
+    fclose(f);
+}
+
+static void test_outside_reference(void **state)
+{
+    (void)state;
+    struct dirs d;
+    dirs_make(&d);
+    cJSON *doc = load_sample();
+    write_json(d.metrics, doc);
+    cJSON_Delete(doc);
+    const char *good = "{\"press\": \"kvzip\", \"retention\": 0.2, \"dnll\": 0.0181, "
+                       "\"kl\": 0.0291, \"next_token_agreement\": 0.917, "
+                       "\"realised_retention\": 0.2}";
+    write_kvpress(d.in, 24, good);
+    if (kvcap_report_write(d.metrics, d.html, NULL) != KVCAP_OK)
+        fail_msg("%s", kvcap_last_error());
+    char *html = slurp(d.html);
+    assert_non_null(html);
+    assert_non_null(strstr(html, "<h2>Outside reference: kvpress</h2>"));
+    assert_non_null(strstr(html, "kvpress kvzip</td><td>0.20</td><td>20.0&nbsp;%</td>"));
+    assert_non_null(strstr(html, "kvpress snapkv"));
+    assert_non_null(strstr(html, "kvcap&rsquo;s best here"));
+    assert_non_null(strstr(html, "kvpress 0.5.5 on transformers 5.2.0"));
+    free(html);
+    /* measured on another number of prompts: said, not shown */
+    write_kvpress(d.in, 8, good);
+    if (kvcap_report_write(d.metrics, d.html, NULL) != KVCAP_OK)
+        fail_msg("%s", kvcap_last_error());
+    assert_non_null(html = slurp(d.html));
+    assert_non_null(strstr(html, "kvpress.json beside this report is not shown"));
+    assert_null(strstr(html, "kvpress kvzip</td>"));
+    free(html);
+    /* a row without its dnll */
+    write_kvpress(d.in, 24, "{\"press\": \"kvzip\", \"retention\": 0.2, \"kl\": 0.02, "
+                            "\"next_token_agreement\": 0.9, \"realised_retention\": 0.2}");
+    assert_int_equal(kvcap_report_write(d.metrics, d.html, NULL), KVCAP_ERR_FORMAT);
+    assert_non_null(strstr(kvcap_last_error(), "kvpress.json"));
+    assert_non_null(strstr(kvcap_last_error(), "rows[0].dnll"));
+    dirs_remove(&d);
+}
+
 /* ---- Cost of hostile inputs ------------------------------------------------------------------ */
 
 /* A metrics file within every bound whose mask panel is as large as they allow (4096 heads and
@@ -1128,6 +1187,7 @@ int main(void)
         cmocka_unit_test(test_unwritable_output),
         cmocka_unit_test(test_bounded_rendering),
         cmocka_unit_test(test_tracks_side_by_side),
+        cmocka_unit_test(test_outside_reference),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

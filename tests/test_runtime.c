@@ -1335,7 +1335,7 @@ static void test_kvzip_in_cache(void **state)
     struct kvcap_rng r;
     kvcap_rng_seed(&r, 61);
     const int ns[3] = {nh, nv, nt};
-    float *x[3][3], *rq[3];
+    float *x[3][3], *rq[3], *rl[3];
     for (int l = 0; l < L; l++) {
         int p0 = 0;
         for (int s = 0; s < 3; s++) {
@@ -1348,21 +1348,48 @@ static void test_kvzip_in_cache(void **state)
             assert_int_equal(kvcap_cache_add_span(c, 0, l, &ds, &a, &b), KVCAP_OK);
             p0 += ns[s];
         }
-        rq[l] = malloc(sizeof(float) * (size_t)n_r * Hq * d); /* token-major, as the API */
+        rq[l] = malloc(sizeof(float) * (size_t)n_r * Hq * d); /* token-major */
         fill(&r, rq[l], (size_t)n_r * Hq * d, 0.5 + 0.6 * l);  /* layers differ in sharpness */
+        /* the pass's own keys: a log-sum-exp per query on layer 1 ([n_r][q_heads], -inf on
+         * some), none on the others (plain add_post_queries) */
+        rl[l] = malloc(sizeof(float) * (size_t)n_r * Hq);
+        for (int i = 0; i < n_r * Hq; i++)
+            rl[l][i] = l != 1 ? -INFINITY : i % 4 == 0 ? -INFINITY
+                                                      : (float)(4.5 + kvcap_rng_normal(&r));
     }
     /* before the queries: the end of prefill names what is missing, and changes nothing */
     assert_int_equal(kvcap_cache_end_prefill(c, 0), KVCAP_ERR_STATE);
     assert_non_null(strstr(kvcap_last_error(), "reconstruction"));
+    float bad[6 * 1 * 64] = {0}, bad_lse[6] = {0, 0, NAN, 0, 0, 0};
+    assert_int_equal(kvcap_cache_add_post_queries_lse(c, 0, 0, bad, bad_lse, 1), KVCAP_ERR_NUMERIC);
+    assert_non_null(strstr(kvcap_last_error(), "lse"));
     for (int l = 0; l < L; l++) {
-        /* [n_r][q_heads][d] → the API's [q_heads][n_r][d] */
+        /* [n_r][q_heads][d] → the API's [q_heads][n_r][d], lse likewise */
         float *qh = malloc(sizeof(float) * (size_t)n_r * Hq * d);
+        float *lh = malloc(sizeof(float) * (size_t)n_r * Hq);
         for (int i = 0; i < n_r; i++)
-            for (int q = 0; q < Hq; q++)
+            for (int q = 0; q < Hq; q++) {
                 memcpy(qh + ((size_t)q * n_r + i) * d, rq[l] + ((size_t)i * Hq + q) * d,
                        sizeof(float) * d);
-        assert_int_equal(kvcap_cache_add_post_queries(c, 0, l, qh, n_r), KVCAP_OK);
-        free(qh);
+                lh[(size_t)q * n_r + i] = rl[l][(size_t)i * Hq + q];
+            }
+        if (l == 1) { /* in two calls: 5 queries, then the rest */
+            float *q2 = malloc(sizeof(float) * (size_t)n_r * Hq * d), *l2 = malloc(sizeof(float) * (size_t)n_r * Hq);
+            for (int part = 0; part < 2; part++) {
+                const int i0 = part ? 5 : 0, ni = part ? n_r - 5 : 5;
+                for (int q = 0; q < Hq; q++)
+                    for (int i = 0; i < ni; i++) {
+                        memcpy(q2 + ((size_t)q * ni + i) * d, qh + ((size_t)q * n_r + i0 + i) * d,
+                               sizeof(float) * d);
+                        l2[(size_t)q * ni + i] = lh[(size_t)q * n_r + i0 + i];
+                    }
+                assert_int_equal(kvcap_cache_add_post_queries_lse(c, 0, l, q2, l2, ni), KVCAP_OK);
+            }
+            free(q2), free(l2);
+        } else {
+            assert_int_equal(kvcap_cache_add_post_queries(c, 0, l, qh, n_r), KVCAP_OK);
+        }
+        free(qh), free(lh);
     }
     assert_int_equal(kvcap_cache_end_prefill(c, 0), KVCAP_OK);
 
@@ -1376,8 +1403,9 @@ static void test_kvzip_in_cache(void **state)
                 ch[s] = (struct kvcap_rows){x[l][s] + (size_t)h * ns[s] * d, NULL,
                                             KVCAP_DTYPE_F32, (size_t)d, ns[s]};
             memset(full, 0, sizeof(float) * m);
-            assert_int_equal(kvcap_kvzip_head_ref(rq[l] + (size_t)h * G * d, (size_t)Hq * d, n_r,
-                                                  G, d, 1.0f / sqrtf((float)d), ch, 3, full),
+            assert_int_equal(kvcap_kvzip_head_ref(rq[l] + (size_t)h * G * d, (size_t)Hq * d,
+                                                  rl[l] + (size_t)h * G, (size_t)Hq, n_r, G, d,
+                                                  1.0f / sqrtf((float)d), ch, 3, full),
                              KVCAP_OK);
             memcpy(score + ((size_t)l * H + h) * nc, full + nh + lo, sizeof(float) * nc);
         }
@@ -1439,7 +1467,7 @@ static void test_kvzip_in_cache(void **state)
     for (int l = 0; l < L; l++) {
         for (int s = 0; s < 3; s++)
             free(x[l][s]);
-        free(rq[l]);
+        free(rq[l]), free(rl[l]);
     }
     kvcap_cache_free(c);
 }
