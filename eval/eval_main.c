@@ -511,69 +511,32 @@ static enum kvcap_status prompt_replay(const struct model_ctx *mc, struct prompt
 {
     const struct kvllama_hparams *hp = mc->hp;
     const int P = prompt_tokens(p);
-    int32_t *a = NULL, *b = NULL;
+    int32_t *a = NULL, *b = NULL, *prefix = NULL;
     size_t na = 0, nb = 0;
     KVCAP_TRY(kvtok_encode(mc->tok, k_replay_text, strlen(k_replay_text), 0, &a, &na));
     enum kvcap_status s = kvtok_encode(mc->tok, k_replay_turn, strlen(k_replay_turn), 1, &b, &nb);
-    const int R = (int)(na + nb) + P, n = P + R;
+    const int R = (int)(na + nb) + P;
     const size_t L = (size_t)hp->n_layers, H = (size_t)hp->n_heads, d = (size_t)hp->head_dim;
-    const size_t kd = (size_t)hp->n_kv_heads * d;
-    int32_t *ids = s == KVCAP_OK ? malloc(sizeof *ids * (size_t)n) : NULL;
     float *q = s == KVCAP_OK ? malloc(sizeof *q * L * H * (size_t)R * d) : NULL;
-    float *k = s == KVCAP_OK ? malloc(sizeof *k * L * (size_t)n * kd) : NULL;
     float *lse = s == KVCAP_OK ? malloc(sizeof *lse * L * H * (size_t)R) : NULL;
-    if (s == KVCAP_OK && (!ids || !q || !k || !lse))
+    prefix = s == KVCAP_OK ? malloc(sizeof *prefix * (na + nb + 1)) : NULL;
+    if (s == KVCAP_OK && (!q || !lse || !prefix))
         s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "no memory for the reconstruction pass");
     if (s == KVCAP_OK) {
-        memcpy(ids, p->ids, sizeof *ids * (size_t)P);
-        memcpy(ids + P, a, sizeof *ids * na);
-        memcpy(ids + P + na, b, sizeof *ids * nb);
-        memcpy(ids + P + na + nb, p->ids, sizeof *ids * (size_t)P);
-        const struct kvllama_embd_span images[2] = {
-            {p->head, p->span, p->embd}, {P + (int)(na + nb) + p->head, p->span, p->embd}};
-        struct kvllama_prefill_out out = {k, NULL, q, R, NULL, 0};
+        memcpy(prefix, a, sizeof *prefix * na);
+        memcpy(prefix + na, b, sizeof *prefix * nb);
+        const struct kvllama_embd_span image = {p->head, p->span, p->embd};
         const double t0 = kvcap_seconds();
-        s = kvllama_prefill_spans(mc->model, ids, n, images, p->embd ? 2 : 0, &out);
-        /* Each pass query's log-sum-exp over the pass's keys up to itself (positions P..P+i),
-         * the part of its softmax the cache does not hold. */
-        const int G = (int)(H / (size_t)hp->n_kv_heads);
-        const float scale = 1.0f / sqrtf((float)d);
-#pragma omp parallel for schedule(dynamic, 1)
-        for (size_t lh = 0; lh < L * H; lh++) {
-            const size_t l = lh / H, hq = lh % H, kvh = hq / (size_t)G;
-            float *sc = malloc(sizeof *sc * (size_t)R);
-            for (int i = 0; sc && i < R; i++) {
-                const float *qi = q + (lh * (size_t)R + (size_t)i) * d;
-                float mx = -INFINITY;
-                for (int j = 0; j <= i; j++) {
-                    const float *kj = k + ((l * (size_t)n + (size_t)(P + j)) * kd + kvh * d);
-                    float dot = 0;
-                    for (size_t c = 0; c < d; c++)
-                        dot += qi[c] * kj[c];
-                    sc[j] = dot * scale;
-                    mx = sc[j] > mx ? sc[j] : mx;
-                }
-                double z = 0;
-                for (int j = 0; j <= i; j++)
-                    z += exp((double)(sc[j] - mx));
-                lse[lh * (size_t)R + (size_t)i] = mx + (float)log(z);
-            }
-            if (!sc) /* reported below: a NaN the cache refuses by name */
-                for (int i = 0; i < R; i++)
-                    lse[lh * (size_t)R + (size_t)i] = NAN;
-            free(sc);
-        }
+        s = kvllama_reconstruct(mc->model, p->ids, P, prefix, (int)(na + nb),
+                                p->embd ? &image : NULL, q, lse);
         p->replay_s = kvcap_seconds() - t0;
     }
-    for (size_t i = 0; s == KVCAP_OK && i < L * H * (size_t)R; i++)
-        if (isnan(lse[i]))
-            s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "no memory for the reconstruction scores");
     if (s == KVCAP_OK) {
         free(p->q_replay), free(p->lse_replay);
         p->q_replay = q, p->lse_replay = lse, p->n_replay = R;
         q = lse = NULL;
     }
-    free(a), free(b), free(ids), free(q), free(k), free(lse);
+    free(a), free(b), free(prefix), free(q), free(lse);
     return s;
 }
 

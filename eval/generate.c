@@ -27,8 +27,8 @@ struct gen_span {
 
 struct gen_options {
     const char *model, *config, *artifact;
-    int32_t *ids, *cont;
-    int n_ids, n_cont, n_generate, n_spans;
+    int32_t *ids, *cont, *replay;
+    int n_ids, n_cont, n_generate, n_spans, n_replay;
     struct gen_span spans[GEN_MAX_SPANS];
     enum kvcap_dtype storage;
 };
@@ -54,6 +54,10 @@ static void gen_usage(FILE *out)
             "      --storage T          f32 (default), f16 or bf16\n"
             "      --generate N         greedy tokens (default 32)\n"
             "      --continuation LIST  token ids to teacher-force after the prompt\n"
+            "      --replay LIST        run KVzip's context-reconstruction pass (the prompt, these\n"
+            "                           ids: the instruction to repeat it and the chat turn, the\n"
+            "                           prompt again) and hand its queries to the cache (kvzip)\n"
+            "                           instead of those after the last vision span\n"
             "  -h, --help               show this help\n");
 }
 
@@ -118,13 +122,14 @@ static int gen_parse(int argc, char **argv, struct gen_options *o)
     memset(o, 0, sizeof *o);
     o->n_generate = 32;
     o->storage = KVCAP_DTYPE_F32;
-    enum { O_IDS = 256, O_SPANS, O_STORAGE, O_GEN, O_CONT };
+    enum { O_IDS = 256, O_SPANS, O_STORAGE, O_GEN, O_CONT, O_REPLAY };
     static const struct option longopts[] = {
         {"model", required_argument, 0, 'm'},      {"ids", required_argument, 0, O_IDS},
         {"spans", required_argument, 0, O_SPANS},  {"config", required_argument, 0, 'c'},
         {"artifact", required_argument, 0, 'a'},   {"storage", required_argument, 0, O_STORAGE},
         {"generate", required_argument, 0, O_GEN}, {"continuation", required_argument, 0, O_CONT},
-        {"help", no_argument, 0, 'h'},             {0, 0, 0, 0}};
+        {"replay", required_argument, 0, O_REPLAY}, {"help", no_argument, 0, 'h'},
+        {0, 0, 0, 0}};
     int c, rc = 0;
     const char *spans = NULL;
     optind = 2;
@@ -140,6 +145,10 @@ static int gen_parse(int argc, char **argv, struct gen_options *o)
         case O_CONT:
             free(o->cont), o->cont = NULL;
             rc = parse_ids(optarg, "--continuation", &o->cont, &o->n_cont);
+            break;
+        case O_REPLAY:
+            free(o->replay), o->replay = NULL;
+            rc = parse_ids(optarg, "--replay", &o->replay, &o->n_replay);
             break;
         case O_SPANS: spans = optarg; break;
         case O_GEN: rc = cli_parse_int(optarg, "--generate", 0, 8192, &o->n_generate); break;
@@ -176,11 +185,12 @@ static int gen_parse(int argc, char **argv, struct gen_options *o)
 }
 
 /* A cache holding the prompt: every layer's spans (views into the prefill's NHD K/V), the
- * queries after the last vision span (VL-Cache's), the prefill ended. */
+ * queries after the last vision span (VL-Cache's) or, with lse, the reconstruction pass's
+ * (kvzip), the prefill ended. */
 static enum kvcap_status gen_cache(const struct gen_options *o, const struct kvllama_model *m,
                                    const struct kvcap_artifact *art, const float *k,
-                                   const float *v, const float *q_tail, int n_tail,
-                                   struct kvcap_cache **out)
+                                   const float *v, const float *q_tail, const float *lse,
+                                   int n_tail, struct kvcap_cache **out)
 {
     struct kvcap_cache_params p;
     kvcap_cache_default_params(&p);
@@ -206,9 +216,9 @@ static enum kvcap_status gen_cache(const struct gen_options *o, const struct kvl
             at += s->n;
         }
         if (st == KVCAP_OK && n_tail > 0)
-            st = kvcap_cache_add_post_queries(*out, 0, l,
-                                              q_tail + (size_t)l * g->n_q_heads * n_tail * d,
-                                              n_tail);
+            st = kvcap_cache_add_post_queries_lse(
+                *out, 0, l, q_tail + (size_t)l * g->n_q_heads * n_tail * d,
+                lse ? lse + (size_t)l * g->n_q_heads * n_tail : NULL, n_tail);
     }
     if (st == KVCAP_OK)
         st = kvcap_cache_end_prefill(*out, 0);
@@ -232,7 +242,7 @@ int kvcap_eval_generate(int argc, char **argv)
     struct gen_options o;
     int rc = gen_parse(argc, argv, &o);
     if (rc) {
-        free(o.ids), free(o.cont);
+        free(o.ids), free(o.cont), free(o.replay);
         return rc;
     }
     char model_default[4096];
@@ -242,7 +252,7 @@ int kvcap_eval_generate(int argc, char **argv)
     struct kvcap_artifact *art = NULL;
     struct kvllama_decoder *dec = NULL;
     struct kvcap_cache *gen = NULL, *tf = NULL;
-    float *k = NULL, *v = NULL, *q_tail = NULL, *logits = NULL, *last = NULL;
+    float *k = NULL, *v = NULL, *q_tail = NULL, *lse = NULL, *logits = NULL, *last = NULL;
     int32_t *out_ids = NULL;
     enum kvcap_status st = kvllama_load(o.model, &m);
     if (st == KVCAP_OK && o.artifact)
@@ -259,6 +269,8 @@ int kvcap_eval_generate(int argc, char **argv)
                 end = at;
         }
         n_tail = end > 0 ? n - end : 0;
+        if (o.replay) /* the reconstruction pass's queries instead */
+            n_tail = o.n_replay + n;
         size_t kv = (size_t)g.n_layers * n * g.n_kv_heads * g.head_dim;
         k = malloc(sizeof(float) * kv);
         v = malloc(sizeof(float) * kv);
@@ -266,18 +278,23 @@ int kvcap_eval_generate(int argc, char **argv)
         logits = malloc(sizeof(float) * (size_t)vocab);
         last = malloc(sizeof(float) * (size_t)vocab);
         out_ids = malloc(sizeof(int32_t) * ((size_t)o.n_generate + 1));
-        if (!k || !v || !q_tail || !logits || !last || !out_ids)
+        if (o.replay)
+            lse = malloc(sizeof(float) * (size_t)g.n_layers * g.n_q_heads * n_tail);
+        if (!k || !v || !q_tail || !logits || !last || !out_ids || (o.replay && !lse))
             st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "generate: out of memory");
     }
     if (st == KVCAP_OK) {
-        struct kvllama_prefill_out po = {k, v, n_tail ? q_tail : NULL, n_tail, last, 1};
+        struct kvllama_prefill_out po = {k, v, n_tail && !o.replay ? q_tail : NULL, n_tail,
+                                         last, 1};
         st = kvllama_prefill(m, o.ids, n, &po);
     }
+    if (st == KVCAP_OK && o.replay)
+        st = kvllama_reconstruct(m, o.ids, n, o.replay, o.n_replay, NULL, q_tail, lse);
     if (st == KVCAP_OK)
         st = kvllama_decoder_create(m, 1, &dec);
     /* Greedy decoding. */
     if (st == KVCAP_OK)
-        st = gen_cache(&o, m, art, k, v, q_tail, n_tail, &gen);
+        st = gen_cache(&o, m, art, k, v, q_tail, lse, n_tail, &gen);
     int n_out = 0;
     if (st == KVCAP_OK && o.n_generate > 0) {
         struct kvllama_group grp = {gen, 1, 0.0, 0, 0};
@@ -295,7 +312,7 @@ int kvcap_eval_generate(int argc, char **argv)
     double nll = 0.0;
     int agree = 0;
     if (st == KVCAP_OK && o.n_cont > 0)
-        st = gen_cache(&o, m, art, k, v, q_tail, n_tail, &tf);
+        st = gen_cache(&o, m, art, k, v, q_tail, lse, n_tail, &tf);
     if (st == KVCAP_OK && o.n_cont > 0) {
         struct kvllama_group grp = {tf, 1, 0.0, 0, 0};
         memcpy(logits, last, sizeof(float) * (size_t)vocab);
@@ -324,7 +341,7 @@ int kvcap_eval_generate(int argc, char **argv)
     kvllama_decoder_free(dec);
     kvcap_artifact_free(art);
     kvllama_free(m);
-    free(k), free(v), free(q_tail), free(logits), free(last), free(out_ids);
-    free(o.ids), free(o.cont);
+    free(k), free(v), free(q_tail), free(lse), free(logits), free(last), free(out_ids);
+    free(o.ids), free(o.cont), free(o.replay);
     return st == KVCAP_OK ? 0 : cli_fail(st);
 }

@@ -356,6 +356,69 @@ enum kvcap_status kvllama_prefill(const struct kvllama_model *m, const int32_t *
     return kvllama_prefill_embd(m, ids, n, NULL, out);
 }
 
+enum kvcap_status kvllama_reconstruct(const struct kvllama_model *m, const int32_t *ids, int P,
+                                      const int32_t *prefix, int n_prefix,
+                                      const struct kvllama_embd_span *image, float *q,
+                                      float *lse)
+{
+    KVCAP_RETURN_IF(!m || !ids || !q || !lse || P < 1 || n_prefix < 0 || (n_prefix && !prefix),
+                    KVCAP_ERR_INVALID_ARGUMENT,
+                    "kvllama_reconstruct: NULL argument, P < 1 or n_prefix < 0");
+    const struct kvllama_hparams *hp = &m->hp;
+    const int R = n_prefix + P, n = P + R;
+    const size_t L = (size_t)hp->n_layers, H = (size_t)hp->n_heads, d = (size_t)hp->head_dim;
+    const size_t kd = (size_t)hp->n_kv_heads * d;
+    int32_t *all = malloc(sizeof *all * (size_t)n);
+    float *k = malloc(sizeof *k * L * (size_t)n * kd);
+    enum kvcap_status s = KVCAP_OK;
+    if (!all || !k)
+        s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "llama: no memory for the reconstruction pass");
+    if (s == KVCAP_OK) {
+        memcpy(all, ids, sizeof *all * (size_t)P);
+        memcpy(all + P, prefix, sizeof *all * (size_t)n_prefix);
+        memcpy(all + P + n_prefix, ids, sizeof *all * (size_t)P);
+        struct kvllama_embd_span spans[2];
+        if (image) {
+            spans[0] = *image;
+            spans[1] = *image;
+            spans[1].at += P + n_prefix;
+        }
+        struct kvllama_prefill_out out = {k, NULL, q, R, NULL, 0};
+        s = kvllama_prefill_spans(m, all, n, spans, image ? 2 : 0, &out);
+    }
+    /* Each pass query's log-sum-exp over the pass's keys up to itself (positions P .. P+i). */
+    const int G = (int)(H / (size_t)hp->n_kv_heads);
+    const float scale = 1.0f / sqrtf((float)d);
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) reduction(| : failed)
+    for (size_t lh = 0; lh < (s == KVCAP_OK ? L * H : 0); lh++) {
+        const size_t l = lh / H, kvh = lh % H / (size_t)G;
+        float *sc = malloc(sizeof *sc * (size_t)R);
+        failed |= !sc;
+        for (int i = 0; sc && i < R; i++) {
+            const float *qi = q + (lh * (size_t)R + (size_t)i) * d;
+            float mx = -INFINITY;
+            for (int j = 0; j <= i; j++) {
+                const float *kj = k + (l * (size_t)n + (size_t)(P + j)) * kd + kvh * d;
+                float dot = 0;
+                for (size_t c = 0; c < d; c++)
+                    dot += qi[c] * kj[c];
+                sc[j] = dot * scale;
+                mx = sc[j] > mx ? sc[j] : mx;
+            }
+            double z = 0;
+            for (int j = 0; j <= i; j++)
+                z += exp((double)(sc[j] - mx));
+            lse[lh * (size_t)R + (size_t)i] = mx + (float)log(z);
+        }
+        free(sc);
+    }
+    if (s == KVCAP_OK && failed)
+        s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "llama: no memory for the reconstruction scores");
+    free(all), free(k);
+    return s;
+}
+
 const float *kvllama_token_embeddings(const struct kvllama_model *m)
 {
     return m ? m->tok_embd : NULL;

@@ -77,6 +77,20 @@ enum kvcap_status kvllama_prefill_spans(const struct kvllama_model *m, const int
                                         const struct kvllama_embd_span *spans, int n_spans,
                                         struct kvllama_prefill_out *out);
 
+/* KVzip's context-reconstruction pass (arXiv 2505.23416): the P prompt tokens `ids`, then the
+ * n_prefix tokens `prefix` (the instruction to repeat the context and the chat turn to the
+ * assistant), then the prompt again, R = n_prefix + P tokens after the prompt. `image` (NULL:
+ * none) is the prompt's embedding span, used in both copies. Writes, for the R pass tokens,
+ * their rotated queries q: [n_layers][n_heads][R][head_dim] and each query's log-sum-exp of
+ * its scores (scaled by 1/sqrt(head_dim)) over the pass's keys up to itself, lse:
+ * [n_layers][n_heads][R] (what a cache holding only the prompt lacks of the query's softmax;
+ * kvcap_cache_add_post_queries_lse's layout). The model prefills prompt and pass together:
+ * an engine that continues from its prompt cache does the pass's part only. */
+enum kvcap_status kvllama_reconstruct(const struct kvllama_model *m, const int32_t *ids, int P,
+                                      const int32_t *prefix, int n_prefix,
+                                      const struct kvllama_embd_span *image, float *q,
+                                      float *lse);
+
 /* The token-embedding table, [n_vocab][n_embd] f32 (dequantised). */
 const float *kvllama_token_embeddings(const struct kvllama_model *m);
 

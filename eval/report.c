@@ -1887,15 +1887,17 @@ static void render_table(struct buf *b, const struct report *r)
              "not measured or not applicable.</p>\n</section>\n");
 }
 
-/* The best run of this report at a target retention by ΔNLL (full excluded), or NULL. */
+/* The best run of this report at a target retention by KL from full (full excluded), or NULL.
+ * KL, not ΔNLL: a cache can predict the held-out text better than full (ΔNLL below zero, as
+ * on the image track, where the span means little to the model) while departing from it. */
 static const struct run *best_at(const struct report *r, double retention)
 {
     const struct run *best = NULL;
     for (int i = 0; i < r->n_runs; i++) {
         const struct run *u = &r->runs[i];
-        if (is_reference(r, u) || fabs(u->retention - retention) > 1e-9 || !isfinite(u->nll_delta))
+        if (is_reference(r, u) || fabs(u->retention - retention) > 1e-9 || !isfinite(u->kl))
             continue;
-        if (!best || u->nll_delta < best->nll_delta)
+        if (!best || u->kl < best->kl)
             best = u;
     }
     return best;

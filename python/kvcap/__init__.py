@@ -314,12 +314,20 @@ class Cache(_Owned):
         _check(lib.kvcap_cache_add_span(self._ptr(), seq, layer, ctypes.byref(span),
                                         ctypes.byref(kv), ctypes.byref(vv)))
 
-    def add_post_queries(self, seq: int, layer: int, q: Any) -> None:
-        """The post-vision prompt queries (vlcache): q [q_heads][n][head_dim] float32."""
+    def add_post_queries(self, seq: int, layer: int, q: Any, lse: Any = None) -> None:
+        """The post-vision prompt queries (vlcache), or the queries of KVzip's
+        context-reconstruction pass (kvzip): q [q_heads][n][head_dim] float32; ``lse``
+        [q_heads][n] (optional) each query's log-sum-exp over keys the cache does not hold (the
+        pass's own tokens up to it; -inf for none)."""
         a = _as_array(q, "q")
         n = a.shape[1] if a.ndim == 3 else -1
         a = _f32(a, "q", (self.geometry.q_heads, n, self.geometry.head_dim))
-        _check(lib.kvcap_cache_add_post_queries(self._ptr(), seq, layer, a.ctypes.data, n))
+        if lse is None:
+            _check(lib.kvcap_cache_add_post_queries(self._ptr(), seq, layer, a.ctypes.data, n))
+            return
+        b = _f32(_as_array(lse, "lse"), "lse", (self.geometry.q_heads, n))
+        _check(lib.kvcap_cache_add_post_queries_lse(self._ptr(), seq, layer, a.ctypes.data,
+                                                    b.ctypes.data, n))
 
     def end_prefill(self, seq: int) -> None:
         _check(lib.kvcap_cache_end_prefill(self._ptr(), seq))

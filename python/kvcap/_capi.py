@@ -173,6 +173,8 @@ _SIGNATURES = {
          ctypes.POINTER(TensorView)],
     ),
     "kvcap_cache_add_post_queries": (_S, [_P, ctypes.c_int, ctypes.c_int, _P, ctypes.c_int]),
+    "kvcap_cache_add_post_queries_lse": (
+        _S, [_P, ctypes.c_int, ctypes.c_int, _P, _P, ctypes.c_int]),
     "kvcap_cache_end_prefill": (_S, [_P, ctypes.c_int]),
     "kvcap_cache_append": (
         _S, [_P, ctypes.c_int, ctypes.c_int, ctypes.POINTER(TensorView), ctypes.POINTER(TensorView)]

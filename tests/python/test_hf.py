@@ -38,6 +38,10 @@ LOGIT_TOL = 1e-3
 # The same policy through transformers and through the C engine: different matmul kernels, the
 # same cache decisions; measured 9e-6 nats/token over 32 tokens.
 NLL_TOL = 2e-4
+# KVzip through transformers and through the C engine: the budget's cut falls among scores a
+# few 1e-5 apart (relative), where the engines' float rounding of the pass's queries decides a
+# few of 1440 places: measured |dNLL| 1.4e-3 nats/token over 24 tokens (tokens equal for 8).
+KVZIP_NLL_TOL = 5e-3
 # Tiny random models at retention 1 (the KVCapsule maps reconstruct exactly up to float
 # rounding through the PCA basis and key maps): relative to the largest logit; measured ~1e-5.
 TINY_REL_TOL = 1e-3
@@ -121,6 +125,46 @@ def test_compressing_policy_matches_the_c_engine(smollm, tmp_path):
     s = cache.stats()
     assert s["bytes_by_policy"]["flashcache"] < 0.5 * 64 / n * s["bytes_full_equivalent"] * 2
     assert got.tolist() != full.tolist()
+
+
+def test_kvzip_matches_the_c_engine(smollm, tmp_path):
+    """KVzip through transformers (the cache runs the reconstruction pass at the first decode
+    step) and through the C engine (kvcap-eval generate --replay) on the same ids: the same
+    tokens and NLL, so both hand libkvcap the same queries and normalisers."""
+    model, tok = smollm
+    model.set_attn_implementation(kvcap.hf.ATTENTION)
+    inputs = license_prompt(tok, 120)
+    n = inputs["input_ids"].shape[1]
+    spans = [Span("text", 0, 16, (0, 0), 0), Span("vision", 16, 64, (8, 8), 16),
+             Span("text", 80, n - 80, (0, 0), 80)]
+    policies = {"vision": "kvzip", "text": "full", "generated": "full"}
+    sections = {"kvzip": {"retention": 0.25}}
+    kw = dict(policies=policies, sections=sections, spans=spans, storage="f32",
+              input_ids=inputs["input_ids"], tokenizer=tok)
+    full, _ = greedy(model, inputs, 24)
+    cache = kvcap.hf.KvcapCache(model, **kw)
+    got, _ = greedy(model, inputs, 24, cache=cache)
+    nll, agree = kvcap.hf.continuation_nll(model, inputs, full, kvcap.hf.KvcapCache(model, **kw))
+    config = tmp_path / "runtime.yaml"
+    config.write_text(kvcap.hf.runtime_yaml(policies, sections))
+    prefix = kvcap.hf.reconstruction_prefix(tok)
+    r = subprocess.run([tool("kvcap-eval"), "generate", "-m", str(MODEL),
+                        "--ids", ",".join(map(str, inputs["input_ids"][0].tolist())),
+                        "--spans", f"text:16,vision:8x8,text:{n - 80}", "-c", str(config),
+                        "--replay", ",".join(map(str, prefix)),
+                        "--generate", "24", "--continuation", ",".join(map(str, full.tolist()))],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    c = json.loads(r.stdout)
+    assert got[:8].tolist() == c["generated"][:8]
+    assert abs(nll - c["continuation_nll"]) <= KVZIP_NLL_TOL
+    assert abs(agree - c["continuation_agreement"]) <= 0.1
+    s = cache.stats()  # a quarter of the span's rows over all layers and heads
+    assert s["bytes_by_policy"]["kvzip"] == pytest.approx(
+        0.25 * 64 / n * s["bytes_by_kind"]["text"] * n / (n - 64), rel=0.02)
+    # without the tokenizer the pass cannot be built: said at construction
+    with pytest.raises(kvcap.Error, match="tokenizer"):
+        kvcap.hf.KvcapCache(model, policies=policies, spans=spans, input_ids=inputs["input_ids"])
 
 
 # ---- Tiny vision-language models ----------------------------------------------------------------

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -41,7 +42,7 @@ from kvcap import Artifact, Error, Geometry
 from kvcap._capi import STATUS_NAMES
 
 __all__ = ["ATTENTION", "Span", "KvcapCache", "detect_spans", "geometry_from_config",
-           "generate", "continuation_nll", "compare", "runtime_yaml"]
+           "generate", "continuation_nll", "compare", "runtime_yaml", "reconstruction_prefix"]
 
 #: The attn_implementation name this module registers.
 ATTENTION = "kvcap"
@@ -313,6 +314,11 @@ class KvcapCache(Cache):
     :func:`detect_spans` finds when ``input_ids`` is given). ``storage`` is "f32", "f16",
     "bf16" or "auto" (the model's dtype). ``record_dir`` turns on libkvcap's record mode: the
     prompt's spans are written there as dataset shards kvcap-calibrate reads.
+
+    A ``kvzip`` policy needs KVzip's context-reconstruction pass: give ``input_ids`` and
+    ``tokenizer`` (for the instruction to repeat the context), and at the first decode step
+    the cache runs the model over the prompt, that instruction and the prompt again, and hands
+    the pass's queries to libkvcap (text prompts).
     """
 
     def __init__(self, model: Any, *, config: "os.PathLike[str] | str | None" = None,
@@ -323,7 +329,7 @@ class KvcapCache(Cache):
                  spans: Optional[Sequence[Any]] = None, input_ids: Any = None,
                  image_grid_thw: Any = None, image_sizes: Any = None,
                  storage: str = "auto", record_dir: "os.PathLike[str] | str | None" = None,
-                 n_threads: int = 0):
+                 n_threads: int = 0, tokenizer: Any = None):
         mconfig = getattr(model, "config", model)
         self.model_config = mconfig
         self.geometry = geometry_from_config(mconfig)
@@ -337,6 +343,16 @@ class KvcapCache(Cache):
             self._tmp.close()
             config = self._tmp.name
         self.config_path = os.fspath(config) if config is not None else None
+        self._kvzip = _uses_kvzip(policies, self.config_path)
+        self._model = model if isinstance(model, torch.nn.Module) else None
+        self._input_ids = input_ids
+        self._prefix: Optional[List[int]] = None
+        if self._kvzip:
+            if self._model is None or input_ids is None or tokenizer is None:
+                raise _argument("policy kvzip: the reconstruction pass needs the model, "
+                                "input_ids and tokenizer")
+            self._prefix = reconstruction_prefix(tokenizer)
+        self._reconstructed = False
         if artifact is not None and not isinstance(artifact, Artifact):
             artifact = Artifact(artifact)
         self.artifact = artifact
@@ -441,6 +457,8 @@ class KvcapCache(Cache):
         if n != 1:
             raise _state(f"layer {li}: {n} new tokens after the prompt; kvcap.hf appends one "
                          "generated token per step (no chunked prefill or assisted decoding)")
+        if self._kvzip and not self._reconstructed:  # before the first append ends the prefill
+            self._reconstruct()
         if k.shape[0] != self.batch_size:
             raise _argument(f"layer {li}: batch {k.shape[0]}, the prompt's was {self.batch_size}")
         for b in range(k.shape[0]):
@@ -473,6 +491,39 @@ class KvcapCache(Cache):
                 continue
             q = query[b, :, start:, :].to(torch.float32).contiguous()
             self.kv.add_post_queries(b, layer, q.numpy())
+
+    def _reconstruct(self) -> None:
+        """KVzip's context-reconstruction pass on the model with its own attention: the prompt,
+        the repeat instruction and the prompt again; each layer's queries of the pass, with
+        their log-sum-exp over the pass's own keys, go to libkvcap."""
+        self._reconstructed = True
+        ids = torch.as_tensor(self._input_ids)
+        if ids.dim() != 2 or ids.shape[0] != self.batch_size or ids.shape[1] != self._prompt:
+            raise _argument(f"input_ids: shape {tuple(ids.shape)}, the prompt was "
+                            f"[{self.batch_size}, {self._prompt}]")
+        if getattr(self.model_config, "vision_config", None) is not None and \
+                any(s.kind == "vision" for sp in self._prompt_spans for s in sp):
+            raise _argument("policy kvzip: kvcap.hf runs the reconstruction pass on prompts "
+                            "without images (the pass would need the image again)")
+        prefix = torch.tensor([self._prefix] * ids.shape[0], dtype=ids.dtype)
+        full = torch.cat([ids, prefix, ids], dim=1)
+        r = prefix.shape[1] + ids.shape[1]
+        global _CAPTURE
+        _CAPTURE = {"tokens": r, "q": {}, "lse": {}}
+        try:
+            with torch.no_grad():
+                self._model(input_ids=full, use_cache=False)
+            got = _CAPTURE
+        finally:
+            _CAPTURE = None
+        for li in range(self.geometry.layers):
+            if li not in got["q"]:
+                raise _state(f"layer {li}: the reconstruction pass did not reach its attention "
+                             f"(attn_implementation must be '{ATTENTION}')")
+            q, lse = got["q"][li], got["lse"][li]
+            for b in range(q.shape[0]):
+                self.kv.add_post_queries(b, li, q[b].contiguous().numpy(),
+                                         lse[b].contiguous().numpy())
 
     # -- results -----------------------------------------------------------------------------
 
@@ -513,6 +564,58 @@ class KvcapCache(Cache):
             pass
 
 
+# ---- KVzip's reconstruction pass ----------------------------------------------------------------
+
+#: While a KvcapCache runs its reconstruction pass: the pass's length and, per layer, its queries
+#: [batch, q_heads, R, d] and their log-sum-exp over the pass's keys [batch, q_heads, R].
+_CAPTURE: Optional[Dict[str, Any]] = None
+
+_REPEAT = "\n\nRepeat the previous context exactly."
+
+
+def reconstruction_prefix(tokenizer: Any) -> List[int]:
+    """The token ids between the prompt and its repetition in KVzip's reconstruction pass, as
+    kvpress builds them: the instruction to repeat the context, then the chat template's turn
+    to the assistant ("\\n" without a chat template)."""
+    suffix = "\n"
+    if getattr(tokenizer, "chat_template", None):
+        dummy = "dummy context"
+        sep = "\n" + "#" * len(dummy)
+        text = tokenizer.apply_chat_template([{"role": "user", "content": dummy + sep}],
+                                             add_generation_prompt=True, tokenize=False)
+        suffix = text.split(sep)[1]
+    return (tokenizer.encode(_REPEAT, add_special_tokens=False) +
+            tokenizer.encode(suffix, add_special_tokens=False))
+
+
+def _uses_kvzip(policies: Optional[Mapping[str, str]], config_path: Optional[str]) -> bool:
+    if policies is not None:
+        return "kvzip" in policies.values()
+    if config_path is None:
+        return False
+    with open(config_path, encoding="utf-8") as f:
+        text = f.read()
+    return re.search(r"\b(vision|text|generated)\s*:\s*kvzip\b", text) is not None
+
+
+def _capture(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+             scaling: Optional[float]) -> None:
+    r = _CAPTURE["tokens"]
+    if query.shape[2] < r:
+        return
+    layer = int(getattr(module, "layer_idx", len(_CAPTURE["q"])))
+    d = query.shape[-1]
+    q = query[:, :, -r:, :].to(torch.float32)
+    if scaling is not None and not math.isclose(scaling * math.sqrt(d), 1.0, rel_tol=1e-6):
+        q = q * (scaling * math.sqrt(d))  # libkvcap scales by 1/sqrt(head_dim)
+    k = key[:, :, -r:, :].to(torch.float32)
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    s = q @ k.transpose(-1, -2) / math.sqrt(d)
+    s = s.masked_fill(torch.triu(torch.ones(r, r, dtype=torch.bool), 1), float("-inf"))
+    _CAPTURE["q"][layer] = q
+    _CAPTURE["lse"][layer] = torch.logsumexp(s, dim=-1)
+
+
 # ---- The attention implementation ---------------------------------------------------------------
 
 def kvcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -523,6 +626,8 @@ def kvcap_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     attended by libkvcap; everything else (the prompt, a model run without a KvcapCache) by
     PyTorch's SDPA, as attn_implementation="sdpa" would."""
     tag = getattr(key, "_kvcap", None)
+    if _CAPTURE is not None and tag is None:
+        _capture(module, query, key, scaling)
     if tag is None:
         prompt = getattr(key, "_kvcap_prompt", None)
         if prompt is not None:
@@ -570,7 +675,7 @@ def generate(model: Any, inputs: Mapping[str, Any], *, cache: Optional[KvcapCach
 
 
 _CACHE_KWARGS = ("config", "policies", "sections", "fallback", "artifact", "storage", "record_dir",
-                 "n_threads")
+                 "n_threads", "tokenizer")
 
 
 @torch.no_grad()
