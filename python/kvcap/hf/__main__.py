@@ -86,8 +86,13 @@ def encode(proc: Any, vlm: bool, prompt: Optional[str], input_ids: Optional[str]
     return dict(proc(text=text, images=pics, return_tensors="pt"))
 
 
-def _cache_kwargs(a: argparse.Namespace) -> Dict[str, Any]:
+def _cache_kwargs(a: argparse.Namespace, proc: Any = None) -> Dict[str, Any]:
+    """KvcapCache's arguments from the command line; with the processor, its tokenizer (a
+    kvzip policy builds its reconstruction pass with it)."""
     kw: Dict[str, Any] = {"storage": a.storage}
+    tok = getattr(proc, "tokenizer", proc)
+    if tok is not None and hasattr(tok, "encode"):
+        kw["tokenizer"] = tok
     if a.config:
         kw["config"] = a.config
     policies = _policies(a.policy)
@@ -112,7 +117,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     inputs = encode(proc, vlm, a.prompt, a.input_ids, a.image)
     t0 = time.perf_counter()
     out, cache = kvcap.hf.generate(model, inputs, max_new_tokens=a.tokens, do_sample=False,
-                                   **_cache_kwargs(a))
+                                   **_cache_kwargs(a, proc))
     dt = time.perf_counter() - t0
     n = inputs["input_ids"].shape[1]
     print(_decode(proc, out[0, n:]))
@@ -148,7 +153,7 @@ def cmd_eval(a: argparse.Namespace) -> int:
     rows = []
     for i, p in enumerate(prompts):
         inputs = encode(proc, vlm, p, None, a.image)
-        r = kvcap.hf.compare(model, inputs, tokens=a.tokens, **_cache_kwargs(a))
+        r = kvcap.hf.compare(model, inputs, tokens=a.tokens, **_cache_kwargs(a, proc))
         rows.append(r)
         _progress(f"eval {i + 1}/{len(prompts)}")
     _progress("", end=True)
