@@ -164,4 +164,20 @@ static inline int kvcap_add_size(size_t a, size_t b, size_t *out)
     return 1;
 }
 
+/* Inserts x into a[0..n) kept ascending, of which at most cap entries are stored (a list
+ * longer than cap keeps its cap smallest): how selections are listed for inspection. Returns
+ * n + 1, the count with x. */
+static inline int kvcap_insert_ascending(int *a, int n, int cap, int x)
+{
+    int i = n < cap ? n : cap;
+    while (i > 0 && a[i - 1] > x) {
+        if (i < cap)
+            a[i] = a[i - 1];
+        i--;
+    }
+    if (i < cap)
+        a[i] = x;
+    return n + 1;
+}
+
 #endif /* KVCAP_INTERNAL_H */

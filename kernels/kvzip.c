@@ -46,24 +46,8 @@ static enum kvcap_status check_args(const char *fn, const float *q, const float 
                             "%s: lse of query %d, head %d is %g (finite or -inf)", fn, i, g,
                             (double)x);
         }
-    int64_t m = 0;
-    for (int c = 0; c < n_chunks; c++) {
-        const struct kvcap_rows *k = &keys[c];
-        KVCAP_RETURN_IF(k->n < 0, KVCAP_ERR_INVALID_ARGUMENT, "%s: keys[%d].n = %d is negative",
-                        fn, c, k->n);
-        if (k->n == 0)
-            continue;
-        KVCAP_RETURN_IF(!kvcap_dtype_is_storage(k->dtype), KVCAP_ERR_INVALID_ARGUMENT,
-                        "%s: keys[%d].dtype = %s is not F32, F16 or BF16", fn, c,
-                        kvcap_dtype_name(k->dtype));
-        KVCAP_RETURN_IF(!k->k, KVCAP_ERR_INVALID_ARGUMENT, "%s: keys[%d].k is NULL", fn, c);
-        KVCAP_RETURN_IF(k->row_stride < (size_t)d, KVCAP_ERR_INVALID_ARGUMENT,
-                        "%s: keys[%d].row_stride = %zu is less than d = %d", fn, c,
-                        k->row_stride, d);
-        m += k->n;
-        KVCAP_RETURN_IF(m > INT_MAX, KVCAP_ERR_INVALID_ARGUMENT,
-                        "%s: keys hold more than INT_MAX tokens", fn);
-    }
+    int m = 0;
+    KVCAP_TRY(kvcap_rows_check(fn, keys, n_chunks, d, &m));
     KVCAP_RETURN_IF(m < 1, KVCAP_ERR_INVALID_ARGUMENT, "%s: keys hold no token", fn);
     *m_out = (int)m;
     return KVCAP_OK;

@@ -4,8 +4,38 @@
 #ifndef KVCAP_ROWS_BLOCK_H
 #define KVCAP_ROWS_BLOCK_H
 
+#include <limits.h>
+
 #include "common/dtype.h"
+#include "common/internal.h"
 #include "kernels/attention.h"
+
+/* The checks of n_chunks chunks of key rows of d channels (an empty chunk may have k NULL);
+ * *m receives the number of keys. Errors name the function `fn` and the chunk. */
+static inline enum kvcap_status kvcap_rows_check(const char *fn, const struct kvcap_rows *keys,
+                                                 int n_chunks, int d, int *m_out)
+{
+    int64_t m = 0;
+    for (int c = 0; c < n_chunks; c++) {
+        const struct kvcap_rows *k = &keys[c];
+        KVCAP_RETURN_IF(k->n < 0, KVCAP_ERR_INVALID_ARGUMENT, "%s: keys[%d].n = %d is negative",
+                        fn, c, k->n);
+        if (k->n == 0)
+            continue;
+        KVCAP_RETURN_IF(!kvcap_dtype_is_storage(k->dtype), KVCAP_ERR_INVALID_ARGUMENT,
+                        "%s: keys[%d].dtype = %s is not F32, F16 or BF16", fn, c,
+                        kvcap_dtype_name(k->dtype));
+        KVCAP_RETURN_IF(!k->k, KVCAP_ERR_INVALID_ARGUMENT, "%s: keys[%d].k is NULL", fn, c);
+        KVCAP_RETURN_IF(k->row_stride < (size_t)d, KVCAP_ERR_INVALID_ARGUMENT,
+                        "%s: keys[%d].row_stride = %zu is less than d = %d", fn, c,
+                        k->row_stride, d);
+        m += k->n;
+        KVCAP_RETURN_IF(m > INT_MAX, KVCAP_ERR_INVALID_ARGUMENT,
+                        "%s: keys hold more than INT_MAX tokens", fn);
+    }
+    *m_out = (int)m;
+    return KVCAP_OK;
+}
 
 /* Where the next key row comes from: row `row` of chunk `chunk`. */
 struct kvcap_rows_cursor {

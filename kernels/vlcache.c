@@ -48,24 +48,8 @@ static enum kvcap_status check_args(const char *fn, const float *q, int tau, int
                     (double)p);
     KVCAP_RETURN_IF(n_chunks < 1, KVCAP_ERR_INVALID_ARGUMENT, "%s: n_chunks = %d, must be >= 1",
                     fn, n_chunks);
-    int64_t m = 0;
-    for (int c = 0; c < n_chunks; c++) {
-        const struct kvcap_rows *k = &keys[c];
-        KVCAP_RETURN_IF(k->n < 0, KVCAP_ERR_INVALID_ARGUMENT, "%s: keys[%d].n = %d is negative",
-                        fn, c, k->n);
-        if (k->n == 0)
-            continue;
-        KVCAP_RETURN_IF(!kvcap_dtype_is_storage(k->dtype), KVCAP_ERR_INVALID_ARGUMENT,
-                        "%s: keys[%d].dtype = %s is not F32, F16 or BF16", fn, c,
-                        kvcap_dtype_name(k->dtype));
-        KVCAP_RETURN_IF(!k->k, KVCAP_ERR_INVALID_ARGUMENT, "%s: keys[%d].k is NULL", fn, c);
-        KVCAP_RETURN_IF(k->row_stride < (size_t)d, KVCAP_ERR_INVALID_ARGUMENT,
-                        "%s: keys[%d].row_stride = %zu is less than d = %d", fn, c,
-                        k->row_stride, d);
-        m += k->n;
-        KVCAP_RETURN_IF(m > INT_MAX, KVCAP_ERR_INVALID_ARGUMENT,
-                        "%s: keys hold more than INT_MAX tokens", fn);
-    }
+    int m = 0;
+    KVCAP_TRY(kvcap_rows_check(fn, keys, n_chunks, d, &m));
     KVCAP_RETURN_IF(m < tau, KVCAP_ERR_INVALID_ARGUMENT,
                     "%s: keys hold %d tokens, fewer than tau = %d", fn, (int)m, tau);
     *m_out = (int)m;

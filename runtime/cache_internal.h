@@ -60,6 +60,20 @@ enum kvcap_status kvcap_segment_fill(struct kvcap_cache *c, struct kvcap_segment
                                      const struct kvcap_tensor_view *k,
                                      const struct kvcap_tensor_view *v, const int *tokens, int n);
 
+/* Whether a segment's plain rows belong to the prompt a scoring pass attends over (VL-Cache's
+ * post-vision queries, KVzip's reconstruction queries): rows held, not KVCapsule's state. */
+static inline int kvcap_segment_is_prompt_rows(const struct kvcap_segment *s)
+{
+    return s->k && s->n_rows > 0 && s->policy != KVCAP_POLICY_KVCAPSULE;
+}
+
+/* Prefill of a policy that scores once every layer is in (vlcache, kvzip): every row kept,
+ * the segment pending until its finish. */
+enum kvcap_status kvcap_segment_fill_pending(struct kvcap_cache *c, int seq, int layer,
+                                             struct kvcap_segment *seg,
+                                             const struct kvcap_tensor_view *k,
+                                             const struct kvcap_tensor_view *v);
+
 /* Head h's plain rows of a segment: the first row's index into k and v (rows of head_dim
  * elements) and how many, for either layout (cache_state.h). */
 static inline void kvcap_segment_head_rows(const struct kvcap_segment *s, int h, size_t *at,

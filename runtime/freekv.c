@@ -776,15 +776,7 @@ int kvcap_freekv_selection(const struct kvcap_freekv *f, int h, int *pages, int 
         int p = hd->slot[b][s];
         if (p < hd->att_lo || p >= hd->att_ws)
             continue;
-        int i = n < cap ? n : cap;
-        while (i > 0 && pages[i - 1] > p) {
-            if (i < cap)
-                pages[i] = pages[i - 1];
-            i--;
-        }
-        if (i < cap)
-            pages[i] = p;
-        n++;
+        n = kvcap_insert_ascending(pages, n, cap, p);
     }
     return n;
 }

@@ -15,22 +15,7 @@
 #include "runtime/cache_internal.h"
 #include "kernels/kvzip.h"
 
-static enum kvcap_status kvzip_prefill(struct kvcap_cache *c, int seq, int layer,
-                                       struct kvcap_segment *seg,
-                                       const struct kvcap_tensor_view *k,
-                                       const struct kvcap_tensor_view *v)
-{
-    (void)seq, (void)layer;
-    KVCAP_TRY(kvcap_segment_fill(c, seg, k, v, NULL, seg->n_tokens));
-    seg->pending = 1;
-    return KVCAP_OK;
-}
 
-/* Whether a segment holds prompt rows the reconstruction attends (as VL-Cache's prompt). */
-static int holds_prompt_rows(const struct kvcap_segment *s)
-{
-    return s->k && s->n_rows > 0 && s->policy != KVCAP_POLICY_KVCAPSULE;
-}
 
 struct layer_job {
     const struct kvcap_cache *c;
@@ -54,7 +39,7 @@ static void layer_head(void *ctx, int h, int thread)
     int n_chunks = 0, m = 0, offset = 0;
     for (int i = 0; i <= sl->n_segs; i++) {
         const struct kvcap_segment *s = i < sl->n_segs ? &sl->segs[i] : &sl->gen;
-        if (!holds_prompt_rows(s) || n_chunks == MAX_PROMPT_SEGMENTS)
+        if (!kvcap_segment_is_prompt_rows(s) || n_chunks == MAX_PROMPT_SEGMENTS)
             continue; /* kvzip_finish refused more segments before any head ran */
         size_t at;
         int n;
@@ -96,7 +81,7 @@ static enum kvcap_status score_layer(struct kvcap_cache *c, int seq, int layer, 
                     seq, layer);
     int n_prompt = 0;
     for (int i = 0; i <= sl->n_segs; i++)
-        n_prompt += holds_prompt_rows(i < sl->n_segs ? &sl->segs[i] : &sl->gen);
+        n_prompt += kvcap_segment_is_prompt_rows(i < sl->n_segs ? &sl->segs[i] : &sl->gen);
     KVCAP_RETURN_IF(n_prompt > MAX_PROMPT_SEGMENTS, KVCAP_ERR_UNSUPPORTED,
                     "seq %d layer %d: kvzip attends at most %d prompt spans, the prompt has %d",
                     seq, layer, MAX_PROMPT_SEGMENTS, n_prompt);
@@ -174,5 +159,5 @@ static enum kvcap_status kvzip_finish(struct kvcap_cache *c, int seq, int span)
     return st;
 }
 
-const struct kvcap_policy_impl kvcap_policy_kvzip_impl = {KVCAP_POLICY_KVZIP, kvzip_prefill,
+const struct kvcap_policy_impl kvcap_policy_kvzip_impl = {KVCAP_POLICY_KVZIP, kvcap_segment_fill_pending,
                                                           kvzip_finish};

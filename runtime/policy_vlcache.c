@@ -16,21 +16,7 @@
 #include "runtime/cache_internal.h"
 #include "kernels/vlcache.h"
 
-static enum kvcap_status vlcache_prefill(struct kvcap_cache *c, int seq, int layer,
-                                         struct kvcap_segment *seg,
-                                         const struct kvcap_tensor_view *k,
-                                         const struct kvcap_tensor_view *v)
-{
-    KVCAP_TRY(kvcap_segment_fill(c, seg, k, v, NULL, seg->n_tokens));
-    seg->pending = 1;
-    return KVCAP_OK;
-}
 
-/* Whether a segment contributes rows to the prompt VL-Cache scores over. */
-static int holds_prompt_rows(const struct kvcap_segment *s)
-{
-    return s->k && s->n_rows > 0 && s->policy != KVCAP_POLICY_KVCAPSULE;
-}
 
 /* One layer of one sequence: keys as row chunks per head, scores of span `span`'s tokens. */
 struct layer_job {
@@ -83,12 +69,12 @@ static enum kvcap_status score_layer(struct kvcap_cache *c, int seq, int layer, 
     j.n = seg->n_tokens;
     for (int i = 0; i <= sl->n_segs; i++) {
         const struct kvcap_segment *s = i < sl->n_segs ? &sl->segs[i] : &sl->gen;
-        KVCAP_RETURN_IF(holds_prompt_rows(s) && s->head_at, KVCAP_ERR_UNSUPPORTED,
+        KVCAP_RETURN_IF(kvcap_segment_is_prompt_rows(s) && s->head_at, KVCAP_ERR_UNSUPPORTED,
                         "seq %d layer %d: vlcache scores over the prompt's rows, and span %d "
                         "(%s) holds a different number per KV head; put vlcache spans before "
                         "it or use another policy for one of them",
                         seq, layer, i, kvcap_policy_name(s->policy));
-        if (holds_prompt_rows(s)) {
+        if (kvcap_segment_is_prompt_rows(s)) {
             if (i == span)
                 j.offset = j.m;
             j.n_chunks++;
@@ -117,7 +103,7 @@ static enum kvcap_status score_layer(struct kvcap_cache *c, int seq, int layer, 
             int ci = 0;
             for (int i = 0; i <= sl->n_segs; i++) {
                 const struct kvcap_segment *s = i < sl->n_segs ? &sl->segs[i] : &sl->gen;
-                if (!holds_prompt_rows(s))
+                if (!kvcap_segment_is_prompt_rows(s))
                     continue;
                 struct kvcap_rows r = {(const char *)s->k + (size_t)h * s->cap * d * es, NULL,
                                        c->storage, (size_t)d, s->n_rows};
@@ -199,5 +185,5 @@ static enum kvcap_status vlcache_finish(struct kvcap_cache *c, int seq, int span
     return st;
 }
 
-const struct kvcap_policy_impl kvcap_policy_vlcache_impl = {KVCAP_POLICY_VLCACHE, vlcache_prefill,
+const struct kvcap_policy_impl kvcap_policy_vlcache_impl = {KVCAP_POLICY_VLCACHE, kvcap_segment_fill_pending,
                                                             vlcache_finish};

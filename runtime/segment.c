@@ -15,6 +15,17 @@ enum kvcap_status kvcap_segment_reserve(struct kvcap_cache *c, struct kvcap_segm
 }
 
 
+enum kvcap_status kvcap_segment_fill_pending(struct kvcap_cache *c, int seq, int layer,
+                                             struct kvcap_segment *seg,
+                                             const struct kvcap_tensor_view *k,
+                                             const struct kvcap_tensor_view *v)
+{
+    (void)seq, (void)layer;
+    KVCAP_TRY(kvcap_segment_fill(c, seg, k, v, NULL, seg->n_tokens));
+    seg->pending = 1;
+    return KVCAP_OK;
+}
+
 void kvcap_segment_store(const struct kvcap_cache *c, struct kvcap_segment *seg, int head, int r0,
                          int n, const float *k, const float *v)
 {

@@ -53,6 +53,17 @@ def tool(name):
     return str(TOOLS / name)
 
 
+def c_engine(inputs, spans, config, generate, continuation, *extra):
+    """kvcap-eval generate (the C reference engine) on the same ids: its JSON."""
+    r = subprocess.run([tool("kvcap-eval"), "generate", "-m", str(MODEL),
+                        "--ids", ",".join(map(str, inputs["input_ids"][0].tolist())),
+                        "--spans", spans, "-c", str(config), *extra, "--generate", str(generate),
+                        "--continuation", ",".join(map(str, continuation.tolist()))],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
 def greedy(model, inputs, n, **kw):
     out = model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                          output_logits=True, return_dict_in_generate=True, **kw)
@@ -111,13 +122,7 @@ def test_compressing_policy_matches_the_c_engine(smollm, tmp_path):
                                                  storage="f32"))
     config = tmp_path / "runtime.yaml"
     config.write_text(kvcap.hf.runtime_yaml(policies))
-    r = subprocess.run([tool("kvcap-eval"), "generate", "-m", str(MODEL),
-                        "--ids", ",".join(map(str, inputs["input_ids"][0].tolist())),
-                        "--spans", f"text:16,vision:8x8,text:{n - 80}", "-c", str(config),
-                        "--generate", "32", "--continuation", ",".join(map(str, full.tolist()))],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    c = json.loads(r.stdout)
+    c = c_engine(inputs, f"text:16,vision:8x8,text:{n - 80}", config, 32, full)
     assert got.tolist() == c["generated"]
     assert abs(nll - c["continuation_nll"]) <= NLL_TOL
     assert agree == pytest.approx(c["continuation_agreement"])
@@ -148,14 +153,8 @@ def test_kvzip_matches_the_c_engine(smollm, tmp_path):
     config = tmp_path / "runtime.yaml"
     config.write_text(kvcap.hf.runtime_yaml(policies, sections))
     prefix = kvcap.hf.reconstruction_prefix(tok)
-    r = subprocess.run([tool("kvcap-eval"), "generate", "-m", str(MODEL),
-                        "--ids", ",".join(map(str, inputs["input_ids"][0].tolist())),
-                        "--spans", f"text:16,vision:8x8,text:{n - 80}", "-c", str(config),
-                        "--replay", ",".join(map(str, prefix)),
-                        "--generate", "24", "--continuation", ",".join(map(str, full.tolist()))],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    c = json.loads(r.stdout)
+    c = c_engine(inputs, f"text:16,vision:8x8,text:{n - 80}", config, 24, full,
+                 "--replay", ",".join(map(str, prefix)))
     assert got[:8].tolist() == c["generated"][:8]
     assert abs(nll - c["continuation_nll"]) <= KVZIP_NLL_TOL
     assert abs(agree - c["continuation_agreement"]) <= 0.1
