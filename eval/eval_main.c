@@ -1839,9 +1839,12 @@ static enum kvcap_status write_metrics(const struct options *o, const struct mod
         "searched until the realised retention is the target's within 1 %; both are shown. "
         "FreeKV keeps the whole span in host memory (bytes held above 100 %) and attends to a "
         "budget of pages per step: its realised retention is the share of span tokens attended.",
-        "flashcache and vlcache are the papers' methods (FlashCache section 3.2 with gamma 0.2, "
-        "no protected tokens; VL-Cache with a recent window of 10 % of the budget at the end of "
-        "the prompt and no sinks). Rows marked as kvcap's extensions are not: +protect keeps 4 "
+        "flashcache, vlcache and kvzip are the papers' methods (FlashCache section 3.2 with "
+        "gamma 0.2, no protected tokens; VL-Cache with a recent window of 10 % of the budget at "
+        "the end of the prompt and no sinks; KVzip scoring each token by the largest attention "
+        "of its context-reconstruction pass, which the engine runs, with one budget for all "
+        "layers and KV heads); random evicts uniformly per KV head, the floor every method "
+        "must clear. Rows marked as kvcap's extensions are not the papers': +protect keeps 4 "
         "sinks, a 16-token window and (flashcache) an 8-token floor per layer inside the span; "
         "KVCapsule's tiled maps, pyramid schedule and the composition are kvcap's.",
         "Task: a key-value line (\"The code of the tiger is 4821.\") sits inside 256 tokens "

@@ -1943,7 +1943,7 @@ static void render_outside(struct buf *b, const struct report *r)
                 continue;
             bputs(b, "<tr class=\"run\"><td class=\"l\">");
             policy_name(b, r, u);
-            bputs(b, k == 0 ? " <span class=\"ext-tag\">kvcap&rsquo;s best here</span>" : "");
+            bputs(b, k == 0 ? " <span class=\"unit\">kvcap&rsquo;s best by KL</span>" : "");
             bprintf(b, "</td><td>%.2f</td><td>%.1f&nbsp;%%</td><td>%s</td><td>%s</td>",
                     u->retention, 100 * u->realised, fmt_kl(n1, sizeof n1, u->kl),
                     fmt_signed(d, sizeof d, u->nll_delta, 4));
