@@ -1273,8 +1273,17 @@ extern "C" int kvcap_cuda_freekv_selection(struct kvcap_cuda_freekv *f, int h, i
     // Slots hold the picks in fill order (a page kept in place keeps its slot): ascending,
     // as documented, by insertion.
     const int cur = m[2 * f->g.slots + 2], n = m[2 * f->g.slots + cur];
-    for (int s = 0; s < n; s++)
-        kvcap_insert_ascending(pages, s, cap, m[cur * f->g.slots + s]);
+    for (int s = 0; s < n; s++) {
+        const int p = m[cur * f->g.slots + s];
+        int i = s < cap ? s : cap;
+        while (i > 0 && pages[i - 1] > p) {
+            if (i < cap)
+                pages[i] = pages[i - 1];
+            i--;
+        }
+        if (i < cap)
+            pages[i] = p;
+    }
     free(m);
     return n;
 }
