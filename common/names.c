@@ -42,7 +42,8 @@ static const struct name_entry policies[] = {
     {"full", KVCAP_POLICY_FULL},         {"kvcapsule", KVCAP_POLICY_KVCAPSULE},
     {"flashcache", KVCAP_POLICY_FLASHCACHE}, {"vlcache", KVCAP_POLICY_VLCACHE},
     {"freekv", KVCAP_POLICY_FREEKV},     {"streaming", KVCAP_POLICY_STREAMING},
-    {"kvzip", KVCAP_POLICY_KVZIP},       {"random", KVCAP_POLICY_RANDOM}};
+    {"kvzip", KVCAP_POLICY_KVZIP},       {"random", KVCAP_POLICY_RANDOM},
+    {"expected_attention", KVCAP_POLICY_EXPECTED_ATTENTION}};
 static const struct name_entry structures[] = {{"dense", KVCAP_STRUCTURE_DENSE},
                                                {"tiled", KVCAP_STRUCTURE_TILED}};
 static const struct name_entry dtypes[] = {

@@ -178,6 +178,17 @@ struct kvcap_random_config {
     int64_t seed;      /* default 0 */
 };
 
+/* expected_attention (arXiv 2510.00636, kvpress's ExpectedAttentionPress): each KV head keeps
+ * `retention` of the span's tokens (sinks and window included) by the expected attention of the
+ * prompt's query statistics rotated over the next `n_future` positions, times value norms. */
+struct kvcap_expected_config {
+    double retention; /* (0, 1], default 0.4 */
+    int n_future;     /* >= 1, default 512 */
+    int query_sinks;  /* the first prompt tokens whose queries are left out of the statistics
+                       * (attention-sink outliers), default 4 */
+    int sinks, window; /* default 0 */
+};
+
 #define KVCAP_FALLBACK_NONE ((enum kvcap_policy)-1)
 
 struct kvcap_runtime_config {
@@ -198,6 +209,7 @@ struct kvcap_runtime_config {
     struct kvcap_streaming_config streaming;
     struct kvcap_kvzip_config kvzip;
     struct kvcap_random_config random;
+    struct kvcap_expected_config expected;
     int has_model;                     /* 1 when the optional `model:` section was given */
     struct kvcap_model_geometry model; /* validated like the calibration config's */
 };

@@ -29,6 +29,8 @@ void kvcap_runtime_config_default(struct kvcap_runtime_config *cfg)
     cfg->kvzip = (struct kvcap_kvzip_config){.retention = 0.4, .sinks = 0, .window = 0};
     cfg->random = (struct kvcap_random_config){.retention = 0.4, .sinks = 0, .window = 0,
                                                .seed = 0};
+    cfg->expected = (struct kvcap_expected_config){
+        .retention = 0.4, .n_future = 512, .query_sinks = 4, .sinks = 0, .window = 0};
     cfg->has_model = 0;
 }
 
@@ -65,7 +67,8 @@ static enum kvcap_status parse_runtime(struct kvcap_yaml *c, yaml_node_t *root, 
 {
     static const char *const keys[] = {"artifact", "policies", "fallback",  "flashcache",
                                        "vlcache",  "freekv",   "streaming", "kvcapsule",
-                                       "kvzip",    "random",   "model",    NULL};
+                                       "kvzip",    "random",   "expected_attention",
+                                       "model",    NULL};
     static const char *const kinds[] = {"vision", "text", "generated", NULL};
     static const char *const flash_keys[] = {"gamma", "retention", "min_tokens", "sinks",
                                              "window", NULL};
@@ -76,6 +79,8 @@ static enum kvcap_status parse_runtime(struct kvcap_yaml *c, yaml_node_t *root, 
     static const char *const streaming_keys[] = {"sinks", "window", NULL};
     static const char *const kvzip_keys[] = {"retention", "sinks", "window", NULL};
     static const char *const random_keys[] = {"retention", "sinks", "window", "seed", NULL};
+    static const char *const expected_keys[] = {"retention", "n_future", "query_sinks", "sinks",
+                                                "window", NULL};
     static const char *const none[] = {NULL};
     struct kvcap_runtime_config *cfg = out;
     KVCAP_TRY(kvcap_yaml_check_mapping(c, root, "", keys, NULL));
@@ -187,6 +192,16 @@ static enum kvcap_status parse_runtime(struct kvcap_yaml *c, yaml_node_t *root, 
         int seed = 0;
         KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "seed", 0, INT_MAX, &seed));
         p->seed = seed;
+    }
+    if ((n = kvcap_yaml_lookup(c, root, "expected_attention"))) {
+        struct kvcap_expected_config *p = &cfg->expected;
+        const char *f = "expected_attention";
+        KVCAP_TRY(kvcap_yaml_check_mapping(c, n, f, expected_keys, NULL));
+        KVCAP_TRY(kvcap_yaml_get_double(c, n, f, "retention", KVCAP_YAML_RATIO, &p->retention));
+        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "n_future", 1, 1 << 24, &p->n_future));
+        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "query_sinks", 0, 1 << 30, &p->query_sinks));
+        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "sinks", 0, 1 << 30, &p->sinks));
+        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "window", 0, 1 << 30, &p->window));
     }
     if ((n = kvcap_yaml_lookup(c, root, "kvcapsule")))
         KVCAP_TRY(kvcap_yaml_check_mapping(c, n, "kvcapsule", none, NULL)); /* reserved */

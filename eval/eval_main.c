@@ -435,6 +435,8 @@ struct prompt {
     float *lse_replay;     /* [layers][q_heads][n_replay]: each one's log-sum-exp over the
                             * pass's own keys (causal), which the cache does not hold */
     int n_replay;
+    float *q_prompt;       /* [layers][q_heads][head + span + tail][head_dim]: every prompt
+                            * token's query (expected_attention), NULL until prompt_queries */
     double prefill_s, replay_s; /* the model's prefill of the prompt, and of the pass */
 };
 
@@ -442,8 +444,9 @@ struct prompt {
 static void prompt_free(struct prompt *p)
 {
     free(p->k), free(p->v), free(p->q_post), free(p->q_dec), free(p->logits), free(p->q_replay);
-    free(p->lse_replay);
+    free(p->lse_replay), free(p->q_prompt);
     p->k = p->v = p->q_post = p->q_dec = p->logits = p->q_replay = p->lse_replay = NULL;
+    p->q_prompt = NULL;
 }
 
 /* Tokens of a prompt: head + span + tail. */
@@ -460,7 +463,7 @@ static enum kvcap_status prompt_prefill_image(const struct model_ctx *mc, const 
     const size_t L = (size_t)hp->n_layers, H = (size_t)hp->n_heads, d = (size_t)hp->head_dim;
     const size_t kd = (size_t)hp->n_kv_heads * d, V = (size_t)hp->n_vocab;
     *p = (struct prompt){ids, head, span, tail, rows, embd, n_fid, NULL, NULL, NULL, NULL, NULL,
-                         NULL, NULL, 0, 0, 0};
+                         NULL, NULL, 0, NULL, 0, 0};
     p->k = malloc(L * n * kd * sizeof(float));
     p->v = malloc(L * n * kd * sizeof(float));
     p->q_post = malloc(L * H * (size_t)tail * d * sizeof(float));
@@ -540,11 +543,41 @@ static enum kvcap_status prompt_replay(const struct model_ctx *mc, struct prompt
     return s;
 }
 
+/* Every prompt token's query (expected_attention takes them all): the prompt prefilled again
+ * with all its queries kept (an engine has them from its own prefill; this one keeps only the
+ * tail's there, so the time of this pass is not counted). */
+static enum kvcap_status prompt_queries(const struct model_ctx *mc, struct prompt *p)
+{
+    const struct kvllama_hparams *hp = mc->hp;
+    const int P = prompt_tokens(p);
+    float *q = malloc(sizeof *q * (size_t)hp->n_layers * hp->n_heads * P * hp->head_dim);
+    KVCAP_RETURN_IF(!q, KVCAP_ERR_OUT_OF_MEMORY, "no memory for a prompt's queries");
+    struct kvllama_prefill_out out = {NULL, NULL, q, P, NULL, 0};
+    const struct kvllama_embd_span image = {p->head, p->span, p->embd};
+    enum kvcap_status s = kvllama_prefill_embd(mc->model, p->ids, P, p->embd ? &image : NULL,
+                                               &out);
+    if (s != KVCAP_OK) {
+        free(q);
+        return s;
+    }
+    free(p->q_prompt);
+    p->q_prompt = q;
+    return KVCAP_OK;
+}
+
+/* Which queries a run's cache takes after the prompt (kvcap_cache_add_post_queries). */
+enum post_queries {
+    POST_TAIL,   /* the tail's: VL-Cache's post-vision queries */
+    POST_REPLAY, /* KVzip's reconstruction pass's, with their log-sum-exps */
+    POST_PROMPT  /* every prompt token's: Expected Attention's statistics */
+};
+
 /* Hands a prefilled prompt to sequence `seq` of a cache: the head (text, if any), the span
- * (vision: the image's grid, or a 1 x span grid of text), the tail (text), then the tail's
- * queries as the post-vision queries, or with `replay` the reconstruction pass's (kvzip). */
+ * (vision: the image's grid, or a 1 x span grid of text), the tail (text), then the queries
+ * `post` names. */
 static enum kvcap_status prompt_to_cache(const struct model_ctx *mc, const struct prompt *p,
-                                         struct kvcap_cache *cache, int seq, int replay)
+                                         struct kvcap_cache *cache, int seq,
+                                         enum post_queries post)
 {
     const struct kvllama_hparams *hp = mc->hp;
     const size_t n = (size_t)prompt_tokens(p) + p->n_fid;
@@ -565,7 +598,13 @@ static enum kvcap_status prompt_to_cache(const struct model_ctx *mc, const struc
             vv.base = v + (size_t)parts[i].p0 * kd;
             KVCAP_TRY(kvcap_cache_add_span(cache, seq, l, &parts[i], &kv, &vv));
         }
-        if (replay) {
+        if (post == POST_PROMPT) {
+            KVCAP_RETURN_IF(!p->q_prompt, KVCAP_ERR_STATE,
+                            "prompt %d: its queries were not kept (prompt_queries)", seq);
+            const int P = prompt_tokens(p);
+            KVCAP_TRY(kvcap_cache_add_post_queries(
+                cache, seq, l, p->q_prompt + (size_t)l * hp->n_heads * P * hp->head_dim, P));
+        } else if (post == POST_REPLAY) {
             KVCAP_RETURN_IF(!p->q_replay, KVCAP_ERR_STATE,
                             "prompt %d: no reconstruction pass ran (prompt_replay)", seq);
             KVCAP_TRY(kvcap_cache_add_post_queries_lse(
@@ -742,7 +781,7 @@ static int cmd_record(const struct options *opt)
                 s = prompt_prefill_image(&mc, text, o->head, o->span, o->tail, 0,
                                          embd ? im.f.grid : 1, embd, &p);
             if (s == KVCAP_OK) {
-                s = prompt_to_cache(&mc, &p, cache, i, 0);
+                s = prompt_to_cache(&mc, &p, cache, i, POST_TAIL);
                 prompt_free(&p);
             }
             if (s == KVCAP_OK) /* the span is complete: a flush may write it */
@@ -790,7 +829,7 @@ struct run {
                                        * is the target's (Algorithm 1 under-fills) */
     const struct kvcap_artifact *art;
     int freekv_tokens;                /* span tokens FreeKV attends per KV head and step */
-    int replay;                       /* kvzip: the cache takes the reconstruction pass's queries */
+    enum post_queries post;           /* the queries its cache takes after the prompt */
     double compress_ms;               /* per prompt: the cache's scoring and eviction, plus
                                        * (replay) the reconstruction pass beyond the prefill */
     double prefill_ms;                /* per prompt: the model's prefill, the denominator */
@@ -891,7 +930,11 @@ static int build_runs(const struct options *o, struct kvcap_artifact **arts, str
         add_run(runs, &n, "kvzip", "kvzip", r,
                 "policies: {vision: kvzip, text: full, generated: full}\n"
                 "kvzip: {retention: %.6f}\n", r);
-        runs[n - 1].replay = 1;
+        runs[n - 1].post = POST_REPLAY;
+        add_run(runs, &n, "expected_attention", "expected_attention", r,
+                "policies: {vision: expected_attention, text: full, generated: full}\n"
+                "expected_attention: {retention: %.6f}\n", r);
+        runs[n - 1].post = POST_PROMPT;
         add_run(runs, &n, "random", "random", r,
                 "policies: {vision: random, text: full, generated: full}\n"
                 "random: {retention: %.6f, seed: 0}\n", r);
@@ -933,6 +976,23 @@ static enum kvcap_status span_bytes(const struct kvcap_cache *c, double *bytes)
     return KVCAP_OK;
 }
 
+/* What the runs' caches need of a prefilled prompt beyond its tail's queries: KVzip's
+ * reconstruction pass, every prompt token's query; each made once for all runs. */
+static enum kvcap_status prompt_extras(const struct model_ctx *mc, const struct run *runs,
+                                       int n_runs, struct prompt *p)
+{
+    int replay = 0, all = 0;
+    for (int r = 0; r < n_runs; r++) {
+        replay |= runs[r].post == POST_REPLAY;
+        all |= runs[r].post == POST_PROMPT;
+    }
+    if (replay)
+        KVCAP_TRY(prompt_replay(mc, p));
+    if (all)
+        KVCAP_TRY(prompt_queries(mc, p));
+    return KVCAP_OK;
+}
+
 /* A cache of one run holding every prompt, prefill ended. */
 static enum kvcap_status run_cache(const struct options *o, const struct model_ctx *mc,
                                    const struct run *run, const struct prompt *prompts,
@@ -943,7 +1003,7 @@ static enum kvcap_status run_cache(const struct options *o, const struct model_c
     KVCAP_TRY(create_cache(mc, run->yaml, run->art, n_prompts, o->storage, o->threads, NULL, &c));
     enum kvcap_status s = KVCAP_OK;
     for (int p = 0; s == KVCAP_OK && p < n_prompts; p++) {
-        s = prompt_to_cache(mc, &prompts[p], c, p, run->replay);
+        s = prompt_to_cache(mc, &prompts[p], c, p, run->post);
         if (s == KVCAP_OK)
             s = kvcap_cache_end_prefill(c, p);
     }
@@ -1003,7 +1063,7 @@ static enum kvcap_status phase_setup(const struct options *o, const struct model
             double replay_s = 0, prefill_s = 0;
             for (int p = 0; p < n_prompts; p++) {
                 prefill_s += prompts[p].prefill_s;
-                if (run->replay)
+                if (run->post == POST_REPLAY)
                     replay_s += prompts[p].replay_s - prompts[p].prefill_s;
             }
             run->compress_ms = 1e3 * (st.compress_seconds + replay_s) / n_prompts;
@@ -1421,11 +1481,7 @@ static enum kvcap_status task_run(const struct options *o, const struct model_ct
         cli_progress_begin(&bar, "retrieval task, prefill", o->quiet);
         for (int i = 0; s == KVCAP_OK && i < nb; i++) {
             s = prompt_prefill(mc, pr[i].ids, pr[i].head, pr[i].span, pr[i].tail, 0, &pr[i]);
-            for (int r = 0; s == KVCAP_OK && r < n_runs; r++)
-                if (runs[r].replay) { /* once per prompt, for every kvzip run */
-                    s = prompt_replay(mc, &pr[i]);
-                    break;
-                }
+            s = s == KVCAP_OK ? prompt_extras(mc, runs, n_runs, &pr[i]) : s;
             cli_progress_update(&bar, first + i + 1, t->n);
         }
         if (s == KVCAP_OK)
@@ -1983,14 +2039,11 @@ static int cmd_run(const struct options *opt, int argc, char **argv)
                                  embd ? im.f.grid : 1,
                                  embd ? embd + (size_t)p * im.f.n_tokens * mc.hp->n_embd : NULL,
                                  &prompts[p]);
-    int any_replay = 0;
-    for (int r = 0; r < n_runs; r++)
-        any_replay |= runs[r].replay;
-    if (s == KVCAP_OK && any_replay) {
+    if (s == KVCAP_OK) {
         struct cli_progress bar;
-        cli_progress_begin(&bar, "reconstruction pass (kvzip)", o->quiet);
+        cli_progress_begin(&bar, "reconstruction pass and prompt queries", o->quiet);
         for (int p = 0; s == KVCAP_OK && p < n_prompts; p++) {
-            s = prompt_replay(&mc, &prompts[p]);
+            s = prompt_extras(&mc, runs, n_runs, &prompts[p]);
             cli_progress_update(&bar, p + 1, n_prompts);
         }
     }

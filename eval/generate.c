@@ -28,7 +28,7 @@ struct gen_span {
 struct gen_options {
     const char *model, *config, *artifact;
     int32_t *ids, *cont, *replay;
-    int n_ids, n_cont, n_generate, n_spans, n_replay;
+    int n_ids, n_cont, n_generate, n_spans, n_replay, prompt_queries;
     struct gen_span spans[GEN_MAX_SPANS];
     enum kvcap_dtype storage;
 };
@@ -58,6 +58,8 @@ static void gen_usage(FILE *out)
             "                           ids: the instruction to repeat it and the chat turn, the\n"
             "                           prompt again) and hand its queries to the cache (kvzip)\n"
             "                           instead of those after the last vision span\n"
+            "      --prompt-queries     hand the cache every prompt token's query\n"
+            "                           (expected_attention) instead\n"
             "  -h, --help               show this help\n");
 }
 
@@ -122,13 +124,14 @@ static int gen_parse(int argc, char **argv, struct gen_options *o)
     memset(o, 0, sizeof *o);
     o->n_generate = 32;
     o->storage = KVCAP_DTYPE_F32;
-    enum { O_IDS = 256, O_SPANS, O_STORAGE, O_GEN, O_CONT, O_REPLAY };
+    enum { O_IDS = 256, O_SPANS, O_STORAGE, O_GEN, O_CONT, O_REPLAY, O_PROMPTQ };
     static const struct option longopts[] = {
         {"model", required_argument, 0, 'm'},      {"ids", required_argument, 0, O_IDS},
         {"spans", required_argument, 0, O_SPANS},  {"config", required_argument, 0, 'c'},
         {"artifact", required_argument, 0, 'a'},   {"storage", required_argument, 0, O_STORAGE},
         {"generate", required_argument, 0, O_GEN}, {"continuation", required_argument, 0, O_CONT},
         {"replay", required_argument, 0, O_REPLAY}, {"help", no_argument, 0, 'h'},
+        {"prompt-queries", no_argument, 0, O_PROMPTQ},
         {0, 0, 0, 0}};
     int c, rc = 0;
     const char *spans = NULL;
@@ -151,6 +154,7 @@ static int gen_parse(int argc, char **argv, struct gen_options *o)
             rc = parse_ids(optarg, "--replay", &o->replay, &o->n_replay);
             break;
         case O_SPANS: spans = optarg; break;
+        case O_PROMPTQ: o->prompt_queries = 1; break;
         case O_GEN: rc = cli_parse_int(optarg, "--generate", 0, 8192, &o->n_generate); break;
         case O_STORAGE:
             if (!kvcap_dtype_parse(optarg, &o->storage) ||
@@ -168,6 +172,8 @@ static int gen_parse(int argc, char **argv, struct gen_options *o)
         return cli_usage_error("unexpected argument '%s'", argv[optind]);
     if (!o->ids)
         return cli_usage_error("--ids is required");
+    if (o->replay && o->prompt_queries)
+        return cli_usage_error("--replay and --prompt-queries: give one of them");
     if (spans) {
         rc = parse_spans(spans, o);
         if (rc)
@@ -271,6 +277,8 @@ int kvcap_eval_generate(int argc, char **argv)
         n_tail = end > 0 ? n - end : 0;
         if (o.replay) /* the reconstruction pass's queries instead */
             n_tail = o.n_replay + n;
+        else if (o.prompt_queries) /* every prompt token's */
+            n_tail = n;
         size_t kv = (size_t)g.n_layers * n * g.n_kv_heads * g.head_dim;
         k = malloc(sizeof(float) * kv);
         v = malloc(sizeof(float) * kv);

@@ -132,7 +132,7 @@ struct report {
 
 static const char *const POLICIES[] = {"full",   "streaming",   "kvcapsule", "flashcache",
                                        "vlcache", "freekv",      "kvzip",     "random",
-                                       "composition"};
+                                       "expected_attention", "composition"};
 
 /* Okabe–Ito first (distinguishable with the common colour-vision deficiencies), then Tableau;
  * the reference curve is drawn in near-black. */
@@ -389,7 +389,7 @@ static enum kvcap_status parse_run(struct report *r, const cJSON *o, int i)
         known |= strcmp(u->policy, POLICIES[k]) == 0;
     KVCAP_RETURN_IF(!known, KVCAP_ERR_FORMAT,
                     "%s: %s.policy: '%s' is not one of full, streaming, kvcapsule, flashcache, "
-                    "vlcache, freekv, kvzip, random, composition",
+                    "vlcache, freekv, kvzip, random, expected_attention, composition",
                     r->path, where, u->policy);
     KVCAP_TRY(get_string(r, o, where, "label", 1, &u->label));
     KVCAP_TRY(get_number(r, o, where, "retention", REQUIRED, NUM_RETENTION, &u->retention));

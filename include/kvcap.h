@@ -167,9 +167,11 @@ enum kvcap_policy {
     KVCAP_POLICY_STREAMING = 5,  /* attention sinks + recent window */
     KVCAP_POLICY_KVZIP = 6,      /* reconstruction-attention eviction, one budget for all
                                   * layers and KV heads (needs the reconstruction queries) */
-    KVCAP_POLICY_RANDOM = 7      /* uniform random eviction: the baseline of evaluations */
+    KVCAP_POLICY_RANDOM = 7,     /* uniform random eviction: the baseline of evaluations */
+    KVCAP_POLICY_EXPECTED_ATTENTION = 8 /* expected attention of the prompt's query statistics
+                                         * (needs the prompt's queries) */
 };
-#define KVCAP_POLICY_COUNT 8
+#define KVCAP_POLICY_COUNT 9
 
 /* Span kinds a policy is chosen for. */
 enum kvcap_span_kind {
@@ -358,8 +360,9 @@ KVCAP_API enum kvcap_status kvcap_cache_add_span(struct kvcap_cache *cache, int 
  * record mode with the most recent vision span). A kvzip span takes, through this call, the
  * queries of the engine's context-reconstruction pass instead (the tokens of "repeat the
  * previous context" and of the prompt again, run after the prompt, each rotated at its own
- * position): they see the whole prompt. A sequence with both a vlcache and a kvzip span gives
- * both policies the same queries. Several calls extend the set. Device cache:
+ * position): they see the whole prompt. An expected_attention span takes the queries of every
+ * prompt token (the last n tokens of the prompt, n its length). A sequence whose spans use
+ * two of these policies gives them the same queries. Several calls extend the set. Device cache:
  * q is device memory; the arguments are checked and the queries not read (no policy a device
  * cache offers uses them). */
 KVCAP_API enum kvcap_status kvcap_cache_add_post_queries(struct kvcap_cache *cache, int seq,

@@ -6,20 +6,19 @@
 
 #include "kernels/rope.h"
 
-static int rope_dim_of(const struct kvcap_model_geometry *g)
+int kvcap_rope_dim(const struct kvcap_model_geometry *g)
 {
     return g->rope_dim ? g->rope_dim : g->head_dim;
 }
 
-/* Channel indices of rotation pair i. */
-static void pair_of(const struct kvcap_model_geometry *g, int i, int *a, int *b)
+void kvcap_rope_pair(const struct kvcap_model_geometry *g, int i, int *a, int *b)
 {
     if (g->rope_pairing == KVCAP_ROPE_PAIRING_ADJACENT) {
         *a = 2 * i;
         *b = 2 * i + 1;
     } else {
         *a = i;
-        *b = i + rope_dim_of(g) / 2;
+        *b = i + kvcap_rope_dim(g) / 2;
     }
 }
 
@@ -28,14 +27,14 @@ void kvcap_rope_rotate_ref(const struct kvcap_model_geometry *g, float *x, size_
 {
     if (g->rope_type == KVCAP_ROPE_NONE)
         return;
-    int half = rope_dim_of(g) / 2;
+    int half = kvcap_rope_dim(g) / 2;
     for (size_t r = 0; r < rows; r++) {
         float *row = x + r * row_stride;
         for (int i = 0; i < half; i++) {
-            double inv_freq = pow(g->rope_theta, -2.0 * i / (double)rope_dim_of(g));
+            double inv_freq = pow(g->rope_theta, -2.0 * i / (double)kvcap_rope_dim(g));
             double angle = pos * inv_freq;
             int a, b;
-            pair_of(g, i, &a, &b);
+            kvcap_rope_pair(g, i, &a, &b);
             double xa = row[a], xb = row[b];
             row[a] = (float)(xa * cos(angle) - xb * sin(angle));
             row[b] = (float)(xa * sin(angle) + xb * cos(angle));
@@ -48,10 +47,10 @@ void kvcap_rope_rotate(const struct kvcap_model_geometry *g, float *x, size_t ro
 {
     if (g->rope_type == KVCAP_ROPE_NONE || rows == 0)
         return;
-    int half = rope_dim_of(g) / 2;
+    int half = kvcap_rope_dim(g) / 2;
     float cs[2 * 128]; /* head_dim <= 256, so at most 128 pairs */
     for (int i = 0; i < half; i++) {
-        double angle = pos * pow(g->rope_theta, -2.0 * i / (double)rope_dim_of(g));
+        double angle = pos * pow(g->rope_theta, -2.0 * i / (double)kvcap_rope_dim(g));
         cs[2 * i] = (float)cos(angle);
         cs[2 * i + 1] = (float)sin(angle);
     }

@@ -17,4 +17,10 @@ void kvcap_rope_rotate_ref(const struct kvcap_model_geometry *g, float *x, size_
 void kvcap_rope_rotate(const struct kvcap_model_geometry *g, float *x, size_t rows,
                        size_t row_stride, double pos);
 
+/* The rotated channels (g->rope_dim, or head_dim when 0) and the channel indices a, b of
+ * rotation pair i (i < rope_dim / 2), by g's pairing; pair i turns at inverse frequency
+ * theta^(-2i / rope_dim). */
+int kvcap_rope_dim(const struct kvcap_model_geometry *g);
+void kvcap_rope_pair(const struct kvcap_model_geometry *g, int i, int *a, int *b);
+
 #endif

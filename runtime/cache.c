@@ -21,6 +21,7 @@ static const struct kvcap_policy_impl *policy_impl(enum kvcap_policy p)
     case KVCAP_POLICY_FREEKV: return &kvcap_policy_freekv_impl;
     case KVCAP_POLICY_KVZIP: return &kvcap_policy_kvzip_impl;
     case KVCAP_POLICY_RANDOM: return &kvcap_policy_random_impl;
+    case KVCAP_POLICY_EXPECTED_ATTENTION: return &kvcap_policy_expected_impl;
     default: return NULL;
     }
 }

@@ -35,6 +35,7 @@ extern const struct kvcap_policy_impl kvcap_policy_vlcache_impl;
 extern const struct kvcap_policy_impl kvcap_policy_freekv_impl;
 extern const struct kvcap_policy_impl kvcap_policy_kvzip_impl;
 extern const struct kvcap_policy_impl kvcap_policy_random_impl;
+extern const struct kvcap_policy_impl kvcap_policy_expected_impl;
 
 /* ---- Helpers shared by the policies ----------------------------------------------------- */
 

@@ -68,8 +68,8 @@ import json, sys
 m = json.load(open(sys.argv[1]))
 runs = {r["id"]: r for r in m["runs"]}
 policies = {r["policy"] for r in m["runs"]}
-want = {"full", "streaming", "flashcache", "vlcache", "freekv", "kvzip", "random", "kvcapsule",
-        "composition"}
+want = {"full", "streaming", "flashcache", "vlcache", "freekv", "kvzip", "random",
+        "expected_attention", "kvcapsule", "composition"}
 assert policies == want, policies
 labels = {r["label"] for r in m["runs"]}
 assert {"flashcache+protect", "vlcache+protect"} <= labels, labels
@@ -107,13 +107,14 @@ for r in m["runs"]:
     assert 0.0 <= r["next_token_agreement"] <= 1.0, r
     assert all(-1.0 <= c <= 1.0 + 1e-6 for c in r["attn_cosine"]), (r["id"], r["attn_cosine"])
     # Eviction keeps exact rows: its outputs stay close to full's on average.
-    if r["policy"] in ("streaming", "flashcache", "vlcache", "freekv", "kvzip", "random"):
+    if r["policy"] in ("streaming", "flashcache", "vlcache", "freekv", "kvzip", "random",
+                       "expected_attention"):
         assert sum(r["attn_cosine"]) / len(r["attn_cosine"]) > 0.7, (r["id"], r["attn_cosine"])
     # Prefill cost: kvzip pays its reconstruction pass (about a prefill more), the others a
     # small share of one.
     if r["policy"] == "kvzip":
         assert r["prefill_cost"] > 0.3, (r["id"], r["prefill_cost"])
-    elif r["policy"] in ("flashcache", "vlcache"):
+    elif r["policy"] in ("flashcache", "vlcache", "expected_attention"):
         assert 0 < r["prefill_cost"] < 1, (r["id"], r["prefill_cost"])
 assert len(m["masks"]) == 1 and len(m["masks"][0]["kept"]) == 30
 print("metrics ok:", ", ".join(f'{r["id"]} {r["token_agreement"]:.2f}' for r in m["runs"]))

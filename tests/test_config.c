@@ -241,6 +241,11 @@ static void assert_runtime_equal(const struct kvcap_runtime_config *a,
     assert_int_equal(a->random.sinks, b->random.sinks);
     assert_int_equal(a->random.window, b->random.window);
     assert_int_equal(a->random.seed, b->random.seed);
+    assert_true(a->expected.retention == b->expected.retention);
+    assert_int_equal(a->expected.n_future, b->expected.n_future);
+    assert_int_equal(a->expected.query_sinks, b->expected.query_sinks);
+    assert_int_equal(a->expected.sinks, b->expected.sinks);
+    assert_int_equal(a->expected.window, b->expected.window);
     assert_int_equal(a->has_model, b->has_model);
 }
 
@@ -525,6 +530,8 @@ static void test_runtime_forms(void **state)
     assert_int_equal(r.kvzip.window, 0); /* default kept */
     assert_true(r.random.retention == 0.5);
     assert_int_equal(r.random.seed, 17);
+    assert_int_equal(r.expected.n_future, 256);
+    assert_int_equal(r.expected.query_sinks, 4); /* default kept */
     assert_int_equal(r.has_model, 1);
     assert_int_equal(r.model.n_layers, 30);
     assert_int_equal(r.model.rope_pairing, KVCAP_ROPE_PAIRING_ADJACENT);
@@ -605,7 +612,7 @@ static const struct bad_case bad_cases[] = {
     /* runtime */
     {"runtime-policy-name.yaml", "3:11", "policies.vision: 'fastcache' is not one of full, "
                                          "kvcapsule, flashcache, vlcache, freekv, streaming, "
-                                         "kvzip, random"},
+                                         "kvzip, random, expected_attention"},
     {"runtime-fallback-kvcapsule.yaml", "3:11", "fallback: cannot be kvcapsule"},
     {"runtime-kvcapsule-text.yaml", "4:9", "policies.text: kvcapsule applies to vision spans "
                                            "only"},

@@ -36,6 +36,7 @@
 #include "tests/test_util.h"
 #include "kernels/vlcache.h"
 #include "kernels/kvzip.h"
+#include "kernels/expected.h"
 
 /* fp32 storage: the fused and the materialised paths sum in different orders; both are fp32
  * with fp32/double accumulation, so they agree to a few ulps of the output's norm. */
@@ -1472,6 +1473,101 @@ static void test_kvzip_in_cache(void **state)
     kvcap_cache_free(c);
 }
 
+/* Expected attention in a cache: a text head, the span, a text tail; the engine hands every
+ * prompt token's query rotated at its position. The rows each head keeps must be the brute
+ * force's: the oracle's scores from the pre-RoPE queries (the first query_sinks left out) and
+ * the mean rotation after the prompt, each head's top tokens plus sinks and window. */
+static void test_expected_in_cache(void **state)
+{
+    (void)state;
+    struct kvcap_model_geometry g = geometry(2, 6, 2, 64);
+    const int L = g.n_layers, H = g.n_kv_heads, Hq = g.n_q_heads, G = Hq / H, d = g.head_dim;
+    const int nh = 6, nv = 50, nt = 5, P = nh + nv + nt, sinks = 1, window = 2;
+    struct kvcap_cache *c = make_cache(&g, 1, KVCAP_DTYPE_F32, NULL,
+                                       "policies: {vision: expected_attention, text: full}\n"
+                                       "expected_attention: {retention: 0.3, n_future: 64, "
+                                       "query_sinks: 3, sinks: 1, window: 2}\n");
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 77);
+    const int ns[3] = {nh, nv, nt};
+    float *x[2][3], *qpre[2];
+    for (int l = 0; l < L; l++) {
+        int p0 = 0;
+        for (int s = 0; s < 3; s++) {
+            x[l][s] = malloc(sizeof(float) * 2 * (size_t)H * ns[s] * d);
+            fill(&r, x[l][s], 2 * (size_t)H * ns[s] * d, 1.0);
+            struct kvcap_span_desc ds = {s == 1 ? KVCAP_SPAN_VISION : KVCAP_SPAN_TEXT, ns[s],
+                                         s == 1 ? 5 : 0, s == 1 ? 10 : 0, p0};
+            struct kvcap_tensor_view a = hnd(x[l][s], ns[s], d);
+            struct kvcap_tensor_view b = hnd(x[l][s] + (size_t)H * ns[s] * d, ns[s], d);
+            assert_int_equal(kvcap_cache_add_span(c, 0, l, &ds, &a, &b), KVCAP_OK);
+            p0 += ns[s];
+        }
+        /* pre-RoPE queries [P][Hq][d] with a mean away from 0; handed rotated, [Hq][P][d] */
+        qpre[l] = malloc(sizeof(float) * (size_t)P * Hq * d);
+        fill(&r, qpre[l], (size_t)P * Hq * d, 1.0);
+        for (size_t i = 0; i < (size_t)P * Hq * d; i++)
+            qpre[l][i] += 0.5f;
+        float *qh = malloc(sizeof(float) * (size_t)P * Hq * d);
+        for (int i = 0; i < P; i++)
+            for (int q = 0; q < Hq; q++) {
+                float *dst = qh + ((size_t)q * P + i) * d;
+                memcpy(dst, qpre[l] + ((size_t)i * Hq + q) * d, sizeof(float) * d);
+                kvcap_rope_rotate_ref(&g, dst, 1, (size_t)d, (double)i);
+            }
+        assert_int_equal(kvcap_cache_add_post_queries(c, 0, l, qh, P), KVCAP_OK);
+        free(qh);
+    }
+    assert_int_equal(kvcap_cache_end_prefill(c, 0), KVCAP_OK);
+    double cs[64];
+    assert_int_equal(kvcap_expected_rotation(&g, P, 64, cs), KVCAP_OK);
+    const int lo = sinks, hi = nv - window, nc = hi - lo;
+    const int budget = (int)llround(0.3 * nv) - sinks - window;
+    float *sc = malloc(sizeof(float) * nc);
+    for (int l = 0; l < L; l++) {
+        const struct kvcap_segment *seg = &kvcap_cache_seq_layer(c, 0, l)->segs[1];
+        for (int h = 0; h < H; h++) {
+            const float *kx = x[l][1] + ((size_t)h * nv + lo) * d;
+            const float *vx = x[l][1] + ((size_t)(H + h) * nv + lo) * d;
+            assert_int_equal(kvcap_expected_head_ref(&g, qpre[l] + (size_t)3 * Hq * d +
+                                                             (size_t)h * G * d,
+                                                     (size_t)Hq * d, P - 3, G, cs, kx, vx, nc,
+                                                     1.0f / sqrtf((float)d), sc),
+                             KVCAP_OK);
+            int keep[64], k = 0;
+            keep[k++] = 0;
+            int got = kvcap_topk_indices_ref(sc, nc, budget, keep + k);
+            for (int i = 0; i < got; i++)
+                keep[k + i] += lo;
+            k += got;
+            for (int j = hi; j < nv; j++)
+                keep[k++] = j;
+            expect_rows(seg, &g, h, x[l][1] + (size_t)h * nv * d,
+                        x[l][1] + (size_t)(H + h) * nv * d, keep, k);
+        }
+    }
+    free(sc);
+    for (int l = 0; l < L; l++) {
+        for (int s = 0; s < 3; s++)
+            free(x[l][s]);
+        free(qpre[l]);
+    }
+    kvcap_cache_free(c);
+    /* without the prompt's queries the end of prefill says what is missing */
+    c = make_cache(&g, 1, KVCAP_DTYPE_F32, NULL, "policies: {vision: expected_attention}\n");
+    float *y = malloc(sizeof(float) * 2 * (size_t)H * nv * d);
+    fill(&r, y, 2 * (size_t)H * nv * d, 1.0);
+    for (int l = 0; l < L; l++) {
+        struct kvcap_span_desc ds = {KVCAP_SPAN_VISION, nv, 5, 10, 0};
+        struct kvcap_tensor_view a = hnd(y, nv, d), b = hnd(y + (size_t)H * nv * d, nv, d);
+        assert_int_equal(kvcap_cache_add_span(c, 0, l, &ds, &a, &b), KVCAP_OK);
+    }
+    assert_int_equal(kvcap_cache_end_prefill(c, 0), KVCAP_ERR_STATE);
+    assert_non_null(strstr(kvcap_last_error(), "expected_attention needs the prompt's queries"));
+    free(y);
+    kvcap_cache_free(c);
+}
+
 /* A vlcache span after a kvzip span that evicted different numbers of rows per head: refused
  * by name, not scored over a prompt of the wrong length. */
 static void test_kvzip_then_vlcache_refused(void **state)
@@ -1776,6 +1872,7 @@ int main(void)
         cmocka_unit_test(test_kvzip_in_cache),
         cmocka_unit_test(test_kvzip_then_vlcache_refused),
         cmocka_unit_test(test_random_in_cache),
+        cmocka_unit_test(test_expected_in_cache),
         cmocka_unit_test(test_composition),
         cmocka_unit_test(test_poisoned_artifact),
         cmocka_unit_test(test_inconsistent_artifact),

@@ -38,7 +38,7 @@ ROPE_NONE, ROPE_ROPE, ROPE_MROPE = range(3)
 PAIRING_HALF, PAIRING_ADJACENT = range(2)
 # enum kvcap_policy
 POLICIES = ("full", "kvcapsule", "flashcache", "vlcache", "freekv", "streaming", "kvzip",
-            "random")
+            "random", "expected_attention")
 # enum kvcap_span_kind
 SPAN_VISION, SPAN_TEXT, SPAN_GENERATED = range(3)
 # enum kvcap_memory

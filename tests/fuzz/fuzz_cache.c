@@ -285,7 +285,8 @@ static struct kvcap_artifact *build_artifact(const struct plan *p, uint64_t seed
 /* ---- The runtime config ------------------------------------------------------------------- */
 
 static const char *const POLICY_NAMES[] = {"full",      "kvcapsule", "flashcache", "vlcache",
-                                           "freekv",    "streaming", "kvzip",      "random"};
+                                           "freekv",    "streaming", "kvzip",      "random",
+                                           "expected_attention"};
 #define N_POLICIES ((int)(sizeof POLICY_NAMES / sizeof *POLICY_NAMES))
 
 /* Writes a runtime YAML from the fuzzer's choices (mostly valid values; some the parser or the
@@ -308,7 +309,8 @@ static enum kvcap_policy write_config(struct fuzz_bytes *in, char *path, size_t 
              "freekv: {page_size: %d, budget: %d, tau: %g, sink_pages: %d, window_pages: %d}\n"
              "streaming: {sinks: %d, window: %d}\n"
              "kvzip: {retention: %g, sinks: %d, window: %d}\n"
-             "random: {retention: %g, sinks: %d, window: %d, seed: %d}\n",
+             "random: {retention: %g, sinks: %d, window: %d, seed: %d}\n"
+             "expected_attention: {retention: %g, n_future: %d, query_sinks: %d}\n",
              POLICY_NAMES[vision], POLICY_NAMES[text], POLICY_NAMES[gen],
              fallback == N_POLICIES ? "none" : POLICY_NAMES[fallback], fuzz_unit(in),
              fuzz_unit(in),
@@ -317,7 +319,8 @@ static enum kvcap_policy write_config(struct fuzz_bytes *in, char *path, size_t 
              fuzz_int(in, 0, 3), page, budget, fuzz_int(in, -4, 4) / 4.0, sink_pages,
              window_pages, fuzz_int(in, 0, 4), fuzz_int(in, 1, 8), fuzz_unit(in),
              fuzz_int(in, 0, 3), fuzz_int(in, 0, 3), fuzz_unit(in), fuzz_int(in, 0, 3),
-             fuzz_int(in, 0, 3), fuzz_int(in, 0, 9));
+             fuzz_int(in, 0, 3), fuzz_int(in, 0, 9), fuzz_unit(in), fuzz_int(in, 1, 64),
+             fuzz_int(in, 0, 8));
     fuzz_write_file(path, cap, "runtime.yaml", yaml, strlen(yaml));
     return (enum kvcap_policy)vision;
 }
@@ -494,7 +497,7 @@ static void drive(struct driver *dv, struct fuzz_bytes *in, enum kvcap_policy vi
         }
         /* VL-Cache scores with the post-vision queries; other policies may be given them too. */
         if (vision == KVCAP_POLICY_VLCACHE || vision == KVCAP_POLICY_KVZIP ||
-            fuzz_pick(in, 4) == 0) {
+            vision == KVCAP_POLICY_EXPECTED_ATTENTION || fuzz_pick(in, 4) == 0) {
             int n_post = fuzz_int(in, 1, 4);
             for (int l = 0; l < L; l++) {
                 fill(&dv->rng, dv->q, (size_t)g->n_q_heads * n_post * d, 1.0);

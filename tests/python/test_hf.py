@@ -166,6 +166,34 @@ def test_kvzip_matches_the_c_engine(smollm, tmp_path):
         kvcap.hf.KvcapCache(model, policies=policies, spans=spans, input_ids=inputs["input_ids"])
 
 
+def test_expected_attention_matches_the_c_engine(smollm, tmp_path):
+    """Expected Attention through transformers (the cache takes every prompt token's query from
+    the prefill) and through the C engine (kvcap-eval generate --prompt-queries)."""
+    model, tok = smollm
+    model.set_attn_implementation(kvcap.hf.ATTENTION)
+    inputs = license_prompt(tok, 120)
+    n = inputs["input_ids"].shape[1]
+    spans = [Span("text", 0, 16, (0, 0), 0), Span("vision", 16, 64, (8, 8), 16),
+             Span("text", 80, n - 80, (0, 0), 80)]
+    policies = {"vision": "expected_attention", "text": "full", "generated": "full"}
+    sections = {"expected_attention": {"retention": 0.25}}
+    kw = dict(policies=policies, sections=sections, spans=spans, storage="f32")
+    full, _ = greedy(model, inputs, 24)
+    cache = kvcap.hf.KvcapCache(model, **kw)
+    got, _ = greedy(model, inputs, 24, cache=cache)
+    nll, agree = kvcap.hf.continuation_nll(model, inputs, full, kvcap.hf.KvcapCache(model, **kw))
+    config = tmp_path / "runtime.yaml"
+    config.write_text(kvcap.hf.runtime_yaml(policies, sections))
+    c = c_engine(inputs, f"text:16,vision:8x8,text:{n - 80}", config, 24, full,
+                 "--prompt-queries")
+    assert got.tolist() == c["generated"]
+    assert abs(nll - c["continuation_nll"]) <= NLL_TOL
+    assert agree == pytest.approx(c["continuation_agreement"])
+    s = cache.stats()
+    assert s["bytes_by_policy"]["expected_attention"] == 2 * 30 * 3 * 16 * 64 * 4
+    assert got.tolist() != full.tolist()  # it really evicted
+
+
 # ---- Tiny vision-language models ----------------------------------------------------------------
 
 def tiny_qwen2_vl():

@@ -235,7 +235,7 @@ def _post_vision_start(spans: Sequence[Span]) -> int:
 # ---- The runtime config -------------------------------------------------------------------------
 
 _POLICY_NAMES = ("full", "kvcapsule", "flashcache", "vlcache", "freekv", "streaming",
-                 "kvzip", "random")
+                 "kvzip", "random", "expected_attention")
 
 
 def runtime_yaml(policies: Mapping[str, str], sections: Optional[Mapping[str, Mapping[str, Any]]]
@@ -343,7 +343,9 @@ class KvcapCache(Cache):
             self._tmp.close()
             config = self._tmp.name
         self.config_path = os.fspath(config) if config is not None else None
-        self._kvzip = _uses_kvzip(policies, self.config_path)
+        self._kvzip = _uses_policy(policies, self.config_path, "kvzip")
+        # expected_attention takes every prompt token's query (its statistics)
+        self._all_queries = _uses_policy(policies, self.config_path, "expected_attention")
         self._model = model if isinstance(model, torch.nn.Module) else None
         self._input_ids = input_ids
         self._prefix: Optional[List[int]] = None
@@ -446,7 +448,8 @@ class KvcapCache(Cache):
                 spans = [self._spans_of(b, n, k.shape[0]) for b in range(k.shape[0])]
                 self._open(k)
                 self._prompt, self._prompt_spans = n, spans
-                self._post_from = [_post_vision_start(sp) for sp in spans]
+                self._post_from = [0 if self._all_queries else _post_vision_start(sp)
+                                   for sp in spans]
             for b in range(k.shape[0]):
                 for s in self._prompt_spans[b]:
                     ks, vs = k[b, :, s.start:s.start + s.length], v[b, :, s.start:s.start + s.length]
@@ -483,7 +486,7 @@ class KvcapCache(Cache):
 
     def _post_queries(self, layer: int, query: torch.Tensor) -> None:
         """The prompt's queries after its last vision span (VL-Cache's post-vision queries,
-        and what record mode stores with the span)."""
+        and what record mode stores with the span), or all of them for expected_attention."""
         if self.kv is None or query.shape[2] != self._prompt:
             return
         for b, start in enumerate(self._post_from):
@@ -588,14 +591,16 @@ def reconstruction_prefix(tokenizer: Any) -> List[int]:
             tokenizer.encode(suffix, add_special_tokens=False))
 
 
-def _uses_kvzip(policies: Optional[Mapping[str, str]], config_path: Optional[str]) -> bool:
+def _uses_policy(policies: Optional[Mapping[str, str]], config_path: Optional[str],
+                 name: str) -> bool:
+    """Whether the runtime config gives some span kind the policy ``name``."""
     if policies is not None:
-        return "kvzip" in policies.values()
+        return name in policies.values()
     if config_path is None:
         return False
     with open(config_path, encoding="utf-8") as f:
         text = f.read()
-    return re.search(r"\b(vision|text|generated)\s*:\s*kvzip\b", text) is not None
+    return re.search(r"\b(vision|text|generated)\s*:\s*" + name + r"\b", text) is not None
 
 
 def _capture(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
