@@ -61,6 +61,14 @@ enum kvcap_status kvcap_segment_fill(struct kvcap_cache *c, struct kvcap_segment
                                      const struct kvcap_tensor_view *k,
                                      const struct kvcap_tensor_view *v, const int *tokens, int n);
 
+/* The compressible tokens [lo, hi) of an n-token span whose first `sinks` and last `window`
+ * tokens are protected (clamped: sinks first, then the window from what is left). */
+static inline void kvcap_protected_range(int n, int sinks, int window, int *lo, int *hi)
+{
+    *lo = sinks < n ? sinks : n;
+    *hi = n - (window < n - *lo ? window : n - *lo);
+}
+
 /* Whether a segment's plain rows belong to the prompt a scoring pass attends over (VL-Cache's
  * post-vision queries, KVzip's reconstruction queries): rows held, not KVCapsule's state. */
 static inline int kvcap_segment_is_prompt_rows(const struct kvcap_segment *s)

@@ -77,8 +77,9 @@ static enum kvcap_status expected_finish(struct kvcap_cache *c, int seq, int spa
     const int L = c->g.n_layers, H = c->g.n_kv_heads;
     const struct kvcap_expected_config *cfg = &c->cfg.expected;
     const int n = kvcap_cache_seq_layer(c, seq, 0)->segs[span].n_tokens;
-    const int lo = cfg->sinks < n ? cfg->sinks : n;
-    const int hi = n - (cfg->window < n - lo ? cfg->window : n - lo), nc = hi - lo;
+    int lo, hi;
+    kvcap_protected_range(n, cfg->sinks, cfg->window, &lo, &hi);
+    const int nc = hi - lo;
     const int budget = (int)llround(cfg->retention * n) - (n - nc);
     double t0 = kvcap_seconds();
     float *score = malloc(sizeof(float) * (size_t)H * (nc > 0 ? nc : 1));

@@ -16,10 +16,7 @@
 /* The compressible tokens [lo, hi) of an n-token span. */
 static void compressible(const struct kvcap_flashcache_config *f, int n, int *lo, int *hi)
 {
-    int sinks = f->sinks < n ? f->sinks : n;
-    int window = f->window < n - sinks ? f->window : n - sinks;
-    *lo = sinks;
-    *hi = n - window;
+    kvcap_protected_range(n, f->sinks, f->window, lo, hi);
 }
 
 struct score_job {

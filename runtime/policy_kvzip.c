@@ -112,8 +112,9 @@ static enum kvcap_status kvzip_finish(struct kvcap_cache *c, int seq, int span)
     const int L = c->g.n_layers, H = c->g.n_kv_heads;
     const struct kvcap_kvzip_config *cfg = &c->cfg.kvzip;
     const int n = kvcap_cache_seq_layer(c, seq, 0)->segs[span].n_tokens;
-    const int lo = cfg->sinks < n ? cfg->sinks : n;
-    const int hi = n - (cfg->window < n - lo ? cfg->window : n - lo), nc = hi - lo;
+    int lo, hi;
+    kvcap_protected_range(n, cfg->sinks, cfg->window, &lo, &hi);
+    const int nc = hi - lo;
     double t0 = kvcap_seconds();
     const size_t units = (size_t)L * H;
     float *score = malloc(sizeof(float) * (units * nc > 0 ? units * nc : 1));

@@ -17,8 +17,9 @@ static enum kvcap_status random_prefill(struct kvcap_cache *c, int seq, int laye
     (void)seq;
     const struct kvcap_random_config *cfg = &c->cfg.random;
     const int n = seg->n_tokens, H = c->g.n_kv_heads;
-    const int lo = cfg->sinks < n ? cfg->sinks : n;
-    const int hi = n - (cfg->window < n - lo ? cfg->window : n - lo), nc = hi - lo;
+    int lo, hi;
+    kvcap_protected_range(n, cfg->sinks, cfg->window, &lo, &hi);
+    const int nc = hi - lo;
     int draw = (int)llround(cfg->retention * n) - (n - nc);
     draw = draw < 0 ? 0 : draw > nc ? nc : draw;
     KVCAP_TRY(kvcap_segment_fill(c, seg, k, v, NULL, n));
