@@ -28,6 +28,7 @@
 #include "runtime/artifact.h"
 #include "cli/cli.h"
 #include "formats/dataset.h"
+#include "formats/safetensors.h"
 #include "common/internal.h"
 #include "eval/generate.h"
 #include "eval/llama.h"
@@ -1521,7 +1522,7 @@ static enum kvcap_status task_run(const struct options *o, const struct model_ct
 
 /* The files `run` writes into --out: the one list check_outputs checks and cmd_run writes. */
 struct run_outputs {
-    char metrics[4200], html[4200], csv[4200];
+    char metrics[4200], html[4200], csv[4200], embd[4200];
 };
 
 static void run_output_paths(const struct options *o, struct run_outputs *p)
@@ -1529,6 +1530,7 @@ static void run_output_paths(const struct options *o, struct run_outputs *p)
     snprintf(p->metrics, sizeof p->metrics, "%s/metrics.json", o->out);
     snprintf(p->html, sizeof p->html, "%s/report.html", o->out);
     snprintf(p->csv, sizeof p->csv, "%s/metrics.csv", o->out);
+    snprintf(p->embd, sizeof p->embd, "%s/span_embeddings.safetensors", o->out);
 }
 static cJSON *num_or_null(double x) { return isfinite(x) ? cJSON_CreateNumber(x) : cJSON_CreateNull(); }
 
@@ -1707,6 +1709,7 @@ static enum kvcap_status write_metrics(const struct options *o, const struct mod
         for (int c = 0; c < im->f.n_crops; c++)
             calib_crops += !kvvision_heldout(&im->f, c);
         cJSON_AddStringToObject(track, "features", o->features);
+        cJSON_AddStringToObject(track, "span_embeddings", "span_embeddings.safetensors");
         cJSON_AddNumberToObject(track, "rows", im->f.grid);
         cJSON_AddNumberToObject(track, "cols", im->f.grid);
         cJSON_AddNumberToObject(track, "photos", im->f.n_photos);
@@ -2084,6 +2087,18 @@ static int cmd_run(const struct options *opt, int argc, char **argv)
     if (s == KVCAP_OK)
         s = write_metrics(o, &mc, &corpus, runs, n_runs, n_prompts, &task, bw, command,
                           opt->track == TRACK_IMAGE ? &im : NULL, crop_of[0], metrics);
+    /* image track: the spans' embeddings, so that another engine can replay the same prompts
+     * (scripts/kvpress_reference.py) */
+    if (s == KVCAP_OK && embd) {
+        struct kvst_writer *w = NULL;
+        const int64_t shape[3] = {n_prompts, im.f.n_tokens, mc.hp->n_embd};
+        s = kvst_writer_create(&w);
+        if (s == KVCAP_OK)
+            s = kvst_writer_add(w, "span_embeddings", KVCAP_DTYPE_F32, 3, shape, embd);
+        if (s == KVCAP_OK)
+            s = kvst_writer_commit(w, files.embd);
+        kvst_writer_free(w);
+    }
     const char *tracks[8] = {metrics};
     for (int i = 0; i < o->n_compare; i++)
         tracks[1 + i] = o->compare[i];
@@ -2132,9 +2147,11 @@ static int check_outputs(const struct options *o)
         return cli_usage_error("--out %s exists and is not a folder", o->out);
     struct run_outputs files;
     run_output_paths(o, &files);
-    const struct cli_path out[3] = {
-        {"--out", files.metrics}, {"--out", files.html}, {"--out", files.csv}};
-    return cli_check_outputs(out, 3, in, n);
+    const struct cli_path out[4] = {{"--out", files.metrics},
+                                    {"--out", files.html},
+                                    {"--out", files.csv},
+                                    {"--out", files.embd}};
+    return cli_check_outputs(out, 4, in, n);
 }
 
 int main(int argc, char **argv)

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # kvpress-reference.sh — kvpress (NVIDIA's KV-compression library for transformers, pinned) as
-# an outside reference beside a kvcap-eval text-track run: the same model, prompts, span and
-# retentions, only the span compressed. Prints kvpress's presses and kvcap's policies in one
+# an outside reference beside a kvcap-eval run (text track, or image track through the span
+# embeddings the run writes): the same model, prompts, span and retentions, only the span
+# compressed. Prints kvpress's presses and kvcap's policies in one
 # table (dNLL and KL against the full cache, next-token agreement, realised retention) and
 # writes kvpress.json beside the run's metrics.json.
 # Usage: bash scripts/kvpress-reference.sh [RUN_DIR] [kvpress_reference.py options]
-#   RUN_DIR: a `kvcap-eval run --track text` output (default build/eval/text, the demo's).
+#   RUN_DIR: a `kvcap-eval run` output (default build/eval/text, the demo's).
 # Makes its own venv (${KVCAP_KVPRESS_VENV:-<repo>/.venv-kvpress}): kvpress 0.5.5 needs
 # transformers < 5.3, the project venv has a newer one. About 2 minutes per retention for the
 # six presses on the demo's 8 prompts (2 cores).
@@ -14,7 +15,7 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 run=${1:-$root/build/eval/text}
 [ $# -gt 0 ] && shift
 if [ ! -f "$run/metrics.json" ]; then
-  echo "kvpress-reference: $run/metrics.json not found (run scripts/demo.sh, or kvcap-eval run --track text --out DIR)" >&2
+  echo "kvpress-reference: $run/metrics.json not found (run scripts/demo.sh, or kvcap-eval run --out DIR)" >&2
   exit 2
 fi
 venv=${KVCAP_KVPRESS_VENV:-$root/.venv-kvpress}

@@ -13,8 +13,9 @@ outside the span the highest score (kept) and sets the compression ratio so that
 retention x span tokens remain, the same number per KV head (kvpress's ScorerPress rule).
 KVzip shares its budget across layers and heads (its own rule); the tokens outside the span get
 its sink treatment (never evicted). Run by scripts/kvpress-reference.sh, which makes the venv
-(kvpress 0.5.5 needs transformers < 5.3). Text track only: the image track's span enters as
-embeddings.
+(kvpress 0.5.5 needs transformers < 5.3). On the image track the span enters as the same
+embeddings kvcap-eval used (its span_embeddings.safetensors, inputs_embeds here); KVzip, whose
+press replays the context from its input ids, is left out there.
 """
 import argparse
 import importlib.metadata
@@ -31,7 +32,8 @@ import torch
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--metrics", required=True,
-                    help="a kvcap-eval run's metrics.json (text track): prompts and layout")
+                    help="a kvcap-eval run's metrics.json: prompts, layout and (image track) the "
+                         "span's embeddings beside it")
     ap.add_argument("--model", default=os.environ.get("KVCAP_MODEL") or os.path.expanduser(
         "~/.cache/kvcap/models/SmolLM2-135M-Instruct.Q4_1.gguf"), help="the GGUF model")
     ap.add_argument("--retentions", default="0.2,0.4", help="span shares kept (default 0.2,0.4)")
@@ -59,7 +61,7 @@ def load_model(gguf_path, workdir):
 
 
 @torch.no_grad()
-def continuation_logprobs(model, prompt, cont, press=None, eager=False):
+def continuation_logprobs(model, prompt, cont, press=None, eager=False, span_embd=None, head=0):
     """Log-probabilities of the continuation's positions: the prompt prefilled (compressed by
     `press` inside its context), then the continuation teacher-forced in one forward over the
     compressed cache at its true positions. Returns [len(cont)][vocab] and the cache length."""
@@ -69,12 +71,17 @@ def continuation_logprobs(model, prompt, cont, press=None, eager=False):
         model.set_attn_implementation("eager")
     cache = DynamicCache(config=model.config)
     ids = torch.tensor([prompt])
+    kw = {"input_ids": ids}
+    if span_embd is not None:  # the image track: the span's rows are the image's embeddings
+        x = model.get_input_embeddings()(ids).clone()
+        x[0, head:head + span_embd.shape[0]] = span_embd
+        kw = {"inputs_embeds": x}
     try:
         if press is None:
-            out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+            out = model(past_key_values=cache, use_cache=True, **kw)
         else:
             with press(model):
-                out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+                out = model(past_key_values=cache, use_cache=True, **kw)
     finally:
         if eager:
             model.set_attn_implementation("sdpa")
@@ -145,23 +152,38 @@ def main():
     a = parse_args()
     with open(a.metrics) as f:
         m = json.load(f)
-    if m.get("track", {}).get("kind") != "text" or "prompt_ids" not in m:
-        sys.exit(f"{a.metrics}: not a text-track kvcap-eval run with prompt_ids (rerun kvcap-eval "
-                 "run --track text)")
+    track = m.get("track", {})
+    if "prompt_ids" not in m:
+        sys.exit(f"{a.metrics}: no prompt_ids (rerun kvcap-eval run)")
+    embds = None
+    if track.get("kind") == "image":
+        if "span_embeddings" not in track:
+            sys.exit(f"{a.metrics}: an image-track run without span_embeddings (rerun "
+                     "kvcap-eval run --track image)")
+        from safetensors.torch import load_file
+        path = os.path.join(os.path.dirname(os.path.abspath(a.metrics)), track["span_embeddings"])
+        embds = load_file(path)["span_embeddings"]
     setup = m["setup"]
     head, span, tail = setup["head_tokens"], setup["span_tokens"], setup["tail_tokens"]
     n = head + span + tail
     prompts = m["prompt_ids"][: a.prompts or None]
     retentions = [float(x) for x in a.retentions.split(",")]
     presses = [p for p in a.presses.split(",") if p]
+    if embds is not None and "kvzip" in presses:
+        print("kvpress-reference: image track: KVzip left out (its press replays the context "
+              "from input ids)", file=sys.stderr)
+        presses.remove("kvzip")
     import transformers
 
     work = os.environ.get("KVCAP_KVPRESS_WORK") or tempfile.mkdtemp(prefix="kvpress-ref-")
     model = load_model(a.model, work)
     full, full_nll = [], []  # per prompt: the full cache's log-probabilities and NLL
-    for p in prompts:
+    def embd_of(i):
+        return None if embds is None else embds[i]
+
+    for i, p in enumerate(prompts):
         ids = p["ids"]
-        lp, _ = continuation_logprobs(model, ids[:n], ids[n:])
+        lp, _ = continuation_logprobs(model, ids[:n], ids[n:], span_embd=embd_of(i), head=head)
         full.append(lp)
         full_nll.append(-lp.gather(1, torch.tensor(ids[n:])[:, None]).mean().item())
     rows = []
@@ -170,11 +192,12 @@ def main():
     for name in presses:
         for r in retentions:
             nll = dnll = kl = agree = kept = 0.0
-            for p, lp_full, nll_full in zip(prompts, full, full_nll):
+            for i, (p, lp_full, nll_full) in enumerate(zip(prompts, full, full_nll)):
                 ids = p["ids"]
                 cont = torch.tensor(ids[n:])
                 press, eager = make_press(name, r, head, span, n)
-                lp, cache = continuation_logprobs(model, ids[:n], ids[n:], press, eager)
+                lp, cache = continuation_logprobs(model, ids[:n], ids[n:], press, eager,
+                                                  span_embd=embd_of(i), head=head)
                 tok_nll = -lp.gather(1, cont[:, None]).mean().item()
                 nll += tok_nll
                 dnll += tok_nll - nll_full

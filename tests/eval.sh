@@ -154,6 +154,15 @@ for r in m["runs"]:
 print("image metrics ok:", ", ".join(f'{r["id"]} KL {r["kl"]:.3f}' for r in m["runs"]))
 PY
   grep -q "Tracks side by side" "$work/iout/report.html" || fail "image report lacks the text track"
+  # the spans' embeddings, for another engine to replay the same prompts: [prompts][span][embd]
+  python3 - "$work/iout/span_embeddings.safetensors" <<'PY' || fail "span_embeddings.safetensors"
+import json, struct, sys
+with open(sys.argv[1], "rb") as f:
+    n = struct.unpack("<Q", f.read(8))[0]
+    h = json.loads(f.read(n))
+t = h["span_embeddings"]
+assert t["dtype"] == "F32" and t["shape"][0] == 2 and t["shape"][1] == 256, t
+PY
   grep -q "<dt>Images</dt>" "$work/iout/report.html" || fail "image report lacks its photos"
 else
   echo "SKIP: image track ($features not found; bash scripts/fetch-vision.sh and" \
