@@ -98,14 +98,7 @@ enum kvcap_status kvcap_kvzip_head_ref(const float *q, size_t q_stride, const fl
 
 size_t kvcap_kvzip_scratch_floats(int n_q, int G, int d)
 {
-    if (n_q < 1 || G < 1 || d < 1)
-        return 0;
-    size_t nq, qd, sb, kb, total;
-    if (!kvcap_mul_size((size_t)n_q, (size_t)G, &nq) || !kvcap_mul_size(nq, (size_t)d, &qd) ||
-        !kvcap_mul_size(nq, KZ_BLOCK + 2, &sb) || !kvcap_mul_size(KZ_BLOCK, (size_t)d, &kb) ||
-        !kvcap_add_size(qd, sb, &total) || !kvcap_add_size(total, kb, &total))
-        return SIZE_MAX;
-    return total;
+    return kvcap_rows_scratch_floats(n_q, G, d, KZ_BLOCK, 0);
 }
 
 /* Scratch layout (floats), nq = n_q·G query rows, row r = i·G + g:
@@ -125,17 +118,7 @@ enum kvcap_status kvcap_kvzip_head(const float *q, size_t q_stride, const float 
     const int nq = n_q * G;
     float *qs = scratch, *sc = qs + (size_t)nq * d, *mx = sc + (size_t)nq * KZ_BLOCK;
     float *sum = mx + nq, *kb = sum + nq;
-    for (int i = 0; i < n_q; i++)
-        for (int g = 0; g < G; g++) {
-            const float *src = q + (size_t)i * q_stride + (size_t)g * d;
-            float *dst = qs + ((size_t)i * G + g) * d;
-            for (int e = 0; e < d; e++)
-                dst[e] = src[e] * scale;
-        }
-    for (int r = 0; r < nq; r++) {
-        mx[r] = -INFINITY;
-        sum[r] = 0.0f;
-    }
+    kvcap_rows_scaled_queries(q, q_stride, n_q, G, d, scale, qs, mx, sum);
     for (int pass = 1; pass <= 2; pass++) {
         struct kvcap_rows_cursor cur = {0, 0};
         for (int j0 = 0; j0 < m;) {
@@ -145,13 +128,7 @@ enum kvcap_status kvcap_kvzip_head(const float *q, size_t q_stride, const float 
             for (int r = 0; r < nq; r++) {
                 const float *s = sc + (size_t)r * KZ_BLOCK;
                 if (pass == 1) {
-                    float bm = mx[r], add = 0.0f;
-                    for (int jj = 0; jj < nb; jj++)
-                        bm = s[jj] > bm ? s[jj] : bm;
-                    for (int jj = 0; jj < nb; jj++)
-                        add += expf(s[jj] - bm);
-                    sum[r] = sum[r] * expf(mx[r] - bm) + add; /* exp(-inf) = 0 at first */
-                    mx[r] = bm;
+                    kvcap_rows_softmax_add(s, nb, &mx[r], &sum[r]);
                 } else {
                     const float rm = mx[r], inv = sum[r];
                     float *out = score + j0;
@@ -165,15 +142,10 @@ enum kvcap_status kvcap_kvzip_head(const float *q, size_t q_stride, const float 
         }
         if (pass == 1)
             for (int r = 0; r < nq; r++) {
-                /* the keys not given: their log-sum-exp joins the normaliser */
+                /* the keys not given: their log-sum-exp joins the normaliser as one term */
                 const float extra =
                     lse ? lse[(size_t)(r / G) * lse_stride + (size_t)(r % G)] : -INFINITY;
-                if (extra > mx[r]) {
-                    sum[r] = sum[r] * expf(mx[r] - extra) + 1.0f;
-                    mx[r] = extra;
-                } else {
-                    sum[r] += expf(extra - mx[r]);
-                }
+                kvcap_rows_softmax_add(&extra, 1, &mx[r], &sum[r]);
                 sum[r] = 1.0f / sum[r]; /* sum >= 1: the max term is exp(0) */
             }
     }

@@ -5,6 +5,8 @@
 #define KVCAP_ROWS_BLOCK_H
 
 #include <limits.h>
+#include <math.h>
+#include <stdint.h>
 
 #include "common/dtype.h"
 #include "common/internal.h"
@@ -70,6 +72,53 @@ static inline int kvcap_rows_load_block(const struct kvcap_rows *keys, int n_chu
         cur->row += take;
     }
     return nb;
+}
+
+/* The scratch both scoring kernels lay out for nq = n·G query rows and key blocks of `block`
+ * rows (qs [nq][d], sc [nq][block], mx [nq], sum [nq], kb [block][d]), plus `extra` floats; 0
+ * for n, G or d < 1, SIZE_MAX on overflow. */
+static inline size_t kvcap_rows_scratch_floats(int n, int G, int d, int block, size_t extra)
+{
+    if (n < 1 || G < 1 || d < 1)
+        return 0;
+    size_t nq, qd, sb, kb, total;
+    if (!kvcap_mul_size((size_t)n, (size_t)G, &nq) || !kvcap_mul_size(nq, (size_t)d, &qd) ||
+        !kvcap_mul_size(nq, (size_t)block + 2, &sb) ||
+        !kvcap_mul_size((size_t)block, (size_t)d, &kb) || !kvcap_add_size(qd, sb, &total) ||
+        !kvcap_add_size(total, kb, &total) || !kvcap_add_size(total, extra, &total))
+        return SIZE_MAX;
+    return total;
+}
+
+/* The n·G query rows (row i·G + g: query g of token i at q + i*q_stride + g*d) times scale into
+ * qs [n·G][d], and each row's online softmax started: mx = −inf, sum = 0. */
+static inline void kvcap_rows_scaled_queries(const float *q, size_t q_stride, int n, int G, int d,
+                                             float scale, float *qs, float *mx, float *sum)
+{
+    for (int i = 0; i < n; i++)
+        for (int g = 0; g < G; g++) {
+            const float *src = q + (size_t)i * q_stride + (size_t)g * d;
+            float *dst = qs + ((size_t)i * G + g) * d;
+            for (int e = 0; e < d; e++)
+                dst[e] = src[e] * scale;
+        }
+    for (int r = 0; r < n * G; r++) {
+        mx[r] = -INFINITY;
+        sum[r] = 0.0f;
+    }
+}
+
+/* One online-softmax step of a row: scores s[0..n) join its running max *mx and Σ exp(s − max)
+ * *sum (a row that had seen nothing has sum 0, and exp(−inf) = 0 keeps it so). */
+static inline void kvcap_rows_softmax_add(const float *s, int n, float *mx, float *sum)
+{
+    float bm = *mx, add = 0.0f;
+    for (int j = 0; j < n; j++)
+        bm = s[j] > bm ? s[j] : bm;
+    for (int j = 0; j < n; j++)
+        add += expf(s[j] - bm);
+    *sum = *sum * expf(*mx - bm) + add;
+    *mx = bm;
 }
 
 #endif

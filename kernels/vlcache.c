@@ -122,15 +122,7 @@ enum kvcap_status kvcap_vlcache_head_ref(const float *q, size_t q_stride, int ta
 
 size_t kvcap_vlcache_scratch_floats(int tau, int G, int d)
 {
-    if (tau < 1 || G < 1 || d < 1)
-        return 0;
-    size_t nq, qd, sb, kb, total;
-    if (!kvcap_mul_size((size_t)tau, (size_t)G, &nq) || !kvcap_mul_size(nq, (size_t)d, &qd) ||
-        !kvcap_mul_size(nq, VL_BLOCK + 2, &sb) || !kvcap_mul_size(VL_BLOCK, (size_t)d, &kb) ||
-        !kvcap_add_size(qd, sb, &total) || !kvcap_add_size(total, kb, &total) ||
-        !kvcap_add_size(total, VL_BLOCK, &total))
-        return SIZE_MAX;
-    return total;
+    return kvcap_rows_scratch_floats(tau, G, d, VL_BLOCK, VL_BLOCK); /* and col [VL_BLOCK] */
 }
 
 /* Scratch layout (floats), nq = τ·G query rows, row r = i·G + g:
@@ -152,17 +144,7 @@ enum kvcap_status kvcap_vlcache_head(const float *q, size_t q_stride, int tau, i
     float *qs = scratch, *sc = qs + (size_t)nq * d, *mx = sc + (size_t)nq * VL_BLOCK;
     float *sum = mx + nq, *kb = sum + nq, *col = kb + (size_t)VL_BLOCK * d;
 
-    for (int i = 0; i < tau; i++)
-        for (int g = 0; g < G; g++) {
-            const float *src = q + (size_t)i * q_stride + (size_t)g * d;
-            float *dst = qs + ((size_t)i * G + g) * d;
-            for (int e = 0; e < d; e++)
-                dst[e] = src[e] * scale;
-        }
-    for (int r = 0; r < nq; r++) {
-        mx[r] = -INFINITY;
-        sum[r] = 0.0f;
-    }
+    kvcap_rows_scaled_queries(q, q_stride, tau, G, d, scale, qs, mx, sum);
 
     /* Row r = (i, g) sees keys j <= m − τ + i: only blocks holding one of the last τ keys are
      * cut short, by `visible`. */
@@ -182,15 +164,7 @@ enum kvcap_status kvcap_vlcache_head(const float *q, size_t q_stride, int tau, i
                 if (visible <= 0)
                     continue;
                 if (pass == 1) {
-                    float bm = mx[r];
-                    for (int jj = 0; jj < visible; jj++)
-                        bm = s[jj] > bm ? s[jj] : bm;
-                    float add = 0.0f;
-                    for (int jj = 0; jj < visible; jj++)
-                        add += expf(s[jj] - bm);
-                    /* a row that had seen nothing has sum 0, and exp(-inf) = 0 keeps it so */
-                    sum[r] = sum[r] * expf(mx[r] - bm) + add;
-                    mx[r] = bm;
+                    kvcap_rows_softmax_add(s, visible, &mx[r], &sum[r]);
                 } else {
                     float rm = mx[r], inv = sum[r];
                     int nbr = 0;
