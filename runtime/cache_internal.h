@@ -126,6 +126,13 @@ enum kvcap_status kvcap_segment_keep_marked(const struct kvcap_cache *c,
 /* Replaces seg's rows by `kept` (taking ownership) and frees the evicted ones for real. */
 void kvcap_segment_commit(struct kvcap_segment *seg, struct kvcap_kept_rows *kept);
 
+/* The end of a cross-layer finish of span `span` of `seq`, with kept[l] built for every pending
+ * layer l: when st is KVCAP_OK every pending layer's rows are replaced by kept[l], its score
+ * freed and the segment no longer pending (all layers or none, so a failed finish leaves the
+ * span as it was); then whatever kept still holds is freed. Returns st. */
+enum kvcap_status kvcap_span_commit(struct kvcap_cache *c, int seq, int span,
+                                    struct kvcap_kept_rows *kept, enum kvcap_status st);
+
 /* Frees rows built by kvcap_segment_keep_top that were not committed (NULL-safe, idempotent). */
 void kvcap_kept_rows_free(struct kvcap_kept_rows *kept);
 

@@ -131,17 +131,7 @@ static enum kvcap_status flashcache_finish(struct kvcap_cache *c, int seq, int s
             st = kvcap_segment_keep_top(c, seg, seg->score, (size_t)(hi - lo), lo, hi,
                                         budget[l], &kept[l]);
     }
-    for (int l = 0; st == KVCAP_OK && l < L; l++) {
-        struct kvcap_segment *seg = &kvcap_cache_seq_layer(c, seq, l)->segs[span];
-        if (!seg->pending)
-            continue;
-        kvcap_segment_commit(seg, &kept[l]);
-        free(seg->score);
-        seg->score = NULL;
-        seg->pending = 0;
-    }
-    for (int l = 0; kept && l < L; l++)
-        kvcap_kept_rows_free(&kept[l]);
+    st = kvcap_span_commit(c, seq, span, kept, st);
     free(w), free(cap), free(budget), free(kept);
     c->compress_seconds += kvcap_seconds() - t0;
     return st;

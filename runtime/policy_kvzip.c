@@ -147,14 +147,7 @@ static enum kvcap_status kvzip_finish(struct kvcap_cache *c, int seq, int span)
         }
         st = kvcap_segment_keep_marked(c, seg, mark, &kept[l]);
     }
-    /* every layer's rows were built before any changes: all are committed, or none */
-    for (int l = 0; st == KVCAP_OK && l < L; l++) {
-        struct kvcap_segment *seg = &kvcap_cache_seq_layer(c, seq, l)->segs[span];
-        kvcap_segment_commit(seg, &kept[l]);
-        seg->pending = 0;
-    }
-    for (int l = 0; kept && l < L; l++)
-        kvcap_kept_rows_free(&kept[l]);
+    st = kvcap_span_commit(c, seq, span, kept, st);
     free(score), free(keep), free(work), free(sel), free(mark), free(kept);
     c->compress_seconds += kvcap_seconds() - t0;
     return st;

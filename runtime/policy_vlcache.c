@@ -167,18 +167,11 @@ static enum kvcap_status vlcache_finish(struct kvcap_cache *c, int seq, int span
                                         budget, &kept[l]);
         }
     }
-    /* every layer's rows were built before any changes: all are committed, or none */
-    for (int l = 0; st == KVCAP_OK && l < L; l++) {
-        struct kvcap_segment *seg = &kvcap_cache_seq_layer(c, seq, l)->segs[span];
-        kvcap_segment_commit(seg, &kept[l]);
-        seg->pending = 0;
-    }
-    for (int l = 0; l < L; l++) {
+    st = kvcap_span_commit(c, seq, span, kept, st);
+    for (int l = 0; l < L; l++) { /* its scores are made here: freed whatever the outcome */
         struct kvcap_segment *seg = &kvcap_cache_seq_layer(c, seq, l)->segs[span];
         free(seg->score);
         seg->score = NULL;
-        if (kept)
-            kvcap_kept_rows_free(&kept[l]);
     }
     free(gamma), free(post), free(kept);
     c->compress_seconds += kvcap_seconds() - t0;

@@ -128,6 +128,22 @@ void kvcap_segment_commit(struct kvcap_segment *seg, struct kvcap_kept_rows *kep
     *kept = (struct kvcap_kept_rows){0};
 }
 
+enum kvcap_status kvcap_span_commit(struct kvcap_cache *c, int seq, int span,
+                                    struct kvcap_kept_rows *kept, enum kvcap_status st)
+{
+    for (int l = 0; kept && l < c->g.n_layers; l++) {
+        struct kvcap_segment *seg = &kvcap_cache_seq_layer(c, seq, l)->segs[span];
+        if (st == KVCAP_OK && seg->pending) {
+            kvcap_segment_commit(seg, &kept[l]);
+            free(seg->score);
+            seg->score = NULL;
+            seg->pending = 0;
+        }
+        kvcap_kept_rows_free(&kept[l]);
+    }
+    return st;
+}
+
 void kvcap_kept_rows_free(struct kvcap_kept_rows *kept)
 {
     if (!kept)
