@@ -1317,6 +1317,27 @@ static void test_vlcache_in_cache(void **state)
 }
 
 
+/* Layer l of a prompt of three spans: text (ns[0] tokens), vision (ns[1] on a rows x ns[1]/rows
+ * grid), text (ns[2]), one after another from position 0; x[s] receives span s's K then V
+ * ([2][kv_heads][n][d], random), which the caller frees. */
+static void add_text_vision_text(struct kvcap_cache *c, const struct kvcap_model_geometry *g,
+                                 int l, const int ns[3], int rows, float *x[3],
+                                 struct kvcap_rng *r)
+{
+    const int H = g->n_kv_heads, d = g->head_dim;
+    int p0 = 0;
+    for (int s = 0; s < 3; s++) {
+        x[s] = malloc(sizeof(float) * 2 * (size_t)H * ns[s] * d);
+        fill(r, x[s], 2 * (size_t)H * ns[s] * d, 1.0);
+        struct kvcap_span_desc ds = {s == 1 ? KVCAP_SPAN_VISION : KVCAP_SPAN_TEXT, ns[s],
+                                     s == 1 ? rows : 0, s == 1 ? ns[1] / rows : 0, p0};
+        struct kvcap_tensor_view a = hnd(x[s], ns[s], d);
+        struct kvcap_tensor_view b = hnd(x[s] + (size_t)H * ns[s] * d, ns[s], d);
+        assert_int_equal(kvcap_cache_add_span(c, 0, l, &ds, &a, &b), KVCAP_OK);
+        p0 += ns[s];
+    }
+}
+
 /* KVzip in a cache: a text head (full), the kvzip span, a text tail (full), and n_r
  * reconstruction queries per layer. The rows kept must be the brute force's: the oracle's
  * scores over the whole prompt, one budget over every layer and head (the readable selection),
@@ -1338,17 +1359,7 @@ static void test_kvzip_in_cache(void **state)
     const int ns[3] = {nh, nv, nt};
     float *x[3][3], *rq[3], *rl[3];
     for (int l = 0; l < L; l++) {
-        int p0 = 0;
-        for (int s = 0; s < 3; s++) {
-            x[l][s] = malloc(sizeof(float) * 2 * (size_t)H * ns[s] * d);
-            fill(&r, x[l][s], 2 * (size_t)H * ns[s] * d, 1.0);
-            struct kvcap_span_desc ds = {s == 1 ? KVCAP_SPAN_VISION : KVCAP_SPAN_TEXT, ns[s],
-                                         s == 1 ? 8 : 0, s == 1 ? 10 : 0, p0};
-            struct kvcap_tensor_view a = hnd(x[l][s], ns[s], d);
-            struct kvcap_tensor_view b = hnd(x[l][s] + (size_t)H * ns[s] * d, ns[s], d);
-            assert_int_equal(kvcap_cache_add_span(c, 0, l, &ds, &a, &b), KVCAP_OK);
-            p0 += ns[s];
-        }
+        add_text_vision_text(c, &g, l, ns, 8, x[l], &r); /* the span: 8 x 10 */
         rq[l] = malloc(sizeof(float) * (size_t)n_r * Hq * d); /* token-major */
         fill(&r, rq[l], (size_t)n_r * Hq * d, 0.5 + 0.6 * l);  /* layers differ in sharpness */
         /* the pass's own keys: a log-sum-exp per query on layer 1 ([n_r][q_heads], -inf on
@@ -1492,17 +1503,7 @@ static void test_expected_in_cache(void **state)
     const int ns[3] = {nh, nv, nt};
     float *x[2][3], *qpre[2];
     for (int l = 0; l < L; l++) {
-        int p0 = 0;
-        for (int s = 0; s < 3; s++) {
-            x[l][s] = malloc(sizeof(float) * 2 * (size_t)H * ns[s] * d);
-            fill(&r, x[l][s], 2 * (size_t)H * ns[s] * d, 1.0);
-            struct kvcap_span_desc ds = {s == 1 ? KVCAP_SPAN_VISION : KVCAP_SPAN_TEXT, ns[s],
-                                         s == 1 ? 5 : 0, s == 1 ? 10 : 0, p0};
-            struct kvcap_tensor_view a = hnd(x[l][s], ns[s], d);
-            struct kvcap_tensor_view b = hnd(x[l][s] + (size_t)H * ns[s] * d, ns[s], d);
-            assert_int_equal(kvcap_cache_add_span(c, 0, l, &ds, &a, &b), KVCAP_OK);
-            p0 += ns[s];
-        }
+        add_text_vision_text(c, &g, l, ns, 5, x[l], &r); /* the span: 5 x 10 */
         /* pre-RoPE queries [P][Hq][d] with a mean away from 0; handed rotated, [Hq][P][d] */
         qpre[l] = malloc(sizeof(float) * (size_t)P * Hq * d);
         fill(&r, qpre[l], (size_t)P * Hq * d, 1.0);
