@@ -106,23 +106,33 @@ def test_full_generation_equals_transformers(smollm):
     assert s["bytes_by_policy"]["full"] > 0
 
 
-def test_compressing_policy_matches_the_c_engine(smollm, tmp_path):
+def against_the_c_engine(smollm, tmp_path, policies, sections, tokens, *c_args, **cache_kw):
+    """One 120-token license prompt with an 8x8 "vision" span at tokens 16-79, through
+    transformers with a KvcapCache of ``policies`` (greedy ``tokens``, then the teacher-forced
+    NLL of full's continuation on a fresh cache) and through the C engine (kvcap-eval generate
+    with ``c_args``) on the same ids and config. Returns full's tokens, kvcap.hf's tokens, its
+    NLL and agreement, the C engine's JSON, the first cache and the prompt length."""
     model, tok = smollm
     model.set_attn_implementation(kvcap.hf.ATTENTION)
     inputs = license_prompt(tok, 120)
     n = inputs["input_ids"].shape[1]
     spans = [Span("text", 0, 16, (0, 0), 0), Span("vision", 16, 64, (8, 8), 16),
              Span("text", 80, n - 80, (0, 0), 80)]
-    policies = {"vision": "flashcache", "text": "full", "generated": "full"}
-    full, _ = greedy(model, inputs, 32)
-    cache = kvcap.hf.KvcapCache(model, policies=policies, spans=spans, storage="f32")
-    got, _ = greedy(model, inputs, 32, cache=cache)
-    nll, agree = kvcap.hf.continuation_nll(
-        model, inputs, full, kvcap.hf.KvcapCache(model, policies=policies, spans=spans,
-                                                 storage="f32"))
+    kw = dict(policies=policies, sections=sections, spans=spans, storage="f32", **cache_kw)
+    full, _ = greedy(model, inputs, tokens)
+    cache = kvcap.hf.KvcapCache(model, **kw)
+    got, _ = greedy(model, inputs, tokens, cache=cache)
+    nll, agree = kvcap.hf.continuation_nll(model, inputs, full, kvcap.hf.KvcapCache(model, **kw))
     config = tmp_path / "runtime.yaml"
-    config.write_text(kvcap.hf.runtime_yaml(policies))
-    c = c_engine(inputs, f"text:16,vision:8x8,text:{n - 80}", config, 32, full)
+    config.write_text(kvcap.hf.runtime_yaml(policies, sections))
+    c = c_engine(inputs, f"text:16,vision:8x8,text:{n - 80}", config, tokens, full, *c_args)
+    return full, got, nll, agree, c, cache, n
+
+
+def test_compressing_policy_matches_the_c_engine(smollm, tmp_path):
+    policies = {"vision": "flashcache", "text": "full", "generated": "full"}
+    full, got, nll, agree, c, cache, n = against_the_c_engine(smollm, tmp_path, policies, None,
+                                                              32)
     assert got.tolist() == c["generated"]
     assert abs(nll - c["continuation_nll"]) <= NLL_TOL
     assert agree == pytest.approx(c["continuation_agreement"])
@@ -137,24 +147,12 @@ def test_kvzip_matches_the_c_engine(smollm, tmp_path):
     step) and through the C engine (kvcap-eval generate --replay) on the same ids: the same
     tokens and NLL, so both hand libkvcap the same queries and normalisers."""
     model, tok = smollm
-    model.set_attn_implementation(kvcap.hf.ATTENTION)
-    inputs = license_prompt(tok, 120)
-    n = inputs["input_ids"].shape[1]
-    spans = [Span("text", 0, 16, (0, 0), 0), Span("vision", 16, 64, (8, 8), 16),
-             Span("text", 80, n - 80, (0, 0), 80)]
     policies = {"vision": "kvzip", "text": "full", "generated": "full"}
-    sections = {"kvzip": {"retention": 0.25}}
-    kw = dict(policies=policies, sections=sections, spans=spans, storage="f32",
-              input_ids=inputs["input_ids"], tokenizer=tok)
-    full, _ = greedy(model, inputs, 24)
-    cache = kvcap.hf.KvcapCache(model, **kw)
-    got, _ = greedy(model, inputs, 24, cache=cache)
-    nll, agree = kvcap.hf.continuation_nll(model, inputs, full, kvcap.hf.KvcapCache(model, **kw))
-    config = tmp_path / "runtime.yaml"
-    config.write_text(kvcap.hf.runtime_yaml(policies, sections))
     prefix = kvcap.hf.reconstruction_prefix(tok)
-    c = c_engine(inputs, f"text:16,vision:8x8,text:{n - 80}", config, 24, full,
-                 "--replay", ",".join(map(str, prefix)))
+    inputs = license_prompt(tok, 120)
+    full, got, nll, agree, c, cache, n = against_the_c_engine(
+        smollm, tmp_path, policies, {"kvzip": {"retention": 0.25}}, 24,
+        "--replay", ",".join(map(str, prefix)), input_ids=inputs["input_ids"], tokenizer=tok)
     assert got[:8].tolist() == c["generated"][:8]
     assert abs(nll - c["continuation_nll"]) <= KVZIP_NLL_TOL
     assert abs(agree - c["continuation_agreement"]) <= 0.1
@@ -163,29 +161,17 @@ def test_kvzip_matches_the_c_engine(smollm, tmp_path):
         0.25 * 64 / n * s["bytes_by_kind"]["text"] * n / (n - 64), rel=0.02)
     # without the tokenizer the pass cannot be built: said at construction
     with pytest.raises(kvcap.Error, match="tokenizer"):
-        kvcap.hf.KvcapCache(model, policies=policies, spans=spans, input_ids=inputs["input_ids"])
+        kvcap.hf.KvcapCache(model, policies=policies, spans=cache.spans,
+                            input_ids=inputs["input_ids"])
 
 
 def test_expected_attention_matches_the_c_engine(smollm, tmp_path):
     """Expected Attention through transformers (the cache takes every prompt token's query from
     the prefill) and through the C engine (kvcap-eval generate --prompt-queries)."""
-    model, tok = smollm
-    model.set_attn_implementation(kvcap.hf.ATTENTION)
-    inputs = license_prompt(tok, 120)
-    n = inputs["input_ids"].shape[1]
-    spans = [Span("text", 0, 16, (0, 0), 0), Span("vision", 16, 64, (8, 8), 16),
-             Span("text", 80, n - 80, (0, 0), 80)]
     policies = {"vision": "expected_attention", "text": "full", "generated": "full"}
-    sections = {"expected_attention": {"retention": 0.25}}
-    kw = dict(policies=policies, sections=sections, spans=spans, storage="f32")
-    full, _ = greedy(model, inputs, 24)
-    cache = kvcap.hf.KvcapCache(model, **kw)
-    got, _ = greedy(model, inputs, 24, cache=cache)
-    nll, agree = kvcap.hf.continuation_nll(model, inputs, full, kvcap.hf.KvcapCache(model, **kw))
-    config = tmp_path / "runtime.yaml"
-    config.write_text(kvcap.hf.runtime_yaml(policies, sections))
-    c = c_engine(inputs, f"text:16,vision:8x8,text:{n - 80}", config, 24, full,
-                 "--prompt-queries")
+    full, got, nll, agree, c, cache, n = against_the_c_engine(
+        smollm, tmp_path, policies, {"expected_attention": {"retention": 0.25}}, 24,
+        "--prompt-queries")
     assert got.tolist() == c["generated"]
     assert abs(nll - c["continuation_nll"]) <= NLL_TOL
     assert agree == pytest.approx(c["continuation_agreement"])
