@@ -1972,8 +1972,18 @@ static void render_outside(struct buf *b, const struct report *r)
              "tokens outside the span are always kept, and each press keeps the same share of "
              "the span as kvcap's rows. KVzip shares its budget across layers and heads, as in "
              "its paper; the other presses keep the same number per head. Metrics as above, "
-             "measured by the script on its own engine: compare rows within a retention.</p>\n"
-             "</section>\n");
+             "measured by the script on its own engine: compare rows within a retention.");
+    int whole = 0;
+    for (int j = 0; j < x->n_rows; j++)
+        whole |= !strcmp(x->rows[j].press, "kvzip_whole_prompt");
+    if (whole)
+        bputs(b, " <b>kvzip</b> is kvpress&rsquo;s KVzip press as shipped: it starts its replay "
+                 "after as many tokens as the chat template puts before a user&rsquo;s text (24 "
+                 "for SmolLM2; these prompts are not in chat form, and where the head is shorter "
+                 "the first tokens of the span go unscored and are evicted first). <b>kvzip_whole_prompt</b> is the same "
+                 "press replaying the whole prompt, as the paper does: the row kvcap&rsquo;s "
+                 "kvzip is checked against.");
+    bputs(b, "</p>\n</section>\n");
 }
 
 /* ---- SVG plotting helpers ------------------------------------------------------------------ */

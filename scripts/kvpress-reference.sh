@@ -9,7 +9,7 @@
 #   RUN_DIR: a `kvcap-eval run` output (default build/eval/text, the demo's).
 # Makes its own venv (${KVCAP_KVPRESS_VENV:-<repo>/.venv-kvpress}): kvpress 0.5.5 needs
 # transformers < 5.3, the project venv has a newer one. About 2 minutes per retention for the
-# six presses on the demo's 8 prompts (2 cores).
+# seven presses on the demo's 8 prompts (2 cores).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 run=${1:-$root/build/eval/text}

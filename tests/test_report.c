@@ -1054,6 +1054,20 @@ static void test_outside_reference(void **state)
     assert_non_null(strstr(html, "kvpress snapkv"));
     assert_non_null(strstr(html, "kvcap&rsquo;s best by KL"));
     assert_non_null(strstr(html, "kvpress 0.5.5 on transformers 5.2.0"));
+    assert_null(strstr(html, "kvzip_whole_prompt")); /* explained only where it is a row */
+    free(html);
+    /* KVzip replaying the whole prompt beside the press as shipped: both rows, and why */
+    char two[1024];
+    snprintf(two, sizeof two, "%s, {\"press\": \"kvzip_whole_prompt\", \"retention\": 0.2, "
+             "\"dnll\": 0.0259, \"kl\": 0.0286, \"next_token_agreement\": 0.915, "
+             "\"realised_retention\": 0.2}", good);
+    write_kvpress(d.in, 24, two);
+    if (kvcap_report_write(d.metrics, d.html, NULL) != KVCAP_OK)
+        fail_msg("%s", kvcap_last_error());
+    assert_non_null(html = slurp(d.html));
+    assert_non_null(strstr(html, "kvpress kvzip_whole_prompt</td><td>0.20</td>"));
+    assert_non_null(strstr(html, "<b>kvzip_whole_prompt</b> is the same press replaying the "
+                                 "whole prompt"));
     free(html);
     /* measured on another number of prompts: said, not shown */
     write_kvpress(d.in, 8, good);
