@@ -854,6 +854,8 @@ struct run {
     int32_t *forced_top1;             /* [prompts][continuation]: argmax under teacher forcing */
     double nll_sum, kl_sum;
     int64_t nll_count;
+    double *prompt_nll, *prompt_kl;   /* [prompts]: the same sums per prompt (the report's
+                                       * paired intervals) */
     double realised, bytes_held, bytes_held_span, bytes_read_step, step_ms;
     double *cos_sum, *err_sum;        /* [layers] */
     int64_t attn_count;
@@ -1147,7 +1149,9 @@ static enum kvcap_status decode_phase(const struct options *o, const struct mode
             const int32_t first = forced ? pr->ids[prompt_tokens(pr)] : top;
             ids[r * n_prompts + p] = first;
             if (forced) {
-                runs[r].nll_sum -= kvllama_log_prob(pr->logits, V, first);
+                const double nll = -kvllama_log_prob(pr->logits, V, first);
+                runs[r].nll_sum += nll;
+                runs[r].prompt_nll[p] += nll;
                 runs[r].nll_count++;
                 runs[r].forced_top1[(size_t)p * steps] = top;
             } else {
@@ -1187,8 +1191,11 @@ static enum kvcap_status decode_phase(const struct options *o, const struct mode
                 int32_t next;
                 if (forced) {
                     next = pr->ids[prompt_tokens(pr) + t + 1];
-                    runs[r].nll_sum -= (double)lg[next] - lse[row];
+                    const double nll = lse[row] - (double)lg[next];
+                    runs[r].nll_sum += nll;
+                    runs[r].prompt_nll[p] += nll;
                     runs[r].kl_sum += kl[row];
+                    runs[r].prompt_kl[p] += kl[row];
                     runs[r].nll_count++;
                     runs[r].forced_top1[(size_t)p * steps + t + 1] = kvllama_argmax(lg, V);
                 } else {
@@ -1831,6 +1838,14 @@ static enum kvcap_status write_metrics(const struct options *o, const struct mod
         cJSON_AddNumberToObject(j, "nll_full", nll_full);
         cJSON_AddNumberToObject(j, "nll_delta", nll - nll_full);
         cJSON_AddNumberToObject(j, "kl", run->kl_sum / run->nll_count);
+        /* per prompt, in prompt_ids' order: what the report's paired intervals are made of */
+        cJSON *pp = cJSON_AddObjectToObject(j, "per_prompt");
+        cJSON *pd = cJSON_AddArrayToObject(pp, "nll_delta"), *pk = cJSON_AddArrayToObject(pp, "kl");
+        for (int p = 0; p < n_prompts; p++) {
+            cJSON_AddItemToArray(pd, cJSON_CreateNumber(
+                (run->prompt_nll[p] - full->prompt_nll[p]) / o->continuation));
+            cJSON_AddItemToArray(pk, cJSON_CreateNumber(run->prompt_kl[p] / o->continuation));
+        }
         if (task->n > 0) {
             cJSON *tj = cJSON_AddObjectToObject(j, "task");
             cJSON_AddNumberToObject(tj, "accuracy", (double)run->task_correct / task->n);
@@ -2038,7 +2053,9 @@ static int cmd_run(const struct options *opt, int argc, char **argv)
     for (int r = 0; s == KVCAP_OK && r < n_runs; r++) {
         runs[r].generated = calloc((size_t)n_prompts * o->generate, sizeof(int32_t));
         runs[r].forced_top1 = calloc((size_t)n_prompts * o->continuation, sizeof(int32_t));
-        if (!runs[r].generated || !runs[r].forced_top1)
+        runs[r].prompt_nll = calloc((size_t)n_prompts * 2, sizeof(double));
+        runs[r].prompt_kl = runs[r].prompt_nll ? runs[r].prompt_nll + n_prompts : NULL;
+        if (!runs[r].generated || !runs[r].forced_top1 || !runs[r].prompt_nll)
             s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "no memory");
         else
             generated[r] = runs[r].generated;
@@ -2122,7 +2139,7 @@ static int cmd_run(const struct options *opt, int argc, char **argv)
     free(prompts), free(generated);
     task_free(&task);
     for (int r = 0; r < n_runs; r++)
-        free(runs[r].generated), free(runs[r].forced_top1), free(runs[r].cos_sum),
+        free(runs[r].generated), free(runs[r].forced_top1), free(runs[r].prompt_nll), free(runs[r].cos_sum),
             free(runs[r].answers), free(runs[r].task_correct_depth);
     for (int a = 0; a < o->n_artifacts; a++)
         kvcap_artifact_free(arts[a]);

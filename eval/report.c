@@ -48,6 +48,8 @@ struct run {
     double fk_head_steps, fk_corrected, fk_reselected, fk_hidden, fk_pages;
     double *rel; /* per layer, n_layers entries, or NULL */
     int curve;   /* index into report.curves */
+    double *pp_dnll, *pp_kl; /* per prompt (the paired intervals), n_pp entries, or NULL */
+    int n_pp;
 };
 
 /* Runs sharing a label form one curve; a curve holding a "full" run is the reference. Papers'
@@ -80,6 +82,8 @@ struct goal {
 struct outside_row {
     const char *press;
     double retention, realised, dnll, kl, agreement;
+    double *pp_dnll, *pp_kl; /* per prompt, n_pp entries, or NULL */
+    int n_pp;
 };
 
 struct outside {
@@ -375,6 +379,36 @@ static enum kvcap_status get_layer_numbers(const struct report *r, const cJSON *
     return get_numbers(r, obj, where, key, kind, r->n_layers, "model.layers", out, &n);
 }
 
+/* "per_prompt": {DNLL_KEY: [...], "kl": [...]}, optional; both arrays or neither, with `expect`
+ * entries each (the prompts), in the prompts' order. */
+static enum kvcap_status get_per_prompt(const struct report *r, const cJSON *o,
+                                        const char *where, const char *dnll_key, double expect,
+                                        double **dnll, double **kl, int *n)
+{
+    const cJSON *pp;
+    char sub[64];
+    int nd, nk;
+    *dnll = *kl = NULL;
+    *n = 0;
+    KVCAP_TRY(get_object(r, o, where, "per_prompt", &pp));
+    if (!pp)
+        return KVCAP_OK;
+    snprintf(sub, sizeof sub, "%s.per_prompt", where);
+    const int want = isfinite(expect) ? (int)expect : 0;
+    KVCAP_TRY(get_numbers(r, pp, sub, dnll_key, NUM_ANY, want, "the prompts", dnll, &nd));
+    enum kvcap_status st = get_numbers(r, pp, sub, "kl", NUM_NONNEG, want, "the prompts", kl, &nk);
+    if (st == KVCAP_OK && (!*dnll || !*kl || nd != nk || nd < 1))
+        st = kvcap_fail(KVCAP_ERR_FORMAT, "%s: %s: expected arrays %s and kl of the same "
+                        "non-zero length", r->path, sub, dnll_key);
+    if (st != KVCAP_OK) {
+        free(*dnll), free(*kl);
+        *dnll = *kl = NULL;
+        return st;
+    }
+    *n = nd;
+    return KVCAP_OK;
+}
+
 static enum kvcap_status parse_run(struct report *r, const cJSON *o, int i)
 {
     char where[32];
@@ -448,6 +482,8 @@ static enum kvcap_status parse_run(struct report *r, const cJSON *o, int i)
                         "%s: %s.accuracy_by_depth: %d entries exceed the limit of %d", r->path,
                         sub, u->n_task_depth, MAX_DEPTHS);
     }
+    KVCAP_TRY(get_per_prompt(r, o, where, "nll_delta", r->prompts, &u->pp_dnll, &u->pp_kl,
+                             &u->n_pp));
     u->fk_head_steps = u->fk_corrected = u->fk_reselected = u->fk_hidden = u->fk_pages = NAN;
     KVCAP_TRY(get_object(r, o, where, "freekv", &t));
     if (t) {
@@ -709,7 +745,10 @@ static void report_free(struct report *r)
     for (int i = 0; r->runs && i < r->n_runs; i++) {
         free(r->runs[i].rel);
         free(r->runs[i].task_depth);
+        free(r->runs[i].pp_dnll), free(r->runs[i].pp_kl);
     }
+    for (int i = 0; r->outside.rows && i < r->outside.n_rows; i++)
+        free(r->outside.rows[i].pp_dnll), free(r->outside.rows[i].pp_kl);
     free(r->task_depths);
     for (int i = 0; r->masks && i < r->n_masks; i++)
         free(r->masks[i].count);
@@ -791,6 +830,8 @@ static enum kvcap_status outside_load(struct report *r)
         KVCAP_TRY(get_number(&kp, e, where, "kl", REQUIRED, NUM_NONNEG, &o->kl));
         KVCAP_TRY(get_number(&kp, e, where, "next_token_agreement", REQUIRED, NUM_FRACTION,
                              &o->agreement));
+        KVCAP_TRY(get_per_prompt(&kp, e, where, "dnll", prompts, &o->pp_dnll, &o->pp_kl,
+                                 &o->n_pp));
     }
     if (prompts != r->prompts || head != r->head_tokens || span != r->span_tokens ||
         tail != r->tail_tokens || cont != r->continuation_tokens)
@@ -1129,6 +1170,42 @@ static const char *fmt_signed(char *out, size_t cap, double v, int decimals)
     }
     snprintf(out, cap, "%s%.*f", v < 0 ? "&minus;" : "+", decimals, fabs(v));
     return out;
+}
+
+/* Student's t quantile t(0.975, df): from the table for df <= 30 (3 decimals), a Cornish-Fisher
+ * expansion in 1/df beyond (within 0.001 there). */
+static double t975(int df)
+{
+    static const double t[31] = {NAN,   12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365,
+                                 2.306, 2.262,  2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+                                 2.120, 2.110,  2.101, 2.093, 2.086, 2.080, 2.074, 2.069,
+                                 2.064, 2.060,  2.056, 2.052, 2.048, 2.045, 2.042};
+    if (df < 1)
+        return NAN;
+    if (df <= 30)
+        return t[df];
+    const double z = 1.959964, z3 = z * z * z, z5 = z3 * z * z;
+    return z + (z3 + z) / (4.0 * df) + (5 * z5 + 16 * z3 + 3 * z) / (96.0 * df * df);
+}
+
+/* Paired over n prompts: the mean of f(a[i]) - f(b[i]) (f = |x| when `absolute`) and the
+ * half-width of its 95 % t-interval; NaN for both when n < 2. */
+void kvcap_report_paired(const double *a, const double *b, int n, int absolute, double *mean,
+                         double *half)
+{
+    *mean = *half = NAN;
+    if (n < 2)
+        return;
+    double sum = 0, sq = 0;
+    for (int i = 0; i < n; i++)
+        sum += absolute ? fabs(a[i]) - fabs(b[i]) : a[i] - b[i];
+    const double m = sum / n;
+    for (int i = 0; i < n; i++) {
+        const double d = (absolute ? fabs(a[i]) - fabs(b[i]) : a[i] - b[i]) - m;
+        sq += d * d;
+    }
+    *mean = m;
+    *half = t975(n - 1) * sqrt(sq / (n - 1) / n);
 }
 
 static double approx_text_width(const char *s, double font_px)
@@ -1903,6 +1980,28 @@ static const struct run *best_at(const struct report *r, double retention)
     return best;
 }
 
+/* Two cells: kvcap's best row minus another, paired over the prompts, for KL and |ΔNLL|:
+ * the mean and its 95 % interval, green where the interval is below 0 (kvcap's best closer to
+ * full), red where above; a dash without per-prompt values on both sides. */
+static void paired_cells(struct buf *b, const struct run *best, const double *kl,
+                         const double *dnll, int n)
+{
+    const double *ours[2] = {best ? best->pp_kl : NULL, best ? best->pp_dnll : NULL};
+    const double *theirs[2] = {kl, dnll};
+    for (int k = 0; k < 2; k++) {
+        double m = NAN, h = NAN;
+        if (ours[k] && theirs[k] && best->n_pp == n)
+            kvcap_report_paired(ours[k], theirs[k], n, k == 1, &m, &h);
+        if (!isfinite(m) || !isfinite(h)) {
+            bputs(b, "<td>&mdash;</td>");
+            continue;
+        }
+        char v[48];
+        bprintf(b, "<td class=\"%s\">%s<br><span class=\"unit\">&plusmn;%.4f</span></td>",
+                m + h < 0 ? "win" : m - h > 0 ? "lose" : "tie", fmt_signed(v, sizeof v, m, 4), h);
+    }
+}
+
 /* kvpress's presses beside kvcap's best policy and random eviction, retention by retention. */
 static void render_outside(struct buf *b, const struct report *r)
 {
@@ -1921,7 +2020,11 @@ static void render_outside(struct buf *b, const struct report *r)
              "</th><th>Target<br>retention</th><th>Realised<br>retention</th>"
              "<th>KL<br>vs full<br><span class=\"unit\">nats/token</span></th>"
              "<th>&Delta;NLL<br>vs full<br><span class=\"unit\">nats/token</span></th>"
-             "<th>Next-token<br>agreement</th></tr></thead>\n<tbody>\n");
+             "<th>Next-token<br>agreement</th>"
+             "<th>kvcap&rsquo;s best<br>&minus; this: KL<br><span class=\"unit\">95&nbsp;% "
+             "interval</span></th>"
+             "<th>kvcap&rsquo;s best<br>&minus; this: |&Delta;NLL|<br><span class=\"unit\">"
+             "95&nbsp;% interval</span></th></tr></thead>\n<tbody>\n");
     /* retentions in the order kvpress.json first lists them */
     for (int i = 0; i < x->n_rows; i++) {
         const double t = x->rows[i].retention;
@@ -1930,7 +2033,7 @@ static void render_outside(struct buf *b, const struct report *r)
             seen |= x->rows[j].retention == t;
         if (seen)
             continue;
-        bprintf(b, "<tr class=\"group\"><td class=\"l\" colspan=\"6\">%.0f&nbsp;%% of the span "
+        bprintf(b, "<tr class=\"group\"><td class=\"l\" colspan=\"8\">%.0f&nbsp;%% of the span "
                    "kept</td></tr>\n", 100 * t);
         const struct run *best = best_at(r, t), *rnd = NULL;
         for (int k = 0; k < r->n_runs; k++)
@@ -1948,6 +2051,10 @@ static void render_outside(struct buf *b, const struct report *r)
                     u->retention, 100 * u->realised, fmt_kl(n1, sizeof n1, u->kl),
                     fmt_signed(d, sizeof d, u->nll_delta, 4));
             agreement_cell(b, u->next_token_agreement);
+            if (k == 0)
+                bputs(b, "<td>&mdash;</td><td>&mdash;</td>");
+            else
+                paired_cells(b, best, u->pp_kl, u->pp_dnll, u->n_pp);
             bputs(b, "</tr>\n");
         }
         for (int j = 0; j < x->n_rows; j++) {
@@ -1960,6 +2067,7 @@ static void render_outside(struct buf *b, const struct report *r)
                     o->retention, 100 * o->realised, fmt_kl(n1, sizeof n1, o->kl),
                     fmt_signed(d, sizeof d, o->dnll, 4));
             agreement_cell(b, o->agreement);
+            paired_cells(b, best, o->pp_kl, o->pp_dnll, o->n_pp);
             bputs(b, "</tr>\n");
         }
     }
@@ -1972,7 +2080,14 @@ static void render_outside(struct buf *b, const struct report *r)
              "tokens outside the span are always kept, and each press keeps the same share of "
              "the span as kvcap's rows. KVzip shares its budget across layers and heads, as in "
              "its paper; the other presses keep the same number per head. Metrics as above, "
-             "measured by the script on its own engine: compare rows within a retention.");
+             "measured by the script on its own engine: compare rows within a retention. The "
+             "last two columns pair each row with kvcap&rsquo;s best on the same prompts: the "
+             "mean over prompts of kvcap&rsquo;s best minus the row, for the KL and for each "
+             "prompt&rsquo;s |&Delta;NLL| (on the image track every compressed cache&rsquo;s "
+             "&Delta;NLL is negative, so closeness to full is its size), &plusmn; the half-width "
+             "of a 95&nbsp;% t-interval; <span class=\"win\">green</span>: kvcap&rsquo;s best "
+             "is closer to full beyond that interval, <span class=\"lose\">red</span>: the row "
+             "is, otherwise the prompts do not separate them.");
     int whole = 0;
     for (int j = 0; j < x->n_rows; j++)
         whole |= !strcmp(x->rows[j].press, "kvzip_whole_prompt");
@@ -3105,6 +3220,7 @@ static const char CSS[] =
     "padding:1px 9px;border-radius:11px;margin-right:10px}\n"
     ".badge.met{background:#dcf2e2;color:#11652b;border:1px solid #98d3a8}\n"
     ".badge.unmet{background:#fbe0e0;color:#9b1c1c;border:1px solid #eca8a8}\n"
+    ".win{color:#11652b;font-weight:600}\n.lose{color:#9b1c1c;font-weight:600}\n"
     "code,pre{font-family:ui-monospace,\"DejaVu Sans Mono\",Menlo,Consolas,monospace}\n"
     "code{font-size:13px}\n"
     "pre{background:var(--panel);border:1px solid var(--line);border-radius:6px;padding:10px 14px;"

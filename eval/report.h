@@ -69,6 +69,9 @@
  *                                      (nats) of the held-out continuations, teacher-forced
  *       "kl": num,               mean KL divergence (nats) of each teacher-forced step's
  *                                next-token distribution from full's (0 for full)
+ *       "per_prompt": {          optional: the same per prompt, in prompt_ids' order
+ *           "nll_delta": [num...], "kl": [num...]   setup.prompts entries each
+ *       },
  *       "task": {                optional: the retrieval task's answers
  *           "accuracy": num,           0..1, answers equal to the true value
  *           "agreement_full": num,     0..1, answers equal to full's
@@ -116,5 +119,11 @@ enum kvcap_status kvcap_report_write(const char *metrics_path, const char *html_
  * tracks (text and image spans) of the same evaluation. The CSV is the first file's. */
 enum kvcap_status kvcap_report_write_tracks(const char *const *metrics_paths, int n_metrics,
                                             const char *html_path, const char *csv_path);
+
+/* Paired over n prompts: *mean = the mean of f(a[i]) - f(b[i]), f(x) = |x| when `absolute`
+ * else x, and *half = the half-width of its 95 % Student-t interval; both NaN when n < 2. The
+ * report's comparison of kvcap's best row with an outside reference's on the same prompts. */
+void kvcap_report_paired(const double *a, const double *b, int n, int absolute, double *mean,
+                         double *half);
 
 #endif /* KVCAP_REPORT_H */

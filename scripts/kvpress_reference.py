@@ -243,6 +243,7 @@ def main():
     for name in presses:
         for r in retentions:
             nll = dnll = kl = agree = kept = 0.0
+            per_dnll, per_kl = [], []  # per prompt: the report's paired intervals
             for i, (p, lp_full, nll_full) in enumerate(zip(prompts, full, full_nll)):
                 ids = p["ids"]
                 cont = torch.tensor(ids[n:])
@@ -250,9 +251,12 @@ def main():
                 lp, cache = continuation_logprobs(model, ids[:n], ids[n:], press, eager,
                                                   span_embd=embd_of(i), head=head)
                 tok_nll = -lp.gather(1, cont[:, None]).mean().item()
+                step_kl = (lp_full.exp() * (lp_full - lp)).sum(-1).mean().item()
                 nll += tok_nll
                 dnll += tok_nll - nll_full
-                kl += (lp_full.exp() * (lp_full - lp)).sum(-1).mean().item()
+                kl += step_kl
+                per_dnll.append(tok_nll - nll_full)
+                per_kl.append(step_kl)
                 agree += (lp.argmax(-1) == lp_full.argmax(-1)).float().mean().item()
                 kept += span_kept(cache, model, head, span, tail, len(ids) - n - 1)
                 for layer in model.model.layers:  # KVzip's masks must not leak to the next run
@@ -263,7 +267,8 @@ def main():
             k = len(prompts)
             rows.append({"press": name, "retention": r, "nll": nll / k, "dnll": dnll / k,
                          "kl": kl / k, "next_token_agreement": agree / k,
-                         "realised_retention": kept / k})
+                         "realised_retention": kept / k,
+                         "per_prompt": {"dnll": per_dnll, "kl": per_kl}})
     if sys.stderr.isatty():
         sys.stderr.write("\r\033[K")
     out = {"source": "kvpress", "kvpress_version": importlib.metadata.version("kvpress"),

@@ -105,6 +105,11 @@ for r in m["runs"]:
     if r["policy"] not in ("full", "freekv"):
         assert r["bytes_held"] < full["bytes_held"], r["id"]
     assert 0.0 <= r["next_token_agreement"] <= 1.0, r
+    # per prompt: the same KL and dNLL, prompt by prompt (every prompt has the same length)
+    pp = r["per_prompt"]
+    assert len(pp["kl"]) == len(pp["nll_delta"]) == m["setup"]["prompts"], r["id"]
+    assert abs(sum(pp["kl"]) / len(pp["kl"]) - r["kl"]) < 1e-9, r["id"]
+    assert abs(sum(pp["nll_delta"]) / len(pp["nll_delta"]) - r["nll_delta"]) < 1e-9, r["id"]
     assert all(-1.0 <= c <= 1.0 + 1e-6 for c in r["attn_cosine"]), (r["id"], r["attn_cosine"])
     # Eviction keeps exact rows: its outputs stay close to full's on average.
     if r["policy"] in ("streaming", "flashcache", "vlcache", "freekv", "kvzip", "random",

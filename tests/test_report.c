@@ -9,6 +9,7 @@
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1018,7 +1019,7 @@ static void test_tracks_side_by_side(void **state)
  * malformed one is refused naming the file and the field. */
 static void write_kvpress(const char *dir, int prompts, const char *row0)
 {
-    char path[700], text[2048];
+    char path[700], text[8192];
     snprintf(path, sizeof path, "%s/kvpress.json", dir);
     snprintf(text, sizeof text,
              "{\"source\": \"kvpress\", \"kvpress_version\": \"0.5.5\", "
@@ -1077,6 +1078,56 @@ static void test_outside_reference(void **state)
     assert_non_null(strstr(html, "kvpress.json beside this report is not shown"));
     assert_null(strstr(html, "kvpress kvzip</td>"));
     free(html);
+    /* Per-prompt values on both sides: kvcap's best against each row, paired over the 24
+     * prompts. kvcap's best is 0.02 nats of KL below the press on every prompt (a win beyond
+     * any interval) and its |dNLL| 0.0105 above (a loss); the press's dNLL is negative on every
+     * prompt, so only its size counts. */
+    doc = load_sample();
+    cJSON *run;
+    cJSON_ArrayForEach(run, cJSON_GetObjectItem(doc, "runs"))
+    {
+        if (fabs(cJSON_GetObjectItem(run, "retention")->valuedouble - 0.2) > 1e-9)
+            continue;
+        cJSON *pp = cJSON_AddObjectToObject(run, "per_prompt");
+        cJSON *pd = cJSON_AddArrayToObject(pp, "nll_delta"), *pk = cJSON_AddArrayToObject(pp, "kl");
+        for (int i = 0; i < 24; i++) {
+            cJSON_AddItemToArray(pd, cJSON_CreateNumber(0.020 + 0.001 * (i % 3)));
+            cJSON_AddItemToArray(pk, cJSON_CreateNumber(0.010 + 0.001 * (i % 4)));
+        }
+    }
+    write_json(d.metrics, doc);
+    cJSON_Delete(doc);
+    char rows[4096], dn[1024] = "", kl[1024] = "";
+    for (int i = 0; i < 24; i++) {
+        size_t a = strlen(dn), k = strlen(kl);
+        snprintf(dn + a, sizeof dn - a, "%s%.4f", i ? ", " : "", -(0.010 + 0.001 * (i % 2)));
+        snprintf(kl + k, sizeof kl - k, "%s%.4f", i ? ", " : "", 0.030 + 0.001 * (i % 4));
+    }
+    snprintf(rows, sizeof rows, "{\"press\": \"kvzip\", \"retention\": 0.2, \"dnll\": -0.0105, "
+             "\"kl\": 0.0315, \"next_token_agreement\": 0.9, \"realised_retention\": 0.2, "
+             "\"per_prompt\": {\"dnll\": [%s], \"kl\": [%s]}}", dn, kl);
+    write_kvpress(d.in, 24, rows);
+    if (kvcap_report_write(d.metrics, d.html, NULL) != KVCAP_OK)
+        fail_msg("%s", kvcap_last_error());
+    assert_non_null(html = slurp(d.html));
+    const char *at = strstr(html, "kvpress kvzip</td>");
+    assert_non_null(at);
+    const char *win = strstr(at, "<td class=\"win\">&minus;0.0200<br>"),
+               *lose = strstr(at, "<td class=\"lose\">+0.0105<br>"), *end = strstr(at, "</tr>");
+    assert_true(win && win < end && lose && lose < end && win < lose);
+    /* snapkv's row has no per-prompt values: dashes */
+    at = strstr(html, "kvpress snapkv</td>");
+    assert_non_null(at);
+    assert_non_null(strstr(at, "<td>&mdash;</td><td>&mdash;</td></tr>"));
+    free(html);
+    /* per-prompt values of another length than the prompts */
+    write_kvpress(d.in, 24, "{\"press\": \"kvzip\", \"retention\": 0.2, \"dnll\": 0.01, "
+                            "\"kl\": 0.02, \"next_token_agreement\": 0.9, "
+                            "\"realised_retention\": 0.2, \"per_prompt\": {\"dnll\": [0.01, 0.02], "
+                            "\"kl\": [0.02, 0.02]}}");
+    assert_int_equal(kvcap_report_write(d.metrics, d.html, NULL), KVCAP_ERR_FORMAT);
+    assert_non_null(strstr(kvcap_last_error(), "kvpress.json"));
+    assert_non_null(strstr(kvcap_last_error(), "rows[0].per_prompt.dnll: 2 entries, expected 24"));
     /* a row without its dnll */
     write_kvpress(d.in, 24, "{\"press\": \"kvzip\", \"retention\": 0.2, \"kl\": 0.02, "
                             "\"next_token_agreement\": 0.9, \"realised_retention\": 0.2}");
@@ -1084,6 +1135,29 @@ static void test_outside_reference(void **state)
     assert_non_null(strstr(kvcap_last_error(), "kvpress.json"));
     assert_non_null(strstr(kvcap_last_error(), "rows[0].dnll"));
     dirs_remove(&d);
+}
+
+/* The paired interval: the mean difference and Student's t half-width (t(0.975, 2) = 4.303),
+ * on sizes when asked; nothing to say about one prompt. */
+static void test_paired_interval(void **state)
+{
+    (void)state;
+    const double a[3] = {1, 2, 3}, b[3] = {0, 0, 0}, neg[3] = {-1, -2, -3};
+    double m, h;
+    kvcap_report_paired(a, b, 3, 0, &m, &h);
+    assert_float_equal(m, 2.0, 1e-12);
+    assert_float_equal(h, 4.303 / sqrt(3.0), 1e-9);
+    kvcap_report_paired(neg, b, 3, 1, &m, &h); /* |x|: the same */
+    assert_float_equal(m, 2.0, 1e-12);
+    kvcap_report_paired(neg, b, 3, 0, &m, &h);
+    assert_float_equal(m, -2.0, 1e-12);
+    double big_a[100], big_b[100];
+    for (int i = 0; i < 100; i++)
+        big_a[i] = i % 2, big_b[i] = 0; /* mean 0.5, sd 0.5025 */
+    kvcap_report_paired(big_a, big_b, 100, 0, &m, &h);
+    assert_float_equal(h, 1.9842 * sqrt(0.25 * 100 / 99) / 10, 2e-4); /* t(0.975, 99) */
+    kvcap_report_paired(a, b, 1, 0, &m, &h);
+    assert_true(isnan(m) && isnan(h));
 }
 
 /* ---- Cost of hostile inputs ------------------------------------------------------------------ */
@@ -1202,6 +1276,7 @@ int main(void)
         cmocka_unit_test(test_bounded_rendering),
         cmocka_unit_test(test_tracks_side_by_side),
         cmocka_unit_test(test_outside_reference),
+        cmocka_unit_test(test_paired_interval),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
