@@ -428,7 +428,9 @@ struct kvcap_cache_stats {
                                          * kvcap_cache_attend call */
     uint64_t map_bytes_read_last_attend; /* of which artifact maps */
     int64_t spans_fallback;             /* vision spans with no bucket (fallback policy) */
-    double compress_seconds;            /* spent scoring and evicting (flashcache, vlcache) */
+    double compress_seconds;            /* spent compressing spans: scoring and evicting,
+                                         * KVCapsule's projection, FreeKV's paging (not the
+                                         * storing of rows every policy does) */
     /* FreeKV, summed over sequences and layers since creation: (step, KV head) pairs served,
      * of which corrected on the critical path; pages and bytes copied store → pool. */
     int64_t freekv_head_steps, freekv_corrections, freekv_pages_recalled;

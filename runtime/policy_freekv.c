@@ -1,7 +1,8 @@
 /* policy_freekv.c — FreeKV (DESIGN §7) on a span: its tokens join the sequence-layer's FreeKV
  * store (runtime/freekv.c), which holds every token routed to FreeKV (spans and, when so
  * configured, generated tokens) and serves decode attention by paged retrieval. Nothing is
- * evicted: the saving is in bytes read per step (and, on a GPU, device memory). */
+ * evicted: the saving is in bytes read per step (and, on a GPU, device memory). Paging the span
+ * into that store (with its page digests) is the policy's compression work. */
 #include <stdlib.h>
 
 #include "runtime/cache_internal.h"
@@ -13,6 +14,7 @@ static enum kvcap_status freekv_prefill(struct kvcap_cache *c, int seq, int laye
                                         const struct kvcap_tensor_view *k,
                                         const struct kvcap_tensor_view *v)
 {
+    const double start = kvcap_seconds();
     struct kvcap_seq_layer *sl = kvcap_cache_seq_layer(c, seq, layer);
     struct kvcap_freekv *f;
     KVCAP_TRY(kvcap_cache_freekv(c, sl, &f));
@@ -32,6 +34,7 @@ static enum kvcap_status freekv_prefill(struct kvcap_cache *c, int seq, int laye
     free(buf);
     if (st == KVCAP_OK)
         sl->freekv_tokens_by_kind[seg->kind] += n;
+    c->compress_seconds += kvcap_seconds() - start;
     return st;
 }
 

@@ -809,6 +809,14 @@ static void run_cache(const char *generated, int budget, float tau, int moving,
         struct kvcap_tensor_view vv = {v, NULL, 0, KVCAP_DTYPE_F32, (int64_t)n * CD, CD};
         assert_int_equal(kvcap_cache_add_span(c, 0, l, &desc, &kv, &vv), KVCAP_OK);
     }
+    /* paging the span (f32 pages and their digests) is FreeKV's compression work; storing the
+     * rows is not full's */
+    struct kvcap_cache_stats st0;
+    assert_int_equal(kvcap_cache_stats(c, &st0), KVCAP_OK);
+    if (strcmp(generated, "all-full") == 0)
+        assert_true(st0.compress_seconds == 0);
+    else
+        assert_true(st0.compress_seconds > 0);
     float q[CL][Hq * CD], tok[2 * CKV * CD];
     fill_random(&r, &q[0][0], (size_t)CL * Hq * CD, 0.0, 1.5);
     for (int step = 0; step < CSTEPS; step++) {

@@ -1647,6 +1647,7 @@ static void test_random_in_cache(void **state)
         assert_int_equal(kvcap_cache_stats(c, &st), KVCAP_OK);
         assert_int_equal(st.bytes_by_policy[KVCAP_POLICY_RANDOM],
                          (uint64_t)2 * 2 * H * 16 * d * sizeof(float));
+        assert_true(st.compress_seconds > 0); /* the draws and the eviction */
         kvcap_cache_free(c);
     }
     assert_memory_equal(rows[0], rows[1], sizeof rows[0]);
@@ -1795,6 +1796,8 @@ static void test_composition(void **state)
         }
     }
     struct kvcap_cache_stats st;
+    assert_int_equal(kvcap_cache_stats(alone[0][0], &st), KVCAP_OK); /* the KVCapsule span */
+    assert_true(st.compress_seconds > 0); /* its projection is its compression work */
     assert_int_equal(kvcap_cache_stats(mixed, &st), KVCAP_OK);
     assert_int_equal(st.spans_fallback, 2);
     float *q = malloc(sizeof(float) * COMP_SEQS * Hq * d), *out = malloc(sizeof(float) * COMP_SEQS * Hq * d);
