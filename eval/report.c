@@ -1190,6 +1190,11 @@ static double t975(int df)
 
 /* Paired over n prompts: the mean of f(a[i]) - f(b[i]) (f = |x| when `absolute`) and the
  * half-width of its 95 % t-interval; NaN for both when n < 2. */
+static double paired_diff(double a, double b, int absolute)
+{
+    return absolute ? fabs(a) - fabs(b) : a - b;
+}
+
 void kvcap_report_paired(const double *a, const double *b, int n, int absolute, double *mean,
                          double *half)
 {
@@ -1198,10 +1203,10 @@ void kvcap_report_paired(const double *a, const double *b, int n, int absolute, 
         return;
     double sum = 0, sq = 0;
     for (int i = 0; i < n; i++)
-        sum += absolute ? fabs(a[i]) - fabs(b[i]) : a[i] - b[i];
+        sum += paired_diff(a[i], b[i], absolute);
     const double m = sum / n;
     for (int i = 0; i < n; i++) {
-        const double d = (absolute ? fabs(a[i]) - fabs(b[i]) : a[i] - b[i]) - m;
+        const double d = paired_diff(a[i], b[i], absolute) - m;
         sq += d * d;
     }
     *mean = m;
