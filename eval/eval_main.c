@@ -440,7 +440,8 @@ struct prompt {
                             * pass's own keys (causal), which the cache does not hold */
     int n_replay;
     float *q_prompt;       /* [layers][q_heads][head + span + tail][head_dim]: every prompt
-                            * token's query (expected_attention), NULL until prompt_queries */
+                            * token's query (expected_attention), kept by the prefill when
+                            * asked (all_queries), else NULL */
     double prefill_s; /* the model's prefill of the prompt */
     double replay_s;  /* the reconstruction pass beyond a prefill of the prompt (NaN: not
                        * measurable above the timing noise) */
@@ -459,13 +460,17 @@ static void prompt_free(struct prompt *p)
 static int prompt_tokens(const struct prompt *p) { return p->head + p->span + p->tail; }
 
 /* Prefills ids[0 .. head + span + tail + n_fid) with the model; with `embd` the span enters as
- * those embeddings (an image on a rows x span/rows grid) instead of its token ids. */
+ * those embeddings (an image on a rows x span/rows grid) instead of its token ids. The tail's
+ * queries go to q_post, the fidelity tokens' to q_dec and, with `all_queries`, every prompt
+ * token's to q_prompt (expected_attention's statistics). */
 static enum kvcap_status prompt_prefill_image(const struct model_ctx *mc, const int32_t *ids,
                                               int head, int span, int tail, int n_fid, int rows,
-                                              const float *embd, struct prompt *p)
+                                              const float *embd, int all_queries,
+                                              struct prompt *p)
 {
     const struct kvllama_hparams *hp = mc->hp;
-    const int P = head + span + tail, n = P + n_fid, nq = tail + n_fid;
+    const int P = head + span + tail, n = P + n_fid;
+    const int q0 = all_queries ? 0 : P - tail, nq = n - q0; /* the queries kept: q0 .. n */
     const size_t L = (size_t)hp->n_layers, H = (size_t)hp->n_heads, d = (size_t)hp->head_dim;
     const size_t kd = (size_t)hp->n_kv_heads * d, V = (size_t)hp->n_vocab;
     *p = (struct prompt){ids, head, span, tail, rows, embd, n_fid, NULL, NULL, NULL, NULL, NULL,
@@ -475,10 +480,12 @@ static enum kvcap_status prompt_prefill_image(const struct model_ctx *mc, const 
     p->q_post = malloc(L * H * (size_t)tail * d * sizeof(float));
     p->q_dec = malloc(L * H * (size_t)(n_fid ? n_fid : 1) * d * sizeof(float));
     p->logits = malloc(V * sizeof(float));
+    p->q_prompt = all_queries ? malloc(L * H * (size_t)P * d * sizeof(float)) : NULL;
     float *q = malloc(L * H * nq * d * sizeof(float));
     float *logits = malloc((size_t)(n_fid + 1) * V * sizeof(float));
     enum kvcap_status s = KVCAP_OK;
-    if (!p->k || !p->v || !p->q_post || !p->q_dec || !p->logits || !q || !logits)
+    if (!p->k || !p->v || !p->q_post || !p->q_dec || !p->logits || !q || !logits ||
+        (all_queries && !p->q_prompt))
         s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "no memory for a prompt's K/V");
     struct kvllama_prefill_out out = {p->k, p->v, q, nq, logits, n_fid + 1};
     const struct kvllama_embd_span image = {head, span, embd};
@@ -489,9 +496,13 @@ static enum kvcap_status prompt_prefill_image(const struct model_ctx *mc, const 
     if (s == KVCAP_OK) {
         memcpy(p->logits, logits, V * sizeof(float)); /* the first of the last n_fid + 1 */
         for (size_t lh = 0; lh < L * H; lh++) {
-            memcpy(p->q_post + lh * tail * d, q + lh * nq * d, (size_t)tail * d * sizeof(float));
-            memcpy(p->q_dec + lh * n_fid * d, q + (lh * nq + tail) * d,
+            const float *ql = q + lh * nq * d;
+            memcpy(p->q_post + lh * tail * d, ql + (size_t)(P - tail - q0) * d,
+                   (size_t)tail * d * sizeof(float));
+            memcpy(p->q_dec + lh * n_fid * d, ql + (size_t)(P - q0) * d,
                    (size_t)n_fid * d * sizeof(float));
+            if (all_queries)
+                memcpy(p->q_prompt + lh * P * d, ql, (size_t)P * d * sizeof(float));
         }
     }
     free(q), free(logits);
@@ -502,9 +513,10 @@ static enum kvcap_status prompt_prefill_image(const struct model_ctx *mc, const 
 
 /* A text prompt: the span is a 1 x span grid of the text's own tokens. */
 static enum kvcap_status prompt_prefill(const struct model_ctx *mc, const int32_t *ids, int head,
-                                        int span, int tail, int n_fid, struct prompt *p)
+                                        int span, int tail, int n_fid, int all_queries,
+                                        struct prompt *p)
 {
-    return prompt_prefill_image(mc, ids, head, span, tail, n_fid, 1, NULL, p);
+    return prompt_prefill_image(mc, ids, head, span, tail, n_fid, 1, NULL, all_queries, p);
 }
 
 /* KVzip's context-reconstruction pass (arXiv 2505.23416, as kvpress runs it): after the prompt,
@@ -557,28 +569,6 @@ static enum kvcap_status prompt_replay(const struct model_ctx *mc, struct prompt
     return s;
 }
 
-/* Every prompt token's query (expected_attention takes them all): the prompt prefilled again
- * with all its queries kept (an engine has them from its own prefill; this one keeps only the
- * tail's there, so the time of this pass is not counted). */
-static enum kvcap_status prompt_queries(const struct model_ctx *mc, struct prompt *p)
-{
-    const struct kvllama_hparams *hp = mc->hp;
-    const int P = prompt_tokens(p);
-    float *q = malloc(sizeof *q * (size_t)hp->n_layers * hp->n_heads * P * hp->head_dim);
-    KVCAP_RETURN_IF(!q, KVCAP_ERR_OUT_OF_MEMORY, "no memory for a prompt's queries");
-    struct kvllama_prefill_out out = {NULL, NULL, q, P, NULL, 0};
-    const struct kvllama_embd_span image = {p->head, p->span, p->embd};
-    enum kvcap_status s = kvllama_prefill_embd(mc->model, p->ids, P, p->embd ? &image : NULL,
-                                               &out);
-    if (s != KVCAP_OK) {
-        free(q);
-        return s;
-    }
-    free(p->q_prompt);
-    p->q_prompt = q;
-    return KVCAP_OK;
-}
-
 /* Which queries a run's cache takes after the prompt (kvcap_cache_add_post_queries). */
 enum post_queries {
     POST_TAIL,   /* the tail's: VL-Cache's post-vision queries */
@@ -614,7 +604,7 @@ static enum kvcap_status prompt_to_cache(const struct model_ctx *mc, const struc
         }
         if (post == POST_PROMPT) {
             KVCAP_RETURN_IF(!p->q_prompt, KVCAP_ERR_STATE,
-                            "prompt %d: its queries were not kept (prompt_queries)", seq);
+                            "prompt %d: its queries were not kept (all_queries)", seq);
             const int P = prompt_tokens(p);
             KVCAP_TRY(kvcap_cache_add_post_queries(
                 cache, seq, l, p->q_prompt + (size_t)l * hp->n_heads * P * hp->head_dim, P));
@@ -793,7 +783,7 @@ static int cmd_record(const struct options *opt)
                 s = kvvision_embed(&im.f, &im.proj, im.crops[first + i], embd);
             if (s == KVCAP_OK)
                 s = prompt_prefill_image(&mc, text, o->head, o->span, o->tail, 0,
-                                         embd ? im.f.grid : 1, embd, &p);
+                                         embd ? im.f.grid : 1, embd, 0, &p);
             if (s == KVCAP_OK) {
                 s = prompt_to_cache(&mc, &p, cache, i, POST_TAIL);
                 prompt_free(&p);
@@ -992,21 +982,15 @@ static enum kvcap_status span_bytes(const struct kvcap_cache *c, double *bytes)
     return KVCAP_OK;
 }
 
-/* What the runs' caches need of a prefilled prompt beyond its tail's queries: KVzip's
- * reconstruction pass, every prompt token's query; each made once for all runs. */
-static enum kvcap_status prompt_extras(const struct model_ctx *mc, const struct run *runs,
-                                       int n_runs, struct prompt *p)
+/* Whether any run's cache takes the queries `post` names: what a prompt's prefill keeps
+ * (every prompt token's) or what runs after it (KVzip's reconstruction pass), once for all
+ * runs. */
+static int runs_take(const struct run *runs, int n_runs, enum post_queries post)
 {
-    int replay = 0, all = 0;
-    for (int r = 0; r < n_runs; r++) {
-        replay |= runs[r].post == POST_REPLAY;
-        all |= runs[r].post == POST_PROMPT;
-    }
-    if (replay)
-        KVCAP_TRY(prompt_replay(mc, p));
-    if (all)
-        KVCAP_TRY(prompt_queries(mc, p));
-    return KVCAP_OK;
+    for (int r = 0; r < n_runs; r++)
+        if (runs[r].post == post)
+            return 1;
+    return 0;
 }
 
 /* A cache of one run holding every prompt, prefill ended. */
@@ -1501,8 +1485,10 @@ static enum kvcap_status task_run(const struct options *o, const struct model_ct
         struct cli_progress bar;
         cli_progress_begin(&bar, "retrieval task, prefill", o->quiet);
         for (int i = 0; s == KVCAP_OK && i < nb; i++) {
-            s = prompt_prefill(mc, pr[i].ids, pr[i].head, pr[i].span, pr[i].tail, 0, &pr[i]);
-            s = s == KVCAP_OK ? prompt_extras(mc, runs, n_runs, &pr[i]) : s;
+            s = prompt_prefill(mc, pr[i].ids, pr[i].head, pr[i].span, pr[i].tail, 0,
+                               runs_take(runs, n_runs, POST_PROMPT), &pr[i]);
+            if (s == KVCAP_OK && runs_take(runs, n_runs, POST_REPLAY))
+                s = prompt_replay(mc, &pr[i]);
             cli_progress_update(&bar, first + i + 1, t->n);
         }
         if (s == KVCAP_OK)
@@ -2071,12 +2057,12 @@ static int cmd_run(const struct options *opt, int argc, char **argv)
         s = prompt_prefill_image(&mc, corpus.chunks[p].ids, o->head, o->span, o->tail, n_fid,
                                  embd ? im.f.grid : 1,
                                  embd ? embd + (size_t)p * im.f.n_tokens * mc.hp->n_embd : NULL,
-                                 &prompts[p]);
-    if (s == KVCAP_OK) {
+                                 runs_take(runs, n_runs, POST_PROMPT), &prompts[p]);
+    if (s == KVCAP_OK && runs_take(runs, n_runs, POST_REPLAY)) {
         struct cli_progress bar;
-        cli_progress_begin(&bar, "reconstruction pass and prompt queries", o->quiet);
+        cli_progress_begin(&bar, "reconstruction pass (kvzip)", o->quiet);
         for (int p = 0; s == KVCAP_OK && p < n_prompts; p++) {
-            s = prompt_extras(&mc, runs, n_runs, &prompts[p]);
+            s = prompt_replay(&mc, &prompts[p]);
             cli_progress_update(&bar, p + 1, n_prompts);
         }
     }
