@@ -15,8 +15,6 @@
 #include "runtime/cache_internal.h"
 #include "kernels/kvzip.h"
 
-
-
 struct layer_job {
     const struct kvcap_cache *c;
     const struct kvcap_seq_layer *sl;
@@ -153,5 +151,5 @@ static enum kvcap_status kvzip_finish(struct kvcap_cache *c, int seq, int span)
     return st;
 }
 
-const struct kvcap_policy_impl kvcap_policy_kvzip_impl = {KVCAP_POLICY_KVZIP, kvcap_segment_fill_pending,
-                                                          kvzip_finish};
+const struct kvcap_policy_impl kvcap_policy_kvzip_impl = {
+    KVCAP_POLICY_KVZIP, kvcap_segment_fill_pending, kvzip_finish};

@@ -16,8 +16,6 @@
 #include "runtime/cache_internal.h"
 #include "kernels/vlcache.h"
 
-
-
 /* One layer of one sequence: keys as row chunks per head, scores of span `span`'s tokens. */
 struct layer_job {
     const struct kvcap_cache *c;
@@ -178,5 +176,5 @@ static enum kvcap_status vlcache_finish(struct kvcap_cache *c, int seq, int span
     return st;
 }
 
-const struct kvcap_policy_impl kvcap_policy_vlcache_impl = {KVCAP_POLICY_VLCACHE, kvcap_segment_fill_pending,
-                                                            vlcache_finish};
+const struct kvcap_policy_impl kvcap_policy_vlcache_impl = {
+    KVCAP_POLICY_VLCACHE, kvcap_segment_fill_pending, vlcache_finish};
