@@ -39,7 +39,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import kvcap
 from kvcap import Artifact, Error, Geometry
-from kvcap._capi import STATUS_NAMES
+from kvcap._capi import POLICIES, STATUS_NAMES
 
 __all__ = ["ATTENTION", "Span", "KvcapCache", "detect_spans", "geometry_from_config",
            "generate", "continuation_nll", "compare", "runtime_yaml", "reconstruction_prefix"]
@@ -234,9 +234,6 @@ def _post_vision_start(spans: Sequence[Span]) -> int:
 
 # ---- The runtime config -------------------------------------------------------------------------
 
-_POLICY_NAMES = ("full", "kvcapsule", "flashcache", "vlcache", "freekv", "streaming",
-                 "kvzip", "random", "expected_attention")
-
 
 def runtime_yaml(policies: Mapping[str, str], sections: Optional[Mapping[str, Mapping[str, Any]]]
                  = None, fallback: Optional[str] = None) -> str:
@@ -247,8 +244,8 @@ def runtime_yaml(policies: Mapping[str, str], sections: Optional[Mapping[str, Ma
     for kind, policy in policies.items():
         if kind not in ("vision", "text", "generated"):
             raise _argument(f"policies: '{kind}' is not a span kind (vision, text, generated)")
-        if policy not in _POLICY_NAMES:
-            raise _argument(f"policies.{kind}: '{policy}' is not one of {', '.join(_POLICY_NAMES)}")
+        if policy not in POLICIES:
+            raise _argument(f"policies.{kind}: '{policy}' is not one of {', '.join(POLICIES)}")
         lines.append(f"  {kind}: {policy}")
     if fallback is not None:
         lines.append(f"fallback: {fallback}")
