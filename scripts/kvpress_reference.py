@@ -68,6 +68,14 @@ def load_model(gguf_path, workdir):
                                                 attn_implementation="sdpa").eval()
 
 
+def embedded(model, ids, at, rows):
+    """The input embeddings of ids ([1][n]) with rows ([k][hidden]) in place of positions
+    at .. at + k: an image span's embeddings where its placeholder ids stand."""
+    x = model.get_input_embeddings()(ids).clone()
+    x[0, at:at + rows.shape[0]] = rows
+    return x
+
+
 @torch.no_grad()
 def continuation_logprobs(model, prompt, cont, press=None, eager=False, span_embd=None, head=0):
     """Log-probabilities of the continuation's positions: the prompt prefilled (compressed by
@@ -81,9 +89,7 @@ def continuation_logprobs(model, prompt, cont, press=None, eager=False, span_emb
     ids = torch.tensor([prompt])
     kw = {"input_ids": ids}
     if span_embd is not None:  # the image track: the span's rows are the image's embeddings
-        x = model.get_input_embeddings()(ids).clone()
-        x[0, head:head + span_embd.shape[0]] = span_embd
-        kw = {"inputs_embeds": x}
+        kw = {"inputs_embeds": embedded(model, ids, head, span_embd)}
     try:
         if press is None:
             out = model(past_key_values=cache, use_cache=True, **kw)
@@ -158,13 +164,12 @@ def make_press(name, retention, head, span, n, prompt_ids=None, span_embd=None):
                 inner = model.model.forward
 
                 def replay_embedded(*args, input_ids=None, **kw):
-                    x = model.get_input_embeddings()(input_ids).clone()
                     at = input_ids.shape[1] - (self.end_idx - self.start_idx) - self.start_idx
                     lo = max(self.head_tokens, self.start_idx)
-                    hi = min(self.head_tokens + self.span_tokens, self.end_idx)
-                    if lo < hi:
-                        x[0, at + lo:at + hi] = self.span_embd[lo - self.head_tokens:hi - self.head_tokens]
-                    return inner(*args, inputs_embeds=x, **kw)
+                    hi = max(lo, min(self.head_tokens + self.span_tokens, self.end_idx))
+                    rows = self.span_embd[lo - self.head_tokens:hi - self.head_tokens]
+                    return inner(*args, inputs_embeds=embedded(model, input_ids, at + lo, rows),
+                                 **kw)
 
                 model.model.forward = replay_embedded
                 try:
