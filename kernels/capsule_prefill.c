@@ -158,3 +158,118 @@ enum kvcap_status kvcap_capsule_prefill(const struct kvcap_model_geometry *g,
     kvcap_convert_from_f32(storage, muf, (size_t)d, mu);
     return KVCAP_OK;
 }
+
+/* ---- Reconstruction error per tile (kvcap's exact tiles) ----------------------------------- */
+
+static enum kvcap_status check_error(const char *fn, const struct kvcap_bucket *b,
+                                     const struct kvcap_capsule_maps *mp, int n, int d,
+                                     const float *kr, const float *v, const float *hs,
+                                     const float *vt, const float *mu, const float *err)
+{
+    KVCAP_RETURN_IF(!b || !mp || !kr || !v || !hs || !vt || !mu || !err || !mp->w2 || !mp->b2 ||
+                        !mp->u,
+                    KVCAP_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
+    KVCAP_RETURN_IF(d < 1 || n < 1 || (int64_t)b->rows * b->cols != n, KVCAP_ERR_INVALID_ARGUMENT,
+                    "%s: %d tokens of head_dim %d on a %dx%d grid", fn, n, d, b->rows, b->cols);
+    int m = b->structure == KVCAP_STRUCTURE_TILED ? b->tile_rows * b->tile_cols : n;
+    KVCAP_RETURN_IF(mp->m != m || m < 1 || n % m != 0 || mp->h < 0 || mp->rv < 0,
+                    KVCAP_ERR_INVALID_ARGUMENT, "%s: maps of %d points (h %d, rv %d) for tiles "
+                    "of %d", fn, mp->m, mp->h, mp->rv, m);
+    return KVCAP_OK;
+}
+
+/* The span's mean ‖k'‖² and ‖v − μ‖², 1 where 0 (a span of zeros is reconstructed exactly). */
+static void span_energies(int n, int d, const float *kr, const float *v, const float *mu,
+                          double *k2, double *v2)
+{
+    double ks = 0, vs = 0;
+    for (size_t i = 0; i < (size_t)n * d; i++) {
+        double dv = (double)v[i] - mu[i % (size_t)d];
+        ks += (double)kr[i] * kr[i];
+        vs += dv * dv;
+    }
+    *k2 = ks > 0 ? ks / n : 1.0;
+    *v2 = vs > 0 ? vs / n : 1.0;
+}
+
+enum kvcap_status kvcap_capsule_tile_error_ref(const struct kvcap_bucket *bucket,
+                                               const struct kvcap_capsule_maps *maps, int n,
+                                               int d, const float *kr, const float *v,
+                                               const float *hs, const float *vt,
+                                               const float *mu, float *err)
+{
+    KVCAP_TRY(check_error("kvcap_capsule_tile_error_ref", bucket, maps, n, d, kr, v, hs, vt, mu,
+                          err));
+    const int m = maps->m, h = maps->h, rv = maps->rv, tiles = n / m;
+    double k2, v2;
+    span_energies(n, d, kr, v, mu, &k2, &v2);
+    for (int t = 0; t < tiles; t++) {
+        double worst = 0;
+        for (int p = 0; p < m; p++) {
+            size_t j = kvcap_bucket_token(bucket, t, p);
+            double ke = 0, ve = 0;
+            for (int c = 0; c < d; c++) {
+                double khat = maps->b2[p], vhat = mu[c];
+                for (int a = 0; a < h; a++)
+                    khat += (double)maps->w2[(size_t)a * m + p] * hs[((size_t)t * h + a) * d + c];
+                for (int r = 0; r < rv; r++)
+                    vhat += (double)maps->u[(size_t)r * m + p] * vt[((size_t)t * rv + r) * d + c];
+                ke += (khat - kr[j * d + c]) * (khat - kr[j * d + c]);
+                ve += (vhat - v[j * d + c]) * (vhat - v[j * d + c]);
+            }
+            double e = ke / k2 + ve / v2;
+            worst = e > worst ? e : worst;
+        }
+        err[t] = (float)worst;
+    }
+    return KVCAP_OK;
+}
+
+size_t kvcap_capsule_tile_error_scratch_floats(const struct kvcap_capsule_maps *maps, int d)
+{
+    return maps && d > 0 ? 2 * (size_t)maps->m * (size_t)d : 0;
+}
+
+enum kvcap_status kvcap_capsule_tile_error(const struct kvcap_bucket *bucket,
+                                           const struct kvcap_capsule_maps *maps, int n, int d,
+                                           const float *kr, const float *v, const float *hs,
+                                           const float *vt, const float *mu, float *err,
+                                           float *scratch)
+{
+    KVCAP_TRY(check_error("kvcap_capsule_tile_error", bucket, maps, n, d, kr, v, hs, vt, mu,
+                          err));
+    KVCAP_RETURN_IF(!scratch, KVCAP_ERR_INVALID_ARGUMENT, "kvcap_capsule_tile_error: NULL scratch");
+    const int m = maps->m, h = maps->h, rv = maps->rv, tiles = n / m;
+    float *khat = scratch, *vhat = scratch + (size_t)m * d; /* [m][d] each */
+    double k2, v2;
+    span_energies(n, d, kr, v, mu, &k2, &v2);
+    for (int t = 0; t < tiles; t++) {
+        /* K̂'_t = W2ᵀ H_t + b2 1ᵀ, V̂_t = Uᵀ Ṽ_t + 1 μᵀ: [m][d] */
+        for (int p = 0; p < m; p++)
+            for (int c = 0; c < d; c++) {
+                khat[(size_t)p * d + c] = maps->b2[p];
+                vhat[(size_t)p * d + c] = mu[c];
+            }
+        if (h > 0)
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, m, d, h, 1.0f, maps->w2, m,
+                        hs + (size_t)t * h * d, d, 1.0f, khat, d);
+        if (rv > 0)
+            cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, m, d, rv, 1.0f, maps->u, m,
+                        vt + (size_t)t * rv * d, d, 1.0f, vhat, d);
+        double worst = 0;
+        for (int p = 0; p < m; p++) {
+            size_t j = kvcap_bucket_token(bucket, t, p);
+            const float *kp = khat + (size_t)p * d, *vp = vhat + (size_t)p * d;
+            double ke = 0, ve = 0;
+            for (int c = 0; c < d; c++) {
+                double dk = (double)kp[c] - kr[j * d + c], dv = (double)vp[c] - v[j * d + c];
+                ke += dk * dk;
+                ve += dv * dv;
+            }
+            double e = ke / k2 + ve / v2;
+            worst = e > worst ? e : worst;
+        }
+        err[t] = (float)worst;
+    }
+    return KVCAP_OK;
+}

@@ -10,6 +10,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kernels/attention.h"
 #include "kvcap.h"
 
 /* The prefill half of one (layer, KV head, bucket)'s maps, in f32: m points per tile (m = n for
@@ -46,5 +47,30 @@ enum kvcap_status kvcap_capsule_prefill(const struct kvcap_model_geometry *g,
 
 /* Floats of scratch kvcap_capsule_prefill needs: (m + max(h, rv) + 1) · d. */
 size_t kvcap_capsule_prefill_scratch_floats(const struct kvcap_capsule_prefill_maps *maps, int d);
+
+/* How badly KVCapsule reconstructs each tile of one KV head of a span (kvcap's exact tiles): for
+ * tile t, the largest over its points p of
+ *   ‖k̂'_p − k'_p‖² / k2 + ‖v̂_p − v_p‖² / v2,
+ *   k̂'_p = Σ_a W2[a][p] H_t[a] + b2[p]   (the key decode attends over, kvcap_capsule_attend)
+ *   v̂_p  = Σ_r U[r][p] Ṽ_t[r] + μ
+ * with k2 and v2 the span's mean ‖k'‖² and ‖v − μ‖² (1 where 0). One token the maps cannot
+ * predict is enough to mark its tile: an image's attention-sink patches, whose keys and values
+ * no neighbour resembles, are what it finds. kr: the offset-free keys K' [n][d]; v [n][d];
+ * hs [tiles][h][d], vt [tiles][rv][d] and mu [d] in f32, as kvcap_capsule_prefill writes them
+ * with storage F32. Writes err [tiles]. KVCAP_ERR_INVALID_ARGUMENT for NULL pointers or sizes
+ * that do not fit (n not a multiple of m, m not the bucket's tile size). */
+enum kvcap_status kvcap_capsule_tile_error_ref(const struct kvcap_bucket *bucket,
+                                               const struct kvcap_capsule_maps *maps, int n,
+                                               int d, const float *kr, const float *v,
+                                               const float *hs, const float *vt,
+                                               const float *mu, float *err);
+/* The same, fast: two sgemms per tile; `scratch` holds
+ * kvcap_capsule_tile_error_scratch_floats() floats. */
+enum kvcap_status kvcap_capsule_tile_error(const struct kvcap_bucket *bucket,
+                                           const struct kvcap_capsule_maps *maps, int n, int d,
+                                           const float *kr, const float *v, const float *hs,
+                                           const float *vt, const float *mu, float *err,
+                                           float *scratch);
+size_t kvcap_capsule_tile_error_scratch_floats(const struct kvcap_capsule_maps *maps, int d);
 
 #endif /* KVCAP_CAPSULE_PREFILL_H */

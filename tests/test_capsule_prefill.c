@@ -1,7 +1,9 @@
 /* test_capsule_prefill.c — KVCapsule's prefill (kernels/capsule_prefill.h): the fast form (an
  * sgemm per tile, RoPE once per call) against the double oracle on random spans — dense and
  * tiled buckets, RoPE off, either pairing, a partial rotary dimension and M-RoPE, offsets from
- * 0 to 4000, GELU and linear φ, every storage dtype — and named errors that write nothing. */
+ * 0 to 4000, GELU and linear φ, every storage dtype — and named errors that write nothing. Then
+ * the reconstruction error per tile (kvcap's exact tiles): fast against the oracle, exactly 0
+ * where the maps reconstruct a tile exactly, and the value a planted outlier token must give. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -15,6 +17,7 @@
 
 #include "kernels/capsule_prefill.h"
 #include "common/dtype.h"
+#include "common/internal.h"
 #include "common/rng.h"
 #include "tests/test_numeric.h"
 #include "tests/test_status.h"
@@ -28,6 +31,10 @@
 #define PREFILL_F32_TOL 1e-5
 #define PREFILL_F16_TOL 1e-3
 #define PREFILL_BF16_TOL 8e-3
+/* Tile errors, fast vs oracle, relative: K̂ and V̂ come from f32 sgemms over h, rv <= 16 terms
+ * of size ~1 (~1e-6 relative each), and an error is a sum of squared differences of size ~1,
+ * so it moves by about twice that; 1e-4 leaves a wide margin and still fails a wrong index. */
+#define TILE_ERROR_TOL 1e-4
 
 static struct kvcap_model_geometry geometry(enum kvcap_rope_type type,
                                             enum kvcap_rope_pairing pairing, int d, int rope_dim)
@@ -207,11 +214,167 @@ static void test_errors(void **state)
     maps_free(&mp);
 }
 
+/* Random decode maps and state of one head: W2 [h][m], b2 [m], U [rv][m], H, Ṽ, μ. */
+struct state {
+    struct kvcap_capsule_maps m;
+    float *w2, *b2, *u, *hs, *vt, *mu;
+};
+
+static struct state state_new(struct kvcap_rng *r, int m, int h, int rv, int tiles, int d)
+{
+    struct state s;
+    s.w2 = alloc_f((size_t)h * m), s.b2 = alloc_f((size_t)m), s.u = alloc_f((size_t)rv * m);
+    s.hs = alloc_f((size_t)tiles * h * d), s.vt = alloc_f((size_t)tiles * rv * d);
+    s.mu = alloc_f((size_t)d);
+    fill_random(r, s.w2, (size_t)h * m, 0.0, 1.0 / sqrt((double)h));
+    fill_random(r, s.b2, (size_t)m, 0.0, 0.3);
+    fill_random(r, s.u, (size_t)rv * m, 0.0, 1.0 / sqrt((double)m));
+    fill_random(r, s.hs, (size_t)tiles * h * d, 0.0, 1.0);
+    fill_random(r, s.vt, (size_t)tiles * rv * d, 0.0, 1.0);
+    fill_random(r, s.mu, (size_t)d, 0.5, 0.2);
+    s.m = (struct kvcap_capsule_maps){m, h, rv, s.w2, s.b2, s.u};
+    return s;
+}
+
+static void state_free(struct state *s)
+{
+    free(s->w2), free(s->b2), free(s->u), free(s->hs), free(s->vt), free(s->mu);
+}
+
+static void test_tile_error_fast_matches_ref(void **state)
+{
+    (void)state;
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 41);
+    static const struct shape shapes[] = {
+        {8, 8, 4, 4, 64, 0, 6, 6},   /* tiled 4x4: 4 tiles of 16 points */
+        {1, 48, 1, 16, 32, 0, 3, 5}, /* a text-like row of 3 tiles */
+        {4, 6, 0, 0, 16, 0, 7, 9},   /* dense: one tile of 24 points */
+    };
+    for (size_t i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+        const struct shape *sh = &shapes[i];
+        struct kvcap_bucket b = {sh->rows, sh->cols,
+                                 sh->tile_rows ? KVCAP_STRUCTURE_TILED : KVCAP_STRUCTURE_DENSE,
+                                 sh->tile_rows, sh->tile_cols};
+        const int n = sh->rows * sh->cols, d = sh->d;
+        const int m = sh->tile_rows ? sh->tile_rows * sh->tile_cols : n, tiles = n / m;
+        struct state st = state_new(&r, m, sh->h, sh->rv, tiles, d);
+        float *k = alloc_f((size_t)n * d), *v = alloc_f((size_t)n * d);
+        fill_random(&r, k, (size_t)n * d, 0.0, 1.0);
+        fill_random(&r, v, (size_t)n * d, 0.5, 1.0);
+        float *want = alloc_f((size_t)tiles), *got = alloc_f((size_t)tiles);
+        float *scratch = alloc_f(kvcap_capsule_tile_error_scratch_floats(&st.m, d));
+        expect_ok(kvcap_capsule_tile_error_ref(&b, &st.m, n, d, k, v, st.hs, st.vt, st.mu, want));
+        expect_ok(kvcap_capsule_tile_error(&b, &st.m, n, d, k, v, st.hs, st.vt, st.mu, got,
+                                           scratch));
+        for (int t = 0; t < tiles; t++) {
+            if (!(want[t] > 0))
+                fail_msg("shape %zu, tile %d: error %g of random maps", i, t, (double)want[t]);
+            if (!(fabs(got[t] - want[t]) <= TILE_ERROR_TOL * want[t]))
+                fail_msg("shape %zu, tile %d: fast %.9g, oracle %.9g", i, t, (double)got[t],
+                         (double)want[t]);
+        }
+        free(k), free(v), free(want), free(got), free(scratch);
+        state_free(&st);
+    }
+}
+
+/* Maps that reconstruct every tile exactly (W2 = I on H = K', U = I on Ṽ = V − μ) give 0; a
+ * token moved by δ in its key and ε in its value gives its tile ‖δ‖²/k2 + ‖ε‖²/v2 and leaves
+ * every other tile at 0, k2 and v2 being the span's mean ‖k'‖² and ‖v − μ‖². */
+static void test_tile_error_finds_outlier(void **state)
+{
+    (void)state;
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 43);
+    enum { ROWS = 8, COLS = 8, M = 16, N = ROWS * COLS, T = N / M, D = 8 };
+    struct kvcap_bucket b = {ROWS, COLS, KVCAP_STRUCTURE_TILED, 4, 4};
+    float w2[M * M] = {0}, b2[M] = {0}, u[M * M] = {0};
+    for (int p = 0; p < M; p++)
+        w2[p * M + p] = u[p * M + p] = 1.0f;
+    struct kvcap_capsule_maps maps = {M, M, M, w2, b2, u};
+    static float k[N * D], v[N * D], hs[T * M * D], vt[T * M * D], mu[D];
+    fill_random(&r, k, N * D, 0.0, 1.0);
+    fill_random(&r, v, N * D, 0.5, 1.0);
+    for (int c = 0; c < D; c++) {
+        double s = 0;
+        for (int j = 0; j < N; j++)
+            s += v[j * D + c];
+        mu[c] = (float)(s / N);
+    }
+    for (int t = 0; t < T; t++)
+        for (int p = 0; p < M; p++) {
+            size_t j = kvcap_bucket_token(&b, t, p);
+            for (int c = 0; c < D; c++) {
+                hs[(t * M + p) * D + c] = k[j * D + c];
+                vt[(t * M + p) * D + c] = v[j * D + c] - mu[c];
+            }
+        }
+    float err[T], scratch[2 * M * D];
+    expect_ok(kvcap_capsule_tile_error(&b, &maps, N, D, k, v, hs, vt, mu, err, scratch));
+    for (int t = 0; t < T; t++)
+        if (!(err[t] < 1e-10f))
+            fail_msg("exact maps: tile %d has error %g", t, (double)err[t]);
+    /* the true key and value of point 5 of tile 2 move; the state stays as it was */
+    size_t j = kvcap_bucket_token(&b, 2, 5);
+    double dk = 0, dv = 0, k2 = 0, v2 = 0;
+    for (int c = 0; c < D; c++) {
+        float a = 0.5f * (float)(c + 1), e = c % 2 ? -1.0f : 2.0f;
+        k[j * D + c] += a, v[j * D + c] += e;
+        dk += (double)a * a, dv += (double)e * e;
+    }
+    for (int i = 0; i < N * D; i++) {
+        k2 += (double)k[i] * k[i];
+        v2 += ((double)v[i] - mu[i % D]) * ((double)v[i] - mu[i % D]);
+    }
+    double want = dk / (k2 / N) + dv / (v2 / N);
+    float ref[T];
+    expect_ok(kvcap_capsule_tile_error(&b, &maps, N, D, k, v, hs, vt, mu, err, scratch));
+    expect_ok(kvcap_capsule_tile_error_ref(&b, &maps, N, D, k, v, hs, vt, mu, ref));
+    for (int t = 0; t < T; t++) {
+        double w = t == 2 ? want : 0.0;
+        if (!(fabs(err[t] - w) <= TILE_ERROR_TOL * want && fabs(ref[t] - w) <= 1e-6 * want))
+            fail_msg("tile %d: fast %g, oracle %g, expected %g", t, (double)err[t],
+                     (double)ref[t], w);
+    }
+}
+
+static void test_tile_error_errors(void **state)
+{
+    (void)state;
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 47);
+    struct kvcap_bucket b = {4, 4, KVCAP_STRUCTURE_TILED, 2, 2};
+    struct state st = state_new(&r, 4, 2, 2, 4, 8);
+    float k[16 * 8], v[16 * 8], err[4] = {NAN, NAN, NAN, NAN}, scratch[64];
+    fill_random(&r, k, 16 * 8, 0, 1);
+    fill_random(&r, v, 16 * 8, 0, 1);
+    expect_error(kvcap_capsule_tile_error_ref(&b, &st.m, 15, 8, k, v, st.hs, st.vt, st.mu, err),
+                 KVCAP_ERR_INVALID_ARGUMENT, "15 tokens", "4x4 grid");
+    struct kvcap_capsule_maps bad = st.m;
+    bad.m = 8;
+    expect_error(kvcap_capsule_tile_error(&b, &bad, 16, 8, k, v, st.hs, st.vt, st.mu, err,
+                                          scratch),
+                 KVCAP_ERR_INVALID_ARGUMENT, "maps of 8 points", "tiles of 4");
+    expect_error(kvcap_capsule_tile_error(&b, &st.m, 16, 8, k, v, st.hs, st.vt, st.mu, err,
+                                          NULL),
+                 KVCAP_ERR_INVALID_ARGUMENT, "scratch", NULL);
+    expect_error(kvcap_capsule_tile_error_ref(&b, &st.m, 16, 8, k, NULL, st.hs, st.vt, st.mu,
+                                              err),
+                 KVCAP_ERR_INVALID_ARGUMENT, "NULL", NULL);
+    for (int t = 0; t < 4; t++)
+        assert_true(isnan(err[t]));
+    state_free(&st);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_fast_matches_ref),
         cmocka_unit_test(test_errors),
+        cmocka_unit_test(test_tile_error_fast_matches_ref),
+        cmocka_unit_test(test_tile_error_finds_outlier),
+        cmocka_unit_test(test_tile_error_errors),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
