@@ -189,6 +189,13 @@ struct kvcap_expected_config {
     int sinks, window; /* default 0 */
 };
 
+/* kvcapsule: the compressors live in the artifact; the runtime adds kvcap's exact tiles. */
+struct kvcap_kvcapsule_config {
+    int exact_tiles; /* tiles of every span and KV head kept as plain rows, not compressed: the
+                      * ones KVCapsule reconstructs worst (kvcap_capsule_tile_error), e.g. the
+                      * tiles holding an image's attention-sink patches; default 0 */
+};
+
 #define KVCAP_FALLBACK_NONE ((enum kvcap_policy)-1)
 
 struct kvcap_runtime_config {
@@ -210,6 +217,7 @@ struct kvcap_runtime_config {
     struct kvcap_kvzip_config kvzip;
     struct kvcap_random_config random;
     struct kvcap_expected_config expected;
+    struct kvcap_kvcapsule_config kvcapsule;
     int has_model;                     /* 1 when the optional `model:` section was given */
     struct kvcap_model_geometry model; /* validated like the calibration config's */
 };

@@ -31,6 +31,7 @@ void kvcap_runtime_config_default(struct kvcap_runtime_config *cfg)
                                                .seed = 0};
     cfg->expected = (struct kvcap_expected_config){
         .retention = 0.4, .n_future = 512, .query_sinks = 4, .sinks = 0, .window = 0};
+    cfg->kvcapsule = (struct kvcap_kvcapsule_config){.exact_tiles = 0};
     cfg->has_model = 0;
 }
 
@@ -81,7 +82,7 @@ static enum kvcap_status parse_runtime(struct kvcap_yaml *c, yaml_node_t *root, 
     static const char *const random_keys[] = {"retention", "sinks", "window", "seed", NULL};
     static const char *const expected_keys[] = {"retention", "n_future", "query_sinks", "sinks",
                                                 "window", NULL};
-    static const char *const none[] = {NULL};
+    static const char *const kvcapsule_keys[] = {"exact_tiles", NULL};
     struct kvcap_runtime_config *cfg = out;
     KVCAP_TRY(kvcap_yaml_check_mapping(c, root, "", keys, NULL));
 
@@ -203,8 +204,11 @@ static enum kvcap_status parse_runtime(struct kvcap_yaml *c, yaml_node_t *root, 
         KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "sinks", 0, 1 << 30, &p->sinks));
         KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "window", 0, 1 << 30, &p->window));
     }
-    if ((n = kvcap_yaml_lookup(c, root, "kvcapsule")))
-        KVCAP_TRY(kvcap_yaml_check_mapping(c, n, "kvcapsule", none, NULL)); /* reserved */
+    if ((n = kvcap_yaml_lookup(c, root, "kvcapsule"))) {
+        KVCAP_TRY(kvcap_yaml_check_mapping(c, n, "kvcapsule", kvcapsule_keys, NULL));
+        KVCAP_TRY(kvcap_yaml_get_int(c, n, "kvcapsule", "exact_tiles", 0, 1 << 20,
+                                     &cfg->kvcapsule.exact_tiles));
+    }
     if ((n = kvcap_yaml_lookup(c, root, "model"))) {
         KVCAP_TRY(kvcap_yaml_parse_model(c, n, &cfg->model));
         cfg->has_model = 1;

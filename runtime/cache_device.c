@@ -786,6 +786,10 @@ static enum kvcap_status device_supports(const struct kvcap_cache *c,
                     "runtime config: fallback is '%s', which a device cache (params.memory = "
                     "KVCAP_MEMORY_CUDA) does not offer (full, streaming or none)",
                     kvcap_policy_name(fb));
+    KVCAP_RETURN_IF(c->cfg.kvcapsule.exact_tiles > 0, KVCAP_ERR_UNSUPPORTED,
+                    "runtime config: kvcapsule.exact_tiles is %d; a device cache (params.memory "
+                    "= KVCAP_MEMORY_CUDA) keeps no exact tiles (0)",
+                    c->cfg.kvcapsule.exact_tiles);
     int G = c->g.n_q_heads / c->g.n_kv_heads, d = c->g.head_dim;
     KVCAP_RETURN_IF(G > KVCAP_CUDA_ATTN_MAX_NQ || d % 8 != 0 || d < KVCAP_CUDA_ATTN_MIN_D ||
                         d > KVCAP_CUDA_ATTN_MAX_D,

@@ -57,8 +57,72 @@ static enum kvcap_status host_fill(struct kvcap_cache *c, struct kvcap_segment *
     return KVCAP_OK;
 }
 
+/* The `exact` tiles of largest err (ties: the lower tile), marked in pick [tiles]. */
+static void pick_worst_tiles(const float *err, int tiles, int exact, unsigned char *pick)
+{
+    memset(pick, 0, (size_t)tiles);
+    for (int e = 0; e < exact; e++) {
+        int best = -1;
+        for (int t = 0; t < tiles; t++)
+            if (!pick[t] && (best < 0 || err[t] > err[best]))
+                best = t;
+        pick[best] = 1;
+    }
+}
+
+/* One KV head with kvcap's exact tiles: the state of every tile in f32 (hf, vtf, muf), each
+ * tile's reconstruction error, then the compressed tiles (all but the `exact` worst) to hs and
+ * vt and the worst tiles' tokens, as the engine gave them, to the segment's plain rows. kf
+ * holds the head's keys and becomes K'. */
+static enum kvcap_status capsule_head_exact(struct kvcap_cache *c, int layer, int head,
+                                            struct kvcap_segment *seg,
+                                            const struct kvcap_tensor_view *k,
+                                            const struct kvcap_tensor_view *v, float *kf,
+                                            float *vf, float *work)
+{
+    const struct kvcap_model_geometry *g = &c->g;
+    const struct kvcap_bucket *bk = &c->artifact->buckets[seg->bucket];
+    const struct kvcap_unit_maps *u = kvcap_artifact_unit(c->artifact, layer, head, seg->bucket);
+    const int n = seg->n_tokens, d = g->head_dim, m = u->m, all = n / m;
+    const int exact = all - seg->tiles;
+    const size_t es = kvcap_dtype_size(c->storage);
+    struct kvcap_capsule_prefill_maps pm = {u->m, u->rk, u->h, u->rv, u->gelu,
+                                            u->mask, u->w1, u->b1, u->u};
+    struct kvcap_capsule_maps dm = {u->m, u->h, u->rv, u->w2, u->b2, u->u};
+    float *hf = work, *vtf = hf + (size_t)all * u->h * d, *muf = vtf + (size_t)all * u->rv * d;
+    float *err = muf + d, *scratch = err + all;
+    unsigned char *pick = (unsigned char *)(scratch + kvcap_capsule_prefill_scratch_floats(&pm, d) +
+                                            kvcap_capsule_tile_error_scratch_floats(&dm, d));
+    KVCAP_TRY(kvcap_capsule_prefill(g, bk, &pm, n, d, seg->p0, kf, vf, KVCAP_DTYPE_F32, hf, vtf,
+                                    muf, scratch));
+    KVCAP_TRY(kvcap_capsule_tile_error(bk, &dm, n, d, kf, vf, hf, vtf, muf, err, scratch));
+    pick_worst_tiles(err, all, exact, pick);
+    size_t per_h = (size_t)seg->tiles * u->h * d, per_v = (size_t)seg->tiles * u->rv * d;
+    char *hs = (char *)seg->hs + (size_t)head * per_h * es;
+    char *vt = (char *)seg->vt + (size_t)head * per_v * es;
+    for (int t = 0, kept = 0, row = 0; t < all; t++) {
+        if (!pick[t]) {
+            kvcap_convert_from_f32(c->storage, hf + (size_t)t * u->h * d, (size_t)u->h * d,
+                                   hs + (size_t)kept * u->h * d * es);
+            kvcap_convert_from_f32(c->storage, vtf + (size_t)t * u->rv * d, (size_t)u->rv * d,
+                                   vt + (size_t)kept * u->rv * d * es);
+            kept++;
+            continue;
+        }
+        for (int p = 0; p < m; p++, row++) { /* scratch is free again: one token's k and v */
+            int j = (int)kvcap_bucket_token(bk, t, p);
+            kvcap_view_read(k, head, j, 1, d, scratch);
+            kvcap_view_read(v, head, j, 1, d, scratch + d);
+            kvcap_segment_store(c, seg, head, row, 1, scratch, scratch + d);
+        }
+    }
+    kvcap_convert_from_f32(c->storage, muf, (size_t)d, (char *)seg->mu + (size_t)head * d * es);
+    return KVCAP_OK;
+}
+
 /* KVCapsule's state of one span, every KV head through kvcap_capsule_prefill (the maps of
- * the span's bucket; the views read as f32 one head at a time). */
+ * the span's bucket; the views read as f32 one head at a time). With kvcapsule.exact_tiles,
+ * each head keeps that many of its tiles (at most all but one) as plain rows instead. */
 static enum kvcap_status host_capsule_prefill(struct kvcap_cache *c, int layer,
                                               struct kvcap_segment *seg,
                                               const struct kvcap_tensor_view *k,
@@ -69,8 +133,9 @@ static enum kvcap_status host_capsule_prefill(struct kvcap_cache *c, int layer,
     const struct kvcap_bucket *bk = &a->buckets[seg->bucket];
     /* Every KV head of a layer and bucket has head 0's h and R_v (kvcap_artifact_open). */
     const struct kvcap_unit_maps *u0 = kvcap_artifact_unit(a, layer, 0, seg->bucket);
-    int n = seg->n_tokens, d = g->head_dim, H = g->n_kv_heads, m = u0->m;
-    seg->tiles = n / m;
+    int n = seg->n_tokens, d = g->head_dim, H = g->n_kv_heads, m = u0->m, all = n / m;
+    int exact = c->cfg.kvcapsule.exact_tiles < all ? c->cfg.kvcapsule.exact_tiles : all - 1;
+    seg->tiles = all - exact;
     seg->h = u0->h;
     seg->rv = u0->rv;
     size_t es = kvcap_dtype_size(c->storage);
@@ -80,11 +145,17 @@ static enum kvcap_status host_capsule_prefill(struct kvcap_cache *c, int layer,
     seg->mu = malloc((size_t)H * d * es);
     struct kvcap_capsule_prefill_maps maps = {m, u0->rk, u0->h, u0->rv, u0->gelu, NULL,
                                               NULL, NULL, NULL};
+    struct kvcap_capsule_maps dmaps = {m, u0->h, u0->rv, NULL, NULL, NULL};
     size_t scratch = kvcap_capsule_prefill_scratch_floats(&maps, d);
+    if (exact > 0) /* capsule_head_exact's f32 state, errors, scratch and picks */
+        scratch += (size_t)all * (seg->h + seg->rv) * d + d + all +
+                   kvcap_capsule_tile_error_scratch_floats(&dmaps, d) + ((size_t)all + 3) / 4;
     float *kf = malloc(sizeof(float) * ((size_t)n * d * 2 + scratch));
     enum kvcap_status st = KVCAP_OK;
     if (!seg->hs || !seg->vt || !seg->mu || !kf)
         st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "kvcapsule: out of memory for a %d-token span", n);
+    if (st == KVCAP_OK && exact > 0 && (st = kvcap_segment_reserve(c, seg, exact * m)) == KVCAP_OK)
+        seg->n_rows = exact * m;
     float *vf = kf ? kf + (size_t)n * d : NULL;
     for (int h = 0; st == KVCAP_OK && h < H; h++) {
         const struct kvcap_unit_maps *u = kvcap_artifact_unit(a, layer, h, seg->bucket);
@@ -92,10 +163,13 @@ static enum kvcap_status host_capsule_prefill(struct kvcap_cache *c, int layer,
                                                    u->mask, u->w1, u->b1, u->u};
         kvcap_view_read(k, h, 0, n, d, kf);
         kvcap_view_read(v, h, 0, n, d, vf);
-        st = kvcap_capsule_prefill(g, bk, &maps, n, d, seg->p0, kf, vf, c->storage,
-                                   (char *)seg->hs + (size_t)h * per_h * es,
-                                   (char *)seg->vt + (size_t)h * per_v * es,
-                                   (char *)seg->mu + (size_t)h * d * es, vf + (size_t)n * d);
+        if (exact > 0)
+            st = capsule_head_exact(c, layer, h, seg, k, v, kf, vf, vf + (size_t)n * d);
+        else
+            st = kvcap_capsule_prefill(g, bk, &maps, n, d, seg->p0, kf, vf, c->storage,
+                                       (char *)seg->hs + (size_t)h * per_h * es,
+                                       (char *)seg->vt + (size_t)h * per_v * es,
+                                       (char *)seg->mu + (size_t)h * d * es, vf + (size_t)n * d);
     }
     free(kf);
     return st;
@@ -273,7 +347,7 @@ static enum kvcap_status attend_part(struct kvcap_cache *c, int layer, int h, in
             int lo, hi;
             size_t first;
             int n_rows;
-            if (seg->policy == KVCAP_POLICY_KVCAPSULE || seg->n_rows == 0)
+            if (seg->n_rows == 0) /* KVCapsule's exact tiles are rows too */
                 continue;
             kvcap_segment_head_rows(seg, h, &first, &n_rows);
             part_range(n_rows, k, P, ATTEND_MIN_TOKENS, &lo, &hi);

@@ -194,8 +194,9 @@ uint64_t kvcap_segment_bytes(const struct kvcap_cache *c, const struct kvcap_seg
 {
     uint64_t H = (uint64_t)c->g.n_kv_heads, d = (uint64_t)c->g.head_dim;
     uint64_t es = kvcap_dtype_size(c->storage);
-    if (seg->policy == KVCAP_POLICY_KVCAPSULE && seg->hs)
-        return H * ((uint64_t)seg->tiles * (uint64_t)(seg->h + seg->rv) * d + d) * es;
+    if (seg->policy == KVCAP_POLICY_KVCAPSULE && seg->hs) /* its state, and its exact tiles */
+        return H * ((uint64_t)seg->tiles * (uint64_t)(seg->h + seg->rv) * d + d +
+                    2 * (uint64_t)seg->cap * d) * es;
     if (seg->head_at) /* packed: exactly the rows kept */
         return 2 * (uint64_t)seg->head_at[H] * d * es;
     return H * 2 * (uint64_t)seg->cap * d * es; /* what is allocated, not only used */

@@ -243,6 +243,7 @@ static void assert_runtime_equal(const struct kvcap_runtime_config *a,
     assert_int_equal(a->random.seed, b->random.seed);
     assert_true(a->expected.retention == b->expected.retention);
     assert_int_equal(a->expected.n_future, b->expected.n_future);
+    assert_int_equal(a->kvcapsule.exact_tiles, b->kvcapsule.exact_tiles);
     assert_int_equal(a->expected.query_sinks, b->expected.query_sinks);
     assert_int_equal(a->expected.sinks, b->expected.sinks);
     assert_int_equal(a->expected.window, b->expected.window);
@@ -532,6 +533,7 @@ static void test_runtime_forms(void **state)
     assert_int_equal(r.random.seed, 17);
     assert_int_equal(r.expected.n_future, 256);
     assert_int_equal(r.expected.query_sinks, 4); /* default kept */
+    assert_int_equal(r.kvcapsule.exact_tiles, 2);
     assert_int_equal(r.has_model, 1);
     assert_int_equal(r.model.n_layers, 30);
     assert_int_equal(r.model.rope_pairing, KVCAP_ROPE_PAIRING_ADJACENT);
@@ -620,8 +622,9 @@ static const struct bad_case bad_cases[] = {
                                            "retrieve: need >= 128"},
     {"runtime-model-kv-heads.yaml", "6:13", "model.kv_heads: 0 is outside 1..1024"},
     {"runtime-unknown-key.yaml", "4:3", "flashcache.gama: unknown key (expected gamma"},
-    {"runtime-kvcapsule-key.yaml", "2:13", "kvcapsule.rank: unknown key (kvcapsule takes no "
-                                           "keys)"},
+    {"runtime-kvcapsule-key.yaml", "2:13", "kvcapsule.rank: unknown key (expected "
+                                           "exact_tiles)"},
+    {"runtime-kvcapsule-exact.yaml", "2:26", "kvcapsule.exact_tiles: -1 is outside 0..1048576"},
     {"runtime-gamma-range.yaml", "2:21", "flashcache.gamma: 0 is outside (0, 1]"},
     {"runtime-window-range.yaml", "4:11", "streaming.window: 0 is outside 1..1073741824"},
     {"runtime-kvzip-retention.yaml", "2:20", "kvzip.retention: 0 is outside (0, 1]"},

@@ -171,6 +171,7 @@ struct scen_span {
 struct scenario {
     struct kvcap_model_geometry g;
     int n_seqs, n_spans[MAX_SEQS], n_gen[MAX_SEQS];
+    int exact_tiles; /* the cache's kvcapsule.exact_tiles */
     struct scen_span spans[MAX_SEQS][MAX_SPANS];
     float *gen[MAX_LAYERS][MAX_SEQS]; /* [n_gen][2][kv_heads][d] */
 };
@@ -244,8 +245,59 @@ static void scenario_load(const struct scenario *sc, struct kvcap_cache *c)
             }
 }
 
+/* kvcap's exact tiles in the reference: the `exact` tiles (at most all but one) whose worst
+ * token has the largest ‖k̂' − k'‖²/k2 + ‖v̂ − v‖²/v2 (k2, v2: the span's mean ‖k'‖² and
+ * ‖v − μ‖²) get their exact keys and values back. khat holds K̂' (offset-free) on entry. */
+static void exact_tiles_back(const struct kvcap_artifact *a, const struct kvcap_model_geometry *g,
+                             int b, int p0, const float *k, const float *v, int n, int exact,
+                             float *khat, float *vhat)
+{
+    const struct kvcap_bucket *bk = &a->buckets[b];
+    int d = g->head_dim, m = bk->structure == KVCAP_STRUCTURE_TILED ? bk->tile_rows * bk->tile_cols
+                                                                    : n;
+    int tiles = n / m;
+    exact = exact < tiles ? exact : tiles - 1;
+    float *kr = malloc(sizeof(float) * (size_t)n * d);
+    memcpy(kr, k, sizeof(float) * (size_t)n * d);
+    kvcap_rope_rotate_ref(g, kr, (size_t)n, (size_t)d, -(double)p0);
+    double k2 = 0, v2 = 0, *err = calloc((size_t)tiles, sizeof *err);
+    for (int c = 0; c < d; c++) {
+        double mu = 0;
+        for (int j = 0; j < n; j++)
+            mu += v[(size_t)j * d + c] / n;
+        for (int j = 0; j < n; j++) {
+            k2 += (double)kr[(size_t)j * d + c] * kr[(size_t)j * d + c] / n;
+            v2 += (v[(size_t)j * d + c] - mu) * (v[(size_t)j * d + c] - mu) / n;
+        }
+    }
+    for (int t = 0; t < tiles; t++)
+        for (int p = 0; p < m; p++) {
+            size_t j = kvcap_bucket_token(bk, t, p);
+            double ke = 0, ve = 0;
+            for (int c = 0; c < d; c++) {
+                double x = (double)khat[j * d + c] - kr[j * d + c];
+                double y = (double)vhat[j * d + c] - v[j * d + c];
+                ke += x * x, ve += y * y;
+            }
+            err[t] = fmax(err[t], ke / k2 + ve / v2);
+        }
+    for (int e = 0; e < exact; e++) {
+        int worst = 0;
+        for (int t = 1; t < tiles; t++)
+            worst = err[t] > err[worst] ? t : worst;
+        for (int p = 0; p < m; p++) {
+            size_t j = kvcap_bucket_token(bk, worst, p);
+            memcpy(khat + j * d, kr + j * d, sizeof(float) * (size_t)d);
+            memcpy(vhat + j * d, v + j * d, sizeof(float) * (size_t)d);
+        }
+        err[worst] = -1;
+    }
+    free(kr), free(err);
+}
+
 /* The reference output of query head hq of sequence s at layer l: naive softmax attention
- * over every token, vision spans with a bucket replaced by their materialised K̂, V̂. */
+ * over every token, vision spans with a bucket replaced by their materialised K̂, V̂ (but for
+ * their exact tiles). */
 static void scenario_expect(const struct scenario *sc, const struct kvcap_artifact *a, int l,
                             int s, int hq, const float *q, double *o)
 {
@@ -262,6 +314,9 @@ static void scenario_expect(const struct scenario *sc, const struct kvcap_artifa
         int b = x->kind == KVCAP_SPAN_VISION && a ? kvcap_artifact_find_bucket(a, x->rows, x->cols) : -1;
         if (b >= 0) {
             materialise(a, &sc->g, l, hk, b, x->p0, xk, xv, x->n, K + (size_t)at * d, V + (size_t)at * d);
+            if (sc->exact_tiles > 0)
+                exact_tiles_back(a, &sc->g, b, x->p0, xk, xv, x->n, sc->exact_tiles,
+                                 K + (size_t)at * d, V + (size_t)at * d);
             /* q·R(p0)K̂' = R(-p0)q·K̂': put the offset back on the materialised keys */
             kvcap_rope_rotate_ref(&sc->g, K + (size_t)at * d, (size_t)x->n, (size_t)d, (double)x->p0);
         } else {
@@ -613,6 +668,68 @@ static void test_bytes_held(void **state)
         kvcap_cache_free(c);
     }
     scenario_free(&sc);
+    kvcap_artifact_free(a);
+}
+
+/* kvcap's exact tiles: each KV head keeps its worst-reconstructed tiles as plain rows and the
+ * rest compressed. Outputs match the reference (which picks the tiles by the same rule in
+ * double), in one and in three threads; bytes are the compressed tiles' state plus the exact
+ * tiles' rows; a count past the span's tiles keeps all but one; a planted outlier's tile is
+ * among those kept. */
+static void test_exact_tiles(void **state)
+{
+    (void)state;
+    struct kvcap_model_geometry g = geometry(2, 4, 2, 64);
+    const struct test_bucket tb[2] = {{8, 8, 4, 4, 5, 4, 6}, {4, 6, 0, 0, 8, 6, 7}};
+    struct kvcap_artifact *a = test_artifact(&g, tb, 2, 91, "exact");
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 93);
+    for (int exact = 1; exact <= 9; exact += 8) {
+        struct scenario sc = {.g = g, .n_seqs = 2, .exact_tiles = exact};
+        scenario_add(&sc, 0, KVCAP_SPAN_TEXT, 1, 5, 0, &r);
+        scenario_add(&sc, 0, KVCAP_SPAN_VISION, 8, 8, 5, &r);  /* 4 tiles */
+        scenario_add(&sc, 1, KVCAP_SPAN_VISION, 4, 6, 40, &r); /* dense: one tile, none exact */
+        scenario_add(&sc, 1, KVCAP_SPAN_VISION, 8, 8, 64, &r);
+        /* an outlier token, key and value, in tile 3 of the first tiled span, every layer and
+         * head: that tile is kept first */
+        size_t j = kvcap_bucket_token(&a->buckets[0], 3, 6), n = 64;
+        for (int l = 0; l < g.n_layers; l++)
+            for (int h = 0; h < 2 * g.n_kv_heads; h++)
+                for (int c = 0; c < g.head_dim; c++)
+                    sc.spans[0][1].kv[l][((size_t)h * n + j) * g.head_dim + c] *= 6.0f;
+        scenario_gen(&sc, 0, 2, &r);
+        char yaml[160];
+        snprintf(yaml, sizeof yaml,
+                 "policies: {vision: kvcapsule}\nfallback: full\nkvcapsule: {exact_tiles: %d}\n",
+                 exact);
+        for (int threads = 1; threads <= 3; threads += 2) {
+            struct kvcap_cache *c = make_cache_threads(&g, 2, KVCAP_DTYPE_F32, a, yaml, threads);
+            scenario_load(&sc, c);
+            scenario_check(&sc, a, c, FUSED_REL_TOL, &r);
+            struct kvcap_cache_stats st;
+            assert_int_equal(kvcap_cache_stats(c, &st), KVCAP_OK);
+            /* per layer and KV head: the tiled spans' compressed tiles (h + rv rows each), the
+             * exact tiles' K and V rows, μ per span; the dense span's one tile */
+            int held = exact < 4 ? exact : 3, d = g.head_dim;
+            uint64_t per_head = 2 * ((uint64_t)(4 - held) * (4 + 6) * d + 2 * 16 * held * d + d) +
+                                (uint64_t)(6 + 7) * d + d;
+            uint64_t want = per_head * g.n_kv_heads * g.n_layers * sizeof(float);
+            if (st.bytes_by_policy[KVCAP_POLICY_KVCAPSULE] != want)
+                fail_msg("exact_tiles %d: kvcapsule holds %llu bytes, expected %llu", exact,
+                         (unsigned long long)st.bytes_by_policy[KVCAP_POLICY_KVCAPSULE],
+                         (unsigned long long)want);
+            kvcap_cache_free(c);
+        }
+        /* the rule keeps the outlier's tile first: its value rows come back exact */
+        const float *xk = sc.spans[0][1].kv[0], *xv = xk + (size_t)g.n_kv_heads * n * g.head_dim;
+        float *kh = malloc(sizeof(float) * n * g.head_dim), *vh = malloc(sizeof(float) * n * g.head_dim);
+        materialise(a, &g, 0, 0, 0, 5, xk, xv, (int)n, kh, vh);
+        assert_memory_not_equal(vh + j * g.head_dim, xv + j * g.head_dim, sizeof(float) * g.head_dim);
+        exact_tiles_back(a, &g, 0, 5, xk, xv, (int)n, 1, kh, vh);
+        assert_memory_equal(vh + j * g.head_dim, xv + j * g.head_dim, sizeof(float) * g.head_dim);
+        free(kh), free(vh);
+        scenario_free(&sc);
+    }
     kvcap_artifact_free(a);
 }
 
@@ -1863,6 +1980,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_full_matches_naive),
         cmocka_unit_test(test_fused_matches_materialised),
+        cmocka_unit_test(test_exact_tiles),
         cmocka_unit_test(test_sliced_attend_matches),
         cmocka_unit_test(test_strided_and_paged_views),
         cmocka_unit_test(test_bytes_held),

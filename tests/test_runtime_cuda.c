@@ -138,6 +138,10 @@ static void test_create_checks(void **state)
         /* with kvcapsule the fallback serves spans without a bucket: its default is refused */
         {"policies: {vision: kvcapsule, text: full, generated: full}\n", "fallback",
          "flashcache"},
+        /* kvcap's exact tiles are kept by the host store only */
+        {"policies: {vision: kvcapsule, text: full, generated: full}\nfallback: streaming\n"
+         "kvcapsule: {exact_tiles: 1}\n",
+         "kvcapsule.exact_tiles", "keeps no exact tiles"},
     };
     const struct test_bucket tb = {4, 6, 0, 0, 8, 6, 7};
     struct kvcap_artifact *a = make_artifact(&g, &tb, 1, 3);
