@@ -109,6 +109,13 @@ static void usage(FILE *out)
             "      --kvcapsule V:R:FILE run: a KVCapsule artifact, variant V (e.g. dense, tiled) at\n"
             "                           retention R (repeatable); the composition uses the last\n"
             "                           variant given\n"
+            "      --kvcapsule-exact V:R:FILE\n"
+            "                           run: the same with kvcap's exact tiles (row 'kvcapsule\n"
+            "                           V+exact'): each span and KV head keeps the tiles KVCapsule\n"
+            "                           reconstructs worst as plain rows; R counts them, so FILE\n"
+            "                           is converted at a lower ratio (repeatable)\n"
+            "      --exact-tiles N      run: tiles each --kvcapsule-exact run keeps exact\n"
+            "                           (default 1)\n"
             "      --retentions LIST    run: retentions for the other policies (default\n"
             "                           0.2,0.4,0.6; also the retention of each curve point)\n"
             "      --prompts N          run: held-out prompts (default 8)\n"
@@ -135,6 +142,7 @@ struct artifact_arg {
     char variant[32];
     double retention;
     const char *path;
+    int exact; /* --kvcapsule-exact: run with kvcap's exact tiles (kvcapsule.exact_tiles) */
 };
 
 enum track { TRACK_TEXT, TRACK_IMAGE };
@@ -150,7 +158,7 @@ struct options {
     double retentions[8];
     int n_retentions;
     struct artifact_arg artifacts[MAX_ARTIFACTS];
-    int n_artifacts;
+    int n_artifacts, exact_tiles;
     const char *compare[7]; /* metrics.json of other tracks, shown beside this one */
     int n_compare;
     char model_default[4096];
@@ -177,20 +185,22 @@ static int parse_retentions(const char *arg, struct options *o)
     return o->n_retentions ? 0 : cli_usage_error("--retentions: empty list");
 }
 
-static int parse_artifact(const char *arg, struct options *o)
+static int parse_artifact(const char *arg, int exact, struct options *o)
 {
+    const char *opt = exact ? "--kvcapsule-exact" : "--kvcapsule";
     const char *c1 = strchr(arg, ':'), *c2 = c1 ? strchr(c1 + 1, ':') : NULL;
     if (!c1 || !c2 || c1 == arg || (size_t)(c1 - arg) >= sizeof o->artifacts[0].variant ||
         !c2[1] || o->n_artifacts == MAX_ARTIFACTS)
-        return cli_usage_error("--kvcapsule: '%s' is not VARIANT:RETENTION:FILE", arg);
+        return cli_usage_error("%s: '%s' is not VARIANT:RETENTION:FILE", opt, arg);
     struct artifact_arg *a = &o->artifacts[o->n_artifacts];
     memcpy(a->variant, arg, (size_t)(c1 - arg));
     a->variant[c1 - arg] = '\0';
     char *end;
     a->retention = strtod(c1 + 1, &end);
     if (end != c2 || !(a->retention > 0.0 && a->retention <= 1.0))
-        return cli_usage_error("--kvcapsule: '%s': retention must be in (0, 1]", arg);
+        return cli_usage_error("%s: '%s': retention must be in (0, 1]", opt, arg);
     a->path = c2 + 1;
+    a->exact = exact;
     o->n_artifacts++;
     return 0;
 }
@@ -217,7 +227,7 @@ static int parse_options(int argc, char **argv, struct options *o)
     o->record = !strcmp(argv[1], "record");
     enum { O_SPAN = 256, O_HEAD, O_TAIL, O_DECODE, O_MAXCH, O_ART, O_RET, O_PROMPTS, O_GEN,
            O_STORAGE, O_THREADS, O_COMMAND, O_CALIB_DOCS, O_CONT, O_FID, O_TASK, O_TRACK,
-           O_FEATURES, O_COMPARE };
+           O_FEATURES, O_COMPARE, O_ART_EXACT, O_EXACT_TILES };
     static const struct option longopts[] = {
         {"model", required_argument, 0, 'm'},   {"corpus", required_argument, 0, 'C'},
         {"docs", required_argument, 0, 'D'},    {"out", required_argument, 0, 'o'},
@@ -238,6 +248,8 @@ static int parse_options(int argc, char **argv, struct options *o)
         {"track", required_argument, 0, O_TRACK},
         {"features", required_argument, 0, O_FEATURES},
         {"compare", required_argument, 0, O_COMPARE},
+        {"kvcapsule-exact", required_argument, 0, O_ART_EXACT},
+        {"exact-tiles", required_argument, 0, O_EXACT_TILES},
         {"quiet", no_argument, 0, 'q'},         {"version", no_argument, 0, 'V'},
         {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
     int c, rc = 0;
@@ -253,7 +265,11 @@ static int parse_options(int argc, char **argv, struct options *o)
         case O_TAIL: rc = cli_parse_int(optarg, "--tail", 1, 1024, &o->tail); break;
         case O_DECODE: rc = cli_parse_int(optarg, "--decode", 0, 4096, &o->decode); break;
         case O_MAXCH: rc = cli_parse_int(optarg, "--max-chunks", 1, 1 << 20, &o->max_chunks); break;
-        case O_ART: rc = parse_artifact(optarg, o); break;
+        case O_ART: rc = parse_artifact(optarg, 0, o); break;
+        case O_ART_EXACT: rc = parse_artifact(optarg, 1, o); break;
+        case O_EXACT_TILES:
+            rc = cli_parse_int(optarg, "--exact-tiles", 1, 1 << 20, &o->exact_tiles);
+            break;
         case O_RET: rc = parse_retentions(optarg, o); break;
         case O_PROMPTS: rc = cli_parse_int(optarg, "--prompts", 1, 256, &o->prompts); break;
         case O_GEN: rc = cli_parse_int(optarg, "--generate", 1, 8192, &o->generate); break;
@@ -947,19 +963,23 @@ static int build_runs(const struct options *o, struct kvcap_artifact **arts, str
     }
     const char *last_variant = NULL;
     for (int a = 0; a < o->n_artifacts; a++) {
+        const struct artifact_arg *aa = &o->artifacts[a];
         char label[48];
-        snprintf(label, sizeof label, "kvcapsule %s", o->artifacts[a].variant);
-        add_run(runs, &n, "kvcapsule", label, o->artifacts[a].retention,
-                "policies: {vision: kvcapsule, text: full, generated: full}\nfallback: none\n");
+        snprintf(label, sizeof label, "kvcapsule %s%s", aa->variant, aa->exact ? "+exact" : "");
+        add_run(runs, &n, "kvcapsule", label, aa->retention,
+                "policies: {vision: kvcapsule, text: full, generated: full}\nfallback: none\n"
+                "kvcapsule: {exact_tiles: %d}\n",
+                aa->exact ? (o->exact_tiles > 0 ? o->exact_tiles : 1) : 0);
         runs[n - 1].art = arts[a];
-        runs[n - 1].extension = strcmp(o->artifacts[a].variant, "dense") != 0;
-        last_variant = o->artifacts[a].variant;
+        runs[n - 1].extension = aa->exact || strcmp(aa->variant, "dense") != 0;
+        if (!aa->exact)
+            last_variant = aa->variant;
     }
     /* The composition: KVCapsule on the span, the text kept, generated tokens streamed; with
      * the last variant given, at the retention nearest 0.4. */
     int best = -1;
-    for (int a = 0; a < o->n_artifacts; a++)
-        if (!strcmp(o->artifacts[a].variant, last_variant) &&
+    for (int a = 0; last_variant && a < o->n_artifacts; a++)
+        if (!o->artifacts[a].exact && !strcmp(o->artifacts[a].variant, last_variant) &&
             (best < 0 || fabs(o->artifacts[a].retention - 0.4) <
                              fabs(o->artifacts[best].retention - 0.4)))
             best = a;
@@ -1588,8 +1608,11 @@ static void add_masks(cJSON *root, const struct options *o, int rows, const char
     /* One panel per variant, at the retention closest to 0.4. */
     for (int a = 0; a < o->n_artifacts; a++) {
         int best = a;
+        if (o->artifacts[a].exact) /* the same maps as its variant's panel */
+            continue;
         for (int b = 0; b < o->n_artifacts; b++)
-            if (!strcmp(o->artifacts[b].variant, o->artifacts[a].variant) &&
+            if (!o->artifacts[b].exact &&
+                !strcmp(o->artifacts[b].variant, o->artifacts[a].variant) &&
                 fabs(o->artifacts[b].retention - 0.4) < fabs(o->artifacts[best].retention - 0.4))
                 best = b;
         if (best != a)
@@ -2151,7 +2174,8 @@ static int check_outputs(const struct options *o)
     in[n++] = (struct cli_path){"--model", o->model};
     in[n++] = (struct cli_path){"--corpus", o->corpus};
     for (int i = 0; i < o->n_artifacts; i++)
-        in[n++] = (struct cli_path){"--kvcapsule", o->artifacts[i].path};
+        in[n++] = (struct cli_path){o->artifacts[i].exact ? "--kvcapsule-exact" : "--kvcapsule",
+                                    o->artifacts[i].path};
     if (o->features)
         in[n++] = (struct cli_path){"--features", o->features};
     for (int i = 0; i < o->n_compare; i++)

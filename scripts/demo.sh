@@ -67,6 +67,9 @@ tile_uniform() { # tile_uniform R: a list schedule for 30 layers and tiles of 16
     a = int((l + 1) * r * 16 + 1e-9) - int(l * r * 16 + 1e-9); s = s (l ? "," : "") a / 16 }
     print "list:" s }'
 }
+# kvcap's exact tiles hold one of the 16 tiles exactly: the other 15 are compressed at
+# (R - 1/16) / (15/16), so that the span's bytes are R of full's.
+exact_ratio() { awk -v r="$1" 'BEGIN { printf "%.6f", (r - 1 / 16) / (15 / 16) }'; }
 artifacts=()
 convert() { # convert DIR NAME STATE KEYS VALUES R [OPTION...]: one artifact, evaluated as NAME
   local dir=$1 name=$2 state=$3 keys=$4 values=$5 r=$6 # at retention R
@@ -130,6 +133,12 @@ image_track() {
   for r in $retentions; do
     convert "$dir" tiled-dct "$dir/tiled.kvcs" "$(tile_uniform "$r")" "$(tile_uniform "$r")" \
       "$r" --value-basis dct
+  done
+  for r in $retentions; do # the attention-sink tile kept exact (kvcapsule.exact_tiles: 1)
+    x=$(exact_ratio "$r")
+    "$bin/kvcap-convert" "$dir/tiled.kvcs" --out "$dir/tiled-exact-$r.kvcap" \
+      --keys "$(tile_uniform "$x")" --values "$(tile_uniform "$x")" >/dev/null
+    artifacts+=(--kvcapsule-exact "tiled:$r:$dir/tiled-exact-$r.kvcap")
   done
   for r in $retentions; do # last: the composition uses the last variant given
     convert "$dir" tiled "$dir/tiled.kvcs" "$(tile_uniform "$r")" "$(tile_uniform "$r")" "$r"

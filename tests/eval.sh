@@ -139,10 +139,17 @@ if [ -f "$features" ]; then
     --values "$r04" >/dev/null 2>&1 || fail "image convert"
   "$bin/kvcap-convert" "$work/itiled.kvcs" --out "$work/idct.kvcap" --keys "$r04" \
     --values "$r04" --value-basis dct >/dev/null 2>&1 || fail "image convert (dct)"
+  # kvcap's exact tiles: one tile of 16 exact, the other 15 at (0.4 - 1/16) / (15/16) = 0.36
+  r036=$(awk 'BEGIN { for (l = 0; l < 30; l++) {
+    a = int((l + 1) * 0.36 * 16 + 1e-9) - int(l * 0.36 * 16 + 1e-9); s = s (l ? "," : "") a / 16 }
+    print "list:" s }')
+  "$bin/kvcap-convert" "$work/itiled.kvcs" --out "$work/iexact.kvcap" --keys "$r036" \
+    --values "$r036" >/dev/null 2>&1 || fail "image convert (exact tiles)"
   "$eval_bin" run -q --track image --features "$features" --model "$model" --corpus "$corpus" \
     --docs Apache-2.0 --tail 8 --prompts 2 --generate 8 --continuation 8 --fidelity-steps 4 \
     --retentions 0.4 --kvcapsule "tiled:0.4:$work/itiled.kvcap" \
-    --kvcapsule "tiled-dct:0.4:$work/idct.kvcap" --compare "$work/out/metrics.json" \
+    --kvcapsule "tiled-dct:0.4:$work/idct.kvcap" --kvcapsule-exact "tiled:0.4:$work/iexact.kvcap" \
+    --compare "$work/out/metrics.json" \
     --out "$work/iout" >/dev/null || fail "image run"
   python3 - "$work/iout/metrics.json" <<'PY' || fail "image metrics.json content"
 import json, sys
@@ -151,7 +158,10 @@ t = m["track"]
 assert t["kind"] == "image" and t["rows"] == t["cols"] == 16, t
 assert 0 < t["heldout_photos"] < t["photos"] and "task" not in m, t
 runs = {r["id"]: r for r in m["runs"]}
-assert {"kvcapsule-tiled@0.40", "kvcapsule-tiled-dct@0.40", "vlcache@0.40"} <= set(runs), list(runs)
+assert {"kvcapsule-tiled@0.40", "kvcapsule-tiled-dct@0.40", "kvcapsule-tiled+exact@0.40",
+        "vlcache@0.40"} <= set(runs), list(runs)
+# the exact tile's rows are counted: the lower-ratio artifact plus one exact tile holds 0.4
+assert runs["kvcapsule-tiled+exact@0.40"]["extension"], runs["kvcapsule-tiled+exact@0.40"]
 full = runs["full"]
 assert full["kl"] == 0.0 and all(abs(c - 1.0) < 1e-6 for c in full["attn_cosine"]), full
 for r in m["runs"]:
