@@ -1942,7 +1942,10 @@ static enum kvcap_status write_metrics(const struct options *o, const struct mod
         "layers and KV heads); random evicts uniformly per KV head, the floor every method "
         "must clear. Rows marked as kvcap's extensions are not the papers': +protect keeps 4 "
         "sinks, a 16-token window and (flashcache) an 8-token floor per layer inside the span; "
-        "KVCapsule's tiled maps, pyramid schedule and the composition are kvcap's.",
+        "KVCapsule's tiled maps, pyramid schedule and the composition are kvcap's, as is "
+        "tiled+exact: each span and KV head keeps the tile KVCapsule reconstructs worst (its "
+        "worst token's key and value error) as exact rows, the other tiles compressed at the "
+        "lower ratio that makes the span's bytes the same.",
         "Task: a key-value line (\"The code of the tiger is 4821.\") sits inside 256 tokens "
         "of held-out text in the span, the tail asks for it; the answer is read from 6 greedy "
         "tokens and must match exactly. The line sits at 8 depths of the span, 8 queries "
