@@ -309,6 +309,11 @@ static int parse_options(int argc, char **argv, struct options *o)
         return cli_usage_error("unexpected argument '%s'", argv[optind]);
     if (!o->out)
         return cli_usage_error("--out is required");
+    int exact_runs = 0;
+    for (int a = 0; a < o->n_artifacts; a++)
+        exact_runs += o->artifacts[a].exact;
+    if (o->exact_tiles > 0 && exact_runs == 0)
+        return cli_usage_error("--exact-tiles: no --kvcapsule-exact run to apply it to");
     if (!o->docs)
         o->docs = o->record ? DEFAULT_CALIB_DOCS : DEFAULT_HELDOUT_DOCS;
     if (o->features && o->track != TRACK_IMAGE)
@@ -969,7 +974,7 @@ static int build_runs(const struct options *o, struct kvcap_artifact **arts, str
         add_run(runs, &n, "kvcapsule", label, aa->retention,
                 "policies: {vision: kvcapsule, text: full, generated: full}\nfallback: none\n"
                 "kvcapsule: {exact_tiles: %d}\n",
-                aa->exact ? (o->exact_tiles > 0 ? o->exact_tiles : 1) : 0);
+                aa->exact ? (o->exact_tiles > 0 ? o->exact_tiles : 1) : 0); /* default 1 */
         runs[n - 1].art = arts[a];
         runs[n - 1].extension = aa->exact || strcmp(aa->variant, "dense") != 0;
         if (!aa->exact)

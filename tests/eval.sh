@@ -21,6 +21,9 @@ eval_bin="$bin/kvcap-eval"
 [ "$rc" -eq 2 ] && grep -q -- "--task-queries" "$work/badtask.out" || fail "bad --task-queries: exit $rc"
 "$eval_bin" run --out "$work/x" --kvcapsule nonsense >"$work/badart.out" 2>&1; rc=$?
 [ "$rc" -eq 2 ] && grep -q "VARIANT:RETENTION:FILE" "$work/badart.out" || fail "bad --kvcapsule: exit $rc"
+"$eval_bin" run --out "$work/x" --exact-tiles 2 >"$work/exact.out" 2>&1; rc=$?
+[ "$rc" -eq 2 ] && grep -q -- "--exact-tiles: no --kvcapsule-exact run" "$work/exact.out" ||
+  fail "--exact-tiles without --kvcapsule-exact: exit $rc"
 "$eval_bin" record --out "$work/x" --model "$work/missing.gguf" >"$work/nomodel.out" 2>&1; rc=$?
 [ "$rc" -eq 1 ] && grep -q "missing.gguf" "$work/nomodel.out" || fail "missing model: exit $rc"
 # --out must not replace or mix with an input: an input folder, a folder holding the model for
