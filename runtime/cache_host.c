@@ -70,15 +70,50 @@ static void pick_worst_tiles(const float *err, int tiles, int exact, unsigned ch
     }
 }
 
-/* One KV head with kvcap's exact tiles: the state of every tile in f32 (hf, vtf, muf), each
- * tile's reconstruction error, then the compressed tiles (all but the `exact` worst) to hs and
- * vt and the worst tiles' tokens, as the engine gave them, to the segment's plain rows. kf
- * holds the head's keys and becomes K'. */
+/* capsule_head_exact's working memory for a span of `all` tiles: the f32 state of every tile
+ * (H [all][h][d], Ṽ [all][rv][d], μ [d]), the tiles' errors [all], the kernels' scratch (the
+ * prefill's, then the tile errors': `scratch` floats, the larger of the two) and a pick byte per
+ * tile. The one layout both the allocation and the head use. */
+struct exact_work {
+    float *hf, *vtf, *muf, *err, *scratch;
+    unsigned char *pick;
+};
+
+static size_t exact_work_floats(int all, int h, int rv, int d, size_t scratch)
+{
+    return (size_t)all * (size_t)(h + rv) * d + (size_t)d + (size_t)all + scratch +
+           ((size_t)all + sizeof(float) - 1) / sizeof(float);
+}
+
+static struct exact_work exact_work_at(float *w, int all, int h, int rv, int d, size_t scratch)
+{
+    struct exact_work x;
+    x.hf = w;
+    x.vtf = x.hf + (size_t)all * h * d;
+    x.muf = x.vtf + (size_t)all * rv * d;
+    x.err = x.muf + d;
+    x.scratch = x.err + all;
+    x.pick = (unsigned char *)(x.scratch + scratch);
+    return x;
+}
+
+/* Floats of kernel scratch a head with exact tiles needs: the prefill's, then the errors'. */
+static size_t exact_scratch_floats(const struct kvcap_capsule_prefill_maps *pm,
+                                   const struct kvcap_capsule_maps *dm, int d)
+{
+    size_t a = kvcap_capsule_prefill_scratch_floats(pm, d);
+    size_t b = kvcap_capsule_tile_error_scratch_floats(dm, d);
+    return a > b ? a : b;
+}
+
+/* One KV head with kvcap's exact tiles: the state of every tile in f32, each tile's
+ * reconstruction error, then the compressed tiles (all but the `exact` worst) to hs and vt and
+ * the worst tiles' tokens, as the engine gave them, to the segment's plain rows. kf holds the
+ * head's keys and becomes K'; vf, the head's values, stays as read. */
 static enum kvcap_status capsule_head_exact(struct kvcap_cache *c, int layer, int head,
                                             struct kvcap_segment *seg,
                                             const struct kvcap_tensor_view *k,
-                                            const struct kvcap_tensor_view *v, float *kf,
-                                            float *vf, float *work)
+                                            float *kf, const float *vf, float *work)
 {
     const struct kvcap_model_geometry *g = &c->g;
     const struct kvcap_bucket *bk = &c->artifact->buckets[seg->bucket];
@@ -89,19 +124,18 @@ static enum kvcap_status capsule_head_exact(struct kvcap_cache *c, int layer, in
     struct kvcap_capsule_prefill_maps pm = {u->m, u->rk, u->h, u->rv, u->gelu,
                                             u->mask, u->w1, u->b1, u->u};
     struct kvcap_capsule_maps dm = {u->m, u->h, u->rv, u->w2, u->b2, u->u};
-    float *hf = work, *vtf = hf + (size_t)all * u->h * d, *muf = vtf + (size_t)all * u->rv * d;
-    float *err = muf + d, *scratch = err + all;
-    unsigned char *pick = (unsigned char *)(scratch + kvcap_capsule_prefill_scratch_floats(&pm, d) +
-                                            kvcap_capsule_tile_error_scratch_floats(&dm, d));
+    const struct exact_work w =
+        exact_work_at(work, all, u->h, u->rv, d, exact_scratch_floats(&pm, &dm, d));
+    float *hf = w.hf, *vtf = w.vtf, *muf = w.muf;
     KVCAP_TRY(kvcap_capsule_prefill(g, bk, &pm, n, d, seg->p0, kf, vf, KVCAP_DTYPE_F32, hf, vtf,
-                                    muf, scratch));
-    KVCAP_TRY(kvcap_capsule_tile_error(bk, &dm, n, d, kf, vf, hf, vtf, muf, err, scratch));
-    pick_worst_tiles(err, all, exact, pick);
+                                    muf, w.scratch));
+    KVCAP_TRY(kvcap_capsule_tile_error(bk, &dm, n, d, kf, vf, hf, vtf, muf, w.err, w.scratch));
+    pick_worst_tiles(w.err, all, exact, w.pick);
     size_t per_h = (size_t)seg->tiles * u->h * d, per_v = (size_t)seg->tiles * u->rv * d;
     char *hs = (char *)seg->hs + (size_t)head * per_h * es;
     char *vt = (char *)seg->vt + (size_t)head * per_v * es;
     for (int t = 0, kept = 0, row = 0; t < all; t++) {
-        if (!pick[t]) {
+        if (!w.pick[t]) {
             kvcap_convert_from_f32(c->storage, hf + (size_t)t * u->h * d, (size_t)u->h * d,
                                    hs + (size_t)kept * u->h * d * es);
             kvcap_convert_from_f32(c->storage, vtf + (size_t)t * u->rv * d, (size_t)u->rv * d,
@@ -109,11 +143,10 @@ static enum kvcap_status capsule_head_exact(struct kvcap_cache *c, int layer, in
             kept++;
             continue;
         }
-        for (int p = 0; p < m; p++, row++) { /* scratch is free again: one token's k and v */
-            int j = (int)kvcap_bucket_token(bk, t, p);
-            kvcap_view_read(k, head, j, 1, d, scratch);
-            kvcap_view_read(v, head, j, 1, d, scratch + d);
-            kvcap_segment_store(c, seg, head, row, 1, scratch, scratch + d);
+        for (int p = 0; p < m; p++, row++) { /* kf is K' now: the key from the view again */
+            size_t j = kvcap_bucket_token(bk, t, p);
+            kvcap_view_read(k, head, (int)j, 1, d, w.scratch);
+            kvcap_segment_store(c, seg, head, row, 1, w.scratch, vf + j * d);
         }
     }
     kvcap_convert_from_f32(c->storage, muf, (size_t)d, (char *)seg->mu + (size_t)head * d * es);
@@ -146,10 +179,9 @@ static enum kvcap_status host_capsule_prefill(struct kvcap_cache *c, int layer,
     struct kvcap_capsule_prefill_maps maps = {m, u0->rk, u0->h, u0->rv, u0->gelu, NULL,
                                               NULL, NULL, NULL};
     struct kvcap_capsule_maps dmaps = {m, u0->h, u0->rv, NULL, NULL, NULL};
-    size_t scratch = kvcap_capsule_prefill_scratch_floats(&maps, d);
-    if (exact > 0) /* capsule_head_exact's f32 state, errors, scratch and picks */
-        scratch += (size_t)all * (seg->h + seg->rv) * d + d + all +
-                   kvcap_capsule_tile_error_scratch_floats(&dmaps, d) + ((size_t)all + 3) / 4;
+    size_t scratch = exact > 0 ? exact_work_floats(all, seg->h, seg->rv, d,
+                                                   exact_scratch_floats(&maps, &dmaps, d))
+                               : kvcap_capsule_prefill_scratch_floats(&maps, d);
     float *kf = malloc(sizeof(float) * ((size_t)n * d * 2 + scratch));
     enum kvcap_status st = KVCAP_OK;
     if (!seg->hs || !seg->vt || !seg->mu || !kf)
@@ -164,7 +196,7 @@ static enum kvcap_status host_capsule_prefill(struct kvcap_cache *c, int layer,
         kvcap_view_read(k, h, 0, n, d, kf);
         kvcap_view_read(v, h, 0, n, d, vf);
         if (exact > 0)
-            st = capsule_head_exact(c, layer, h, seg, k, v, kf, vf, vf + (size_t)n * d);
+            st = capsule_head_exact(c, layer, h, seg, k, kf, vf, vf + (size_t)n * d);
         else
             st = kvcap_capsule_prefill(g, bk, &maps, n, d, seg->p0, kf, vf, c->storage,
                                        (char *)seg->hs + (size_t)h * per_h * es,
