@@ -69,8 +69,8 @@ static void usage(FILE *out)
             "run:    evaluates full, streaming, kvcapsule (per --kvcapsule artifact), flashcache,\n"
             "        vlcache, freekv, kvzip (with its context-reconstruction pass) and\n"
             "        expected_attention as their papers define them, random eviction as the\n"
-            "        floor, kvcap's protected variants (flashcache+protect, vlcache+protect)\n"
-            "        and a composition, at each retention, batched in one decode loop.\n"
+            "        floor and kvcap's protected variants (flashcache+protect,\n"
+            "        vlcache+protect), at each retention, batched in one decode loop.\n"
             "        VL-Cache's nominal budget is searched so that it holds the target share\n"
             "        of the span (its Algorithm 1 under-fills). Metrics:\n"
             "        a key-value retrieval task inside the span (exact match vs the truth and vs\n"
@@ -107,8 +107,7 @@ static void usage(FILE *out)
             "      --decode N           record: teacher-forced decode steps per chunk (default 16)\n"
             "      --max-chunks N       record: at most N chunks (default: all)\n"
             "      --kvcapsule V:R:FILE run: a KVCapsule artifact, variant V (e.g. dense, tiled) at\n"
-            "                           retention R (repeatable); the composition uses the last\n"
-            "                           variant given\n"
+            "                           retention R (repeatable)\n"
             "      --kvcapsule-exact V:R:FILE\n"
             "                           run: the same with kvcap's exact tiles (row 'kvcapsule\n"
             "                           V+exact'): each span and KV head keeps the tiles KVCapsule\n"
@@ -921,7 +920,7 @@ enum { FREEKV_PAGE = 8 };
 /* The policies × retentions of one evaluation. The papers' methods are the headline rows
  * (flashcache as its section 3.2 with gamma 0.2, vlcache with its recent-window rule and no
  * sinks); kvcap's extensions are labelled as such (+protect: sinks, a window and a floor
- * inside the span; tiled/pyramid KVCapsule maps; the composition). FreeKV attends the pages
+ * inside the span; tiled/pyramid KVCapsule maps, exact tiles). FreeKV attends the pages
  * nearest the target (pages of 8: one sink page, two window pages, the rest chosen). */
 static int build_runs(const struct options *o, struct kvcap_artifact **arts, struct run *runs)
 {
@@ -966,7 +965,6 @@ static int build_runs(const struct options *o, struct kvcap_artifact **arts, str
                 "policies: {vision: random, text: full, generated: full}\n"
                 "random: {retention: %.6f, seed: 0}\n", r);
     }
-    const char *last_variant = NULL;
     for (int a = 0; a < o->n_artifacts; a++) {
         const struct artifact_arg *aa = &o->artifacts[a];
         char label[48];
@@ -977,23 +975,6 @@ static int build_runs(const struct options *o, struct kvcap_artifact **arts, str
                 aa->exact ? (o->exact_tiles > 0 ? o->exact_tiles : 1) : 0); /* default 1 */
         runs[n - 1].art = arts[a];
         runs[n - 1].extension = aa->exact || strcmp(aa->variant, "dense") != 0;
-        if (!aa->exact)
-            last_variant = aa->variant;
-    }
-    /* The composition: KVCapsule on the span, the text kept, generated tokens streamed; with
-     * the last variant given, at the retention nearest 0.4. */
-    int best = -1;
-    for (int a = 0; last_variant && a < o->n_artifacts; a++)
-        if (!o->artifacts[a].exact && !strcmp(o->artifacts[a].variant, last_variant) &&
-            (best < 0 || fabs(o->artifacts[a].retention - 0.4) <
-                             fabs(o->artifacts[best].retention - 0.4)))
-            best = a;
-    if (best >= 0) {
-        add_run(runs, &n, "composition", "composition", o->artifacts[best].retention,
-                "policies: {vision: kvcapsule, text: full, generated: streaming}\n"
-                "fallback: none\nstreaming: {sinks: 4, window: 64}\n");
-        runs[n - 1].art = arts[best];
-        runs[n - 1].extension = 1;
     }
     return n;
 }
@@ -1933,7 +1914,11 @@ static enum kvcap_status write_metrics(const struct options *o, const struct mod
         "Each prompt is HEAD text tokens kept in full, a SPAN-token compressible span (a 1 x SPAN "
         "grid: every policy compresses it) and TAIL text tokens kept in full, as system text, "
         "image and question are in a vision-language prompt; generated tokens are kept in full "
-        "except by the composition, which streams them (4 sinks + 64 recent).",
+        "by every row, so rows differ only in what they hold of the span.",
+        "A composition (a policy per span kind in one cache) has no row: these prompts compress "
+        "one span, so at equal bytes it would be its span policy's row. That a cache mixing "
+        "policies computes what each span's policy computes alone is a unit test "
+        "(test_runtime's test_composition).",
         "Rows are compared at their realised retention: the bytes a policy holds for the span "
         "over full's (for eviction, the share of span tokens kept). VL-Cache's Algorithm 1 "
         "clips layer budgets at 1 without redistributing, so its nominal budget alpha is "
@@ -1947,7 +1932,7 @@ static enum kvcap_status write_metrics(const struct options *o, const struct mod
         "layers and KV heads); random evicts uniformly per KV head, the floor every method "
         "must clear. Rows marked as kvcap's extensions are not the papers': +protect keeps 4 "
         "sinks, a 16-token window and (flashcache) an 8-token floor per layer inside the span; "
-        "KVCapsule's tiled maps, pyramid schedule and the composition are kvcap's, as is "
+        "KVCapsule's tiled maps and pyramid schedule are kvcap's, as is "
         "tiled+exact: each span and KV head keeps the tile KVCapsule reconstructs worst (its "
         "worst token's key and value error) as exact rows, the other tiles compressed at the "
         "lower ratio that makes the span's bytes the same.",

@@ -106,7 +106,7 @@ text_track() {
     first=$(awk "BEGIN {print 1.5 * $r}") last=$(awk "BEGIN {print 0.5 * $r}")
     convert "$dir" tiled-pyramid "$dir/tiled.kvcs" "pyramid:$first:$last" "pyramid:$first:$last" "$r"
   done
-  for r in $retentions; do # last: the composition uses the last variant given
+  for r in $retentions; do
     convert "$dir" tiled "$dir/tiled.kvcs" "$(tile_uniform "$r")" "$(tile_uniform "$r")" "$r"
   done
   echo "== text track: evaluate every policy x retention against full (retrieval task, KL, NLL,"
@@ -140,7 +140,7 @@ image_track() {
       --keys "$(tile_uniform "$x")" --values "$(tile_uniform "$x")" >/dev/null
     artifacts+=(--kvcapsule-exact "tiled:$r:$dir/tiled-exact-$r.kvcap")
   done
-  for r in $retentions; do # last: the composition uses the last variant given
+  for r in $retentions; do
     convert "$dir" tiled "$dir/tiled.kvcs" "$(tile_uniform "$r")" "$(tile_uniform "$r")" "$r"
   done
   echo "== image track: evaluate every policy x retention against full on held-out photos"

@@ -72,7 +72,7 @@ m = json.load(open(sys.argv[1]))
 runs = {r["id"]: r for r in m["runs"]}
 policies = {r["policy"] for r in m["runs"]}
 want = {"full", "streaming", "flashcache", "vlcache", "freekv", "kvzip", "random",
-        "expected_attention", "kvcapsule", "composition"}
+        "expected_attention", "kvcapsule"}
 assert policies == want, policies
 labels = {r["label"] for r in m["runs"]}
 assert {"flashcache+protect", "vlcache+protect"} <= labels, labels
@@ -94,7 +94,7 @@ for r in m["runs"]:
     assert 0.0 <= r["token_agreement"] <= 1.0, r
     assert r["kl"] >= 0.0 and 0.0 <= r["task"]["accuracy"] <= 1.0, r["id"]
     assert r["extension"] == (r["label"] in ("flashcache+protect", "vlcache+protect",
-                                             "kvcapsule tiled", "composition")), r["id"]
+                                             "kvcapsule tiled")), r["id"]
     # Equal budgets: every compressed row holds its target share of the span (VL-Cache's
     # nominal budget is searched for it; FreeKV attends whole pages of 8 of the 256 tokens).
     if r["policy"] != "full":
