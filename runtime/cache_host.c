@@ -57,105 +57,10 @@ static enum kvcap_status host_fill(struct kvcap_cache *c, struct kvcap_segment *
     return KVCAP_OK;
 }
 
-/* The `exact` tiles of largest err (ties: the lower tile), marked in pick [tiles]. */
-static void pick_worst_tiles(const float *err, int tiles, int exact, unsigned char *pick)
-{
-    memset(pick, 0, (size_t)tiles);
-    for (int e = 0; e < exact; e++) {
-        int best = -1;
-        for (int t = 0; t < tiles; t++)
-            if (!pick[t] && (best < 0 || err[t] > err[best]))
-                best = t;
-        pick[best] = 1;
-    }
-}
-
-/* capsule_head_exact's working memory for a span of `all` tiles: the f32 state of every tile
- * (H [all][h][d], Ṽ [all][rv][d], μ [d]), the tiles' errors [all], the kernels' scratch (the
- * prefill's, then the tile errors': `scratch` floats, the larger of the two) and a pick byte per
- * tile. The one layout both the allocation and the head use. */
-struct exact_work {
-    float *hf, *vtf, *muf, *err, *scratch;
-    unsigned char *pick;
-};
-
-static size_t exact_work_floats(int all, int h, int rv, int d, size_t scratch)
-{
-    return (size_t)all * (size_t)(h + rv) * d + (size_t)d + (size_t)all + scratch +
-           ((size_t)all + sizeof(float) - 1) / sizeof(float);
-}
-
-static struct exact_work exact_work_at(float *w, int all, int h, int rv, int d, size_t scratch)
-{
-    struct exact_work x;
-    x.hf = w;
-    x.vtf = x.hf + (size_t)all * h * d;
-    x.muf = x.vtf + (size_t)all * rv * d;
-    x.err = x.muf + d;
-    x.scratch = x.err + all;
-    x.pick = (unsigned char *)(x.scratch + scratch);
-    return x;
-}
-
-/* Floats of kernel scratch a head with exact tiles needs: the prefill's, then the errors'. */
-static size_t exact_scratch_floats(const struct kvcap_capsule_prefill_maps *pm,
-                                   const struct kvcap_capsule_maps *dm, int d)
-{
-    size_t a = kvcap_capsule_prefill_scratch_floats(pm, d);
-    size_t b = kvcap_capsule_tile_error_scratch_floats(dm, d);
-    return a > b ? a : b;
-}
-
-/* One KV head with kvcap's exact tiles: the state of every tile in f32, each tile's
- * reconstruction error, then the compressed tiles (all but the `exact` worst) to hs and vt and
- * the worst tiles' tokens, as the engine gave them, to the segment's plain rows. kf holds the
- * head's keys and becomes K'; vf, the head's values, stays as read. */
-static enum kvcap_status capsule_head_exact(struct kvcap_cache *c, int layer, int head,
-                                            struct kvcap_segment *seg,
-                                            const struct kvcap_tensor_view *k,
-                                            float *kf, const float *vf, float *work)
-{
-    const struct kvcap_model_geometry *g = &c->g;
-    const struct kvcap_bucket *bk = &c->artifact->buckets[seg->bucket];
-    const struct kvcap_unit_maps *u = kvcap_artifact_unit(c->artifact, layer, head, seg->bucket);
-    const int n = seg->n_tokens, d = g->head_dim, m = u->m, all = n / m;
-    const int exact = all - seg->tiles;
-    const size_t es = kvcap_dtype_size(c->storage);
-    struct kvcap_capsule_prefill_maps pm = {u->m, u->rk, u->h, u->rv, u->gelu,
-                                            u->mask, u->w1, u->b1, u->u};
-    struct kvcap_capsule_maps dm = {u->m, u->h, u->rv, u->w2, u->b2, u->u};
-    const struct exact_work w =
-        exact_work_at(work, all, u->h, u->rv, d, exact_scratch_floats(&pm, &dm, d));
-    float *hf = w.hf, *vtf = w.vtf, *muf = w.muf;
-    KVCAP_TRY(kvcap_capsule_prefill(g, bk, &pm, n, d, seg->p0, kf, vf, KVCAP_DTYPE_F32, hf, vtf,
-                                    muf, w.scratch));
-    KVCAP_TRY(kvcap_capsule_tile_error(bk, &dm, n, d, kf, vf, hf, vtf, muf, w.err, w.scratch));
-    pick_worst_tiles(w.err, all, exact, w.pick);
-    size_t per_h = (size_t)seg->tiles * u->h * d, per_v = (size_t)seg->tiles * u->rv * d;
-    char *hs = (char *)seg->hs + (size_t)head * per_h * es;
-    char *vt = (char *)seg->vt + (size_t)head * per_v * es;
-    for (int t = 0, kept = 0, row = 0; t < all; t++) {
-        if (!w.pick[t]) {
-            kvcap_convert_from_f32(c->storage, hf + (size_t)t * u->h * d, (size_t)u->h * d,
-                                   hs + (size_t)kept * u->h * d * es);
-            kvcap_convert_from_f32(c->storage, vtf + (size_t)t * u->rv * d, (size_t)u->rv * d,
-                                   vt + (size_t)kept * u->rv * d * es);
-            kept++;
-            continue;
-        }
-        for (int p = 0; p < m; p++, row++) { /* kf is K' now: the key from the view again */
-            size_t j = kvcap_bucket_token(bk, t, p);
-            kvcap_view_read(k, head, (int)j, 1, d, w.scratch);
-            kvcap_segment_store(c, seg, head, row, 1, w.scratch, vf + j * d);
-        }
-    }
-    kvcap_convert_from_f32(c->storage, muf, (size_t)d, (char *)seg->mu + (size_t)head * d * es);
-    return KVCAP_OK;
-}
-
 /* KVCapsule's state of one span, every KV head through kvcap_capsule_prefill (the maps of
  * the span's bucket; the views read as f32 one head at a time). With kvcapsule.exact_tiles,
- * each head keeps that many of its tiles (at most all but one) as plain rows instead. */
+ * each head keeps that many of its tiles (at most all but one) as plain rows instead
+ * (kvcap_capsule_exact_head). */
 static enum kvcap_status host_capsule_prefill(struct kvcap_cache *c, int layer,
                                               struct kvcap_segment *seg,
                                               const struct kvcap_tensor_view *k,
@@ -167,7 +72,7 @@ static enum kvcap_status host_capsule_prefill(struct kvcap_cache *c, int layer,
     /* Every KV head of a layer and bucket has head 0's h and R_v (kvcap_artifact_open). */
     const struct kvcap_unit_maps *u0 = kvcap_artifact_unit(a, layer, 0, seg->bucket);
     int n = seg->n_tokens, d = g->head_dim, H = g->n_kv_heads, m = u0->m, all = n / m;
-    int exact = c->cfg.kvcapsule.exact_tiles < all ? c->cfg.kvcapsule.exact_tiles : all - 1;
+    int exact = kvcap_capsule_exact_count(c, all);
     seg->tiles = all - exact;
     seg->h = u0->h;
     seg->rv = u0->rv;
@@ -178,9 +83,7 @@ static enum kvcap_status host_capsule_prefill(struct kvcap_cache *c, int layer,
     seg->mu = malloc((size_t)H * d * es);
     struct kvcap_capsule_prefill_maps maps = {m, u0->rk, u0->h, u0->rv, u0->gelu, NULL,
                                               NULL, NULL, NULL};
-    struct kvcap_capsule_maps dmaps = {m, u0->h, u0->rv, NULL, NULL, NULL};
-    size_t scratch = exact > 0 ? exact_work_floats(all, seg->h, seg->rv, d,
-                                                   exact_scratch_floats(&maps, &dmaps, d))
+    size_t scratch = exact > 0 ? kvcap_capsule_exact_work_floats(u0, n, d)
                                : kvcap_capsule_prefill_scratch_floats(&maps, d);
     float *kf = malloc(sizeof(float) * ((size_t)n * d * 2 + scratch));
     enum kvcap_status st = KVCAP_OK;
@@ -195,13 +98,18 @@ static enum kvcap_status host_capsule_prefill(struct kvcap_cache *c, int layer,
                                                    u->mask, u->w1, u->b1, u->u};
         kvcap_view_read(k, h, 0, n, d, kf);
         kvcap_view_read(v, h, 0, n, d, vf);
-        if (exact > 0)
-            st = capsule_head_exact(c, layer, h, seg, k, kf, vf, vf + (size_t)n * d);
-        else
-            st = kvcap_capsule_prefill(g, bk, &maps, n, d, seg->p0, kf, vf, c->storage,
-                                       (char *)seg->hs + (size_t)h * per_h * es,
-                                       (char *)seg->vt + (size_t)h * per_v * es,
-                                       (char *)seg->mu + (size_t)h * d * es, vf + (size_t)n * d);
+        char *hs = (char *)seg->hs + (size_t)h * per_h * es;
+        char *vt = (char *)seg->vt + (size_t)h * per_v * es;
+        char *mu = (char *)seg->mu + (size_t)h * d * es;
+        if (exact > 0) {
+            size_t rows = (size_t)h * seg->cap * d * es; /* the head's rows: [heads][cap][d] */
+            st = kvcap_capsule_exact_head(g, bk, u, n, d, seg->p0, exact, kf, vf, c->storage, hs,
+                                          vt, mu, (char *)seg->k + rows, (char *)seg->v + rows,
+                                          vf + (size_t)n * d);
+        } else {
+            st = kvcap_capsule_prefill(g, bk, &maps, n, d, seg->p0, kf, vf, c->storage, hs, vt, mu,
+                                       vf + (size_t)n * d);
+        }
     }
     free(kf);
     return st;

@@ -61,6 +61,24 @@ enum kvcap_status kvcap_segment_fill(struct kvcap_cache *c, struct kvcap_segment
                                      const struct kvcap_tensor_view *k,
                                      const struct kvcap_tensor_view *v, const int *tokens, int n);
 
+/* kvcap's exact tiles (capsule_exact.c). How many of a span's `tiles` each KV head keeps as
+ * rows: kvcapsule.exact_tiles, at most all but one. */
+int kvcap_capsule_exact_count(const struct kvcap_cache *c, int tiles);
+/* One KV head of a KVCapsule span with `exact` (>= 1) tiles kept as rows: the state of every
+ * tile and its reconstruction error (kvcap_capsule_tile_error) in f32, then, in `storage`, the
+ * other tiles' state, in tile order, to hs [tiles − exact][h][d] and vt [tiles − exact][rv][d],
+ * μ to mu [d], and the worst tiles' tokens to k_rows and v_rows [exact · m][d] (each tile's m
+ * points in order; keys as given, not offset-free). k, v: the head's n keys and values, f32
+ * [n][d], as the engine gave them. work: kvcap_capsule_exact_work_floats() floats. Errors are
+ * the kernels' (kernels/capsule_prefill.h); what was written is then meaningless. */
+enum kvcap_status kvcap_capsule_exact_head(const struct kvcap_model_geometry *g,
+                                           const struct kvcap_bucket *bk,
+                                           const struct kvcap_unit_maps *u, int n, int d,
+                                           int64_t p0, int exact, const float *k, const float *v,
+                                           enum kvcap_dtype storage, void *hs, void *vt,
+                                           void *mu, void *k_rows, void *v_rows, float *work);
+size_t kvcap_capsule_exact_work_floats(const struct kvcap_unit_maps *u, int n, int d);
+
 /* The compressible tokens [lo, hi) of an n-token span whose first `sinks` and last `window`
  * tokens are protected (clamped: sinks first, then the window from what is left). */
 static inline void kvcap_protected_range(int n, int sinks, int window, int *lo, int *hi)
