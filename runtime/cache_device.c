@@ -335,6 +335,79 @@ static enum kvcap_status device_fill(struct kvcap_cache *c, struct kvcap_segment
     return KVCAP_OK;
 }
 
+/* KVCapsule with kvcap's exact tiles: the span's K and V are gathered to f32 on the device and
+ * brought to the host, where kvcap_capsule_exact_head computes what the host store would (the
+ * same tiles picked, the same state); the state and the exact tiles' rows are then uploaded.
+ * The maps' f32 host copies are the artifact's. */
+static enum kvcap_status device_capsule_exact(struct kvcap_cache *c, int layer,
+                                              struct kvcap_segment *seg,
+                                              const struct kvcap_tensor_view *k,
+                                              const struct kvcap_tensor_view *v, int exact)
+{
+    const struct kvcap_artifact *a = c->artifact;
+    const struct kvcap_bucket *bk = &a->buckets[seg->bucket];
+    const struct kvcap_unit_maps *u0 = kvcap_artifact_unit(a, layer, 0, seg->bucket);
+    int n = seg->n_tokens, d = c->g.head_dim, H = c->g.n_kv_heads, m = u0->m;
+    seg->tiles = n / m - exact;
+    seg->h = u0->h;
+    seg->rv = u0->rv;
+    size_t es = kvcap_dtype_size(c->storage), hd = (size_t)H * n * d;
+    size_t per_h = (size_t)seg->tiles * seg->h * d, per_v = (size_t)seg->tiles * seg->rv * d;
+    size_t per_r = (size_t)exact * m * d; /* rows of a head */
+    seg->dev = 1 + c->dev->ctx.device;
+    KVCAP_TRY(kvcap_cache_cuda_malloc(&c->dev->ctx, (size_t)H * per_h * es, &seg->hs));
+    KVCAP_TRY(kvcap_cache_cuda_malloc(&c->dev->ctx, (size_t)H * per_v * es, &seg->vt));
+    KVCAP_TRY(kvcap_cache_cuda_malloc(&c->dev->ctx, (size_t)H * d * es, &seg->mu));
+    KVCAP_TRY(kvcap_segment_reserve(c, seg, exact * m)); /* exactly: [heads][exact·m][d] */
+    /* host: K, V [2][heads][n][d] f32, then hs, vt, mu, k rows, v rows in storage, then work */
+    size_t staged = ((size_t)H * (per_h + per_v + d) + 2 * (size_t)H * per_r) * es;
+    size_t work = kvcap_capsule_exact_work_floats(u0, n, d);
+    for (int h = 1; h < H; h++) {
+        size_t w = kvcap_capsule_exact_work_floats(kvcap_artifact_unit(a, layer, h, seg->bucket),
+                                                   n, d);
+        work = w > work ? w : work;
+    }
+    float *kv = malloc(sizeof(float) * (2 * hd + work) + staged);
+    KVCAP_RETURN_IF(!kv, KVCAP_ERR_OUT_OF_MEMORY, "kvcapsule: out of memory for a %d-token span",
+                    n);
+    void *gathered = NULL;
+    enum kvcap_status st = kvcap_cache_cuda_malloc(&c->dev->ctx, sizeof(float) * 2 * hd, &gathered);
+    struct prefill_temp t = {0};
+    if (st == KVCAP_OK && (st = temp_make(c, k, v, n, NULL, 0, 0, &t)) == KVCAP_OK) {
+        st = kvcap_cache_cuda_fill_rows(&c->dev->ctx, &t.k, NULL, n, H, d, gathered, n,
+                                        KVCAP_DTYPE_F32);
+        if (st == KVCAP_OK)
+            st = kvcap_cache_cuda_fill_rows(&c->dev->ctx, &t.v, NULL, n, H, d,
+                                            (float *)gathered + hd, n, KVCAP_DTYPE_F32);
+        st = temp_done(c, &t, st);
+    }
+    if (st == KVCAP_OK)
+        st = kvcap_cache_cuda_download_sync(&c->dev->ctx, kv, gathered, sizeof(float) * 2 * hd);
+    char *hs = (char *)(kv + 2 * hd + work), *vt = hs + (size_t)H * per_h * es;
+    char *mu = vt + (size_t)H * per_v * es, *kr = mu + (size_t)H * d * es;
+    char *vr = kr + (size_t)H * per_r * es;
+    for (int h = 0; st == KVCAP_OK && h < H; h++)
+        st = kvcap_capsule_exact_head(
+            &c->g, bk, kvcap_artifact_unit(a, layer, h, seg->bucket), n, d, seg->p0, exact,
+            kv + (size_t)h * n * d, kv + hd + (size_t)h * n * d, c->storage,
+            hs + (size_t)h * per_h * es, vt + (size_t)h * per_v * es, mu + (size_t)h * d * es,
+            kr + (size_t)h * per_r * es, vr + (size_t)h * per_r * es, kv + 2 * hd);
+    const struct {
+        void *dst;
+        const char *src;
+        size_t bytes;
+    } up[5] = {{seg->hs, hs, (size_t)H * per_h * es}, {seg->vt, vt, (size_t)H * per_v * es},
+               {seg->mu, mu, (size_t)H * d * es}, {seg->k, kr, (size_t)H * per_r * es},
+               {seg->v, vr, (size_t)H * per_r * es}};
+    for (int i = 0; st == KVCAP_OK && i < 5; i++)
+        st = kvcap_cache_cuda_upload_sync(&c->dev->ctx, up[i].dst, up[i].src, up[i].bytes);
+    if (st == KVCAP_OK)
+        seg->n_rows = exact * m;
+    kvcap_cache_cuda_free(c->dev->ctx.device, gathered);
+    free(kv);
+    return st;
+}
+
 static enum kvcap_status device_capsule_prefill(struct kvcap_cache *c, int layer,
                                                 struct kvcap_segment *seg,
                                                 const struct kvcap_tensor_view *k,
@@ -345,6 +418,9 @@ static enum kvcap_status device_capsule_prefill(struct kvcap_cache *c, int layer
     /* Every KV head of a layer and bucket has head 0's h and R_v (kvcap_artifact_open). */
     const struct kvcap_cuda_capsule_unit *u0 = dev_unit(c, layer, 0, seg->bucket);
     int n = seg->n_tokens, d = c->g.head_dim, H = c->g.n_kv_heads;
+    int exact = kvcap_capsule_exact_count(c, n / u0->m);
+    if (exact > 0)
+        return device_capsule_exact(c, layer, seg, k, v, exact);
     seg->tiles = n / u0->m;
     seg->h = u0->h;
     seg->rv = u0->rv;
@@ -422,9 +498,10 @@ static enum kvcap_status refuse_in_capture(const struct kvcap_cache *c, const ch
     return KVCAP_OK;
 }
 
+/* A segment with rows to attend as rows: every policy's, KVCapsule's exact tiles included. */
 static int is_plain(const struct kvcap_segment *seg)
 {
-    return seg->policy != KVCAP_POLICY_KVCAPSULE && seg->cap > 0;
+    return seg->cap > 0;
 }
 
 /* Grows the shared work memory to these sizes (all layers' tables point into it: they are
@@ -496,7 +573,8 @@ static enum kvcap_status rebuild(struct kvcap_cache *c, int layer)
             if (is_plain(seg)) {
                 n_plain++;
                 max_n = seg->cap > max_n ? seg->cap : max_n;
-            } else if (seg->policy == KVCAP_POLICY_KVCAPSULE && seg->hs) {
+            }
+            if (seg->policy == KVCAP_POLICY_KVCAPSULE && seg->hs) {
                 n_rot++;
                 spans[seg->bucket]++;
                 tiles[seg->bucket] = seg->tiles;
@@ -660,9 +738,9 @@ static void read_bytes(const struct kvcap_cache *c, int layer, uint64_t *bytes, 
         const struct kvcap_seq_layer *sl = kvcap_cache_seq_layer(c, s, layer);
         for (int i = 0; i <= sl->n_segs; i++) {
             const struct kvcap_segment *seg = i < sl->n_segs ? &sl->segs[i] : &sl->gen;
-            if (seg->policy != KVCAP_POLICY_KVCAPSULE && seg->n_rows > 0)
+            if (seg->n_rows > 0) /* KVCapsule's exact tiles are rows too */
                 b_all += H * 2u * (uint64_t)seg->n_rows * d * es;
-            else if (seg->policy == KVCAP_POLICY_KVCAPSULE && seg->hs)
+            if (seg->policy == KVCAP_POLICY_KVCAPSULE && seg->hs)
                 b_all += H * es * ((uint64_t)seg->tiles * (uint64_t)(seg->h + seg->rv) * d + d);
         }
     }
@@ -786,10 +864,6 @@ static enum kvcap_status device_supports(const struct kvcap_cache *c,
                     "runtime config: fallback is '%s', which a device cache (params.memory = "
                     "KVCAP_MEMORY_CUDA) does not offer (full, streaming or none)",
                     kvcap_policy_name(fb));
-    KVCAP_RETURN_IF(c->cfg.kvcapsule.exact_tiles > 0, KVCAP_ERR_UNSUPPORTED,
-                    "runtime config: kvcapsule.exact_tiles is %d; a device cache (params.memory "
-                    "= KVCAP_MEMORY_CUDA) keeps no exact tiles (0)",
-                    c->cfg.kvcapsule.exact_tiles);
     int G = c->g.n_q_heads / c->g.n_kv_heads, d = c->g.head_dim;
     KVCAP_RETURN_IF(G > KVCAP_CUDA_ATTN_MAX_NQ || d % 8 != 0 || d < KVCAP_CUDA_ATTN_MIN_D ||
                         d > KVCAP_CUDA_ATTN_MAX_D,

@@ -138,10 +138,6 @@ static void test_create_checks(void **state)
         /* with kvcapsule the fallback serves spans without a bucket: its default is refused */
         {"policies: {vision: kvcapsule, text: full, generated: full}\n", "fallback",
          "flashcache"},
-        /* kvcap's exact tiles are kept by the host store only */
-        {"policies: {vision: kvcapsule, text: full, generated: full}\nfallback: streaming\n"
-         "kvcapsule: {exact_tiles: 1}\n",
-         "kvcapsule.exact_tiles", "keeps no exact tiles"},
     };
     const struct test_bucket tb = {4, 6, 0, 0, 8, 6, 7};
     struct kvcap_artifact *a = make_artifact(&g, &tb, 1, 3);
@@ -494,6 +490,12 @@ static void run_config(const struct config *cf)
       "policies: {vision: kvcapsule, text: streaming, generated: streaming}\n"                     \
       "fallback: streaming\nstreaming: {sinks: 3, window: 4}\n"
 
+/* kvcap's exact tiles: the 8x8 spans keep 1 (2) of their 4 tiles as rows; the 4x6 dense spans,
+ * one tile, keep none. */
+#  define EXACT_YAML(n)                                                                            \
+      "policies: {vision: kvcapsule, text: full, generated: full}\nfallback: full\n"               \
+      "kvcapsule: {exact_tiles: " #n "}\n"
+
 /* Buckets: 4x6 dense, 8x8 tiled in 4x4 tiles; grids 3x5 have none (fallback). */
 #  define BUCKETS 2, {{4, 6, 0, 0, 8, 6, 7}, {8, 8, 4, 4, 5, 4, 6}}
 
@@ -520,6 +522,16 @@ static const struct config configs[] = {
      {{{KVCAP_SPAN_VISION, 4, 6, 3}, {KVCAP_SPAN_TEXT, 1, 12, 27}},
       {{KVCAP_SPAN_VISION, 8, 8, 1}, {KVCAP_SPAN_VISION, 3, 5, 65}}},
      8, REL_TOL_F16},
+    {"kvcapsule exact tiles 1 G4 d64 F32 NHD/F32 batch 2", 8, 2, 64, KVCAP_ROPE_PAIRING_HALF,
+     KVCAP_DTYPE_F32, KVCAP_DTYPE_F32, NHD, EXACT_YAML(1), BUCKETS, 2, {3, 2},
+     {{{KVCAP_SPAN_TEXT, 1, 11, 0}, {KVCAP_SPAN_VISION, 8, 8, 11}, {KVCAP_SPAN_VISION, 4, 6, 75}},
+      {{KVCAP_SPAN_VISION, 8, 8, 5}, {KVCAP_SPAN_VISION, 3, 5, 69}}},
+     3, REL_TOL_F32},
+    {"kvcapsule exact tiles 2 G7 d128 F16 paged/BF16", 14, 2, 128, KVCAP_ROPE_PAIRING_HALF,
+     KVCAP_DTYPE_F16, KVCAP_DTYPE_BF16, PAGED, EXACT_YAML(2), BUCKETS, 2, {2, 1},
+     {{{KVCAP_SPAN_VISION, 8, 8, 0}, {KVCAP_SPAN_VISION, 8, 8, 64}},
+      {{KVCAP_SPAN_VISION, 8, 8, 3}}},
+     4, REL_TOL_F16},
     {"kvcapsule G4 d64 BF16 NHD/BF16", 8, 2, 64, KVCAP_ROPE_PAIRING_HALF, KVCAP_DTYPE_BF16,
      KVCAP_DTYPE_BF16, NHD, CAPSULE_YAML, BUCKETS, 2, {1, 2},
      {{{KVCAP_SPAN_VISION, 4, 6, 0}}, {{KVCAP_SPAN_VISION, 8, 8, 7}, {KVCAP_SPAN_VISION, 4, 6, 71}}},
