@@ -22,6 +22,7 @@
 #include "common/rng.h"
 #include "formats/schema.h"
 #include "calibrate/synth.h"
+#include "eval/bench_common.h"
 
 static void usage(FILE *out)
 {
@@ -353,44 +354,6 @@ static enum kvcap_status row_kernels_report(const struct kvcap_model_geometry *g
     return st;
 }
 
-/* A random artifact for geometry g and one bucket (timing only): one set of maps shared by
- * every layer and head. */
-static enum kvcap_status random_artifact(const char *path, const struct kvcap_model_geometry *g,
-                                         const struct kvcap_bucket *b, double ratio)
-{
-    int m = kvcap_bucket_points(b), rk = (int)(ratio * m + 0.5);
-    rk = rk < 1 ? 1 : rk > m ? m : rk;
-    int h = rk, rv = rk;
-    size_t count = (size_t)rv * m + (size_t)rk * h + (size_t)h + (size_t)h * m + (size_t)m;
-    size_t n_units = (size_t)g->n_layers * g->n_kv_heads;
-    float *buf = malloc(sizeof(float) * count);
-    int32_t *mask = malloc(sizeof(int32_t) * (size_t)rk);
-    double *rs = malloc(sizeof(double) * (size_t)g->n_layers);
-    struct kvcap_unit_maps *units = malloc(sizeof *units * n_units);
-    enum kvcap_status st = buf && mask && rs && units
-                               ? KVCAP_OK
-                               : kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "bench: out of memory");
-    if (st == KVCAP_OK) {
-        struct kvcap_rng r;
-        kvcap_rng_seed(&r, 1);
-        for (size_t i = 0; i < count; i++)
-            buf[i] = (float)(0.1 * kvcap_rng_normal(&r));
-        for (int i = 0; i < rk; i++)
-            mask[i] = i * m / rk;
-        for (int l = 0; l < g->n_layers; l++)
-            rs[l] = (double)rk / m;
-        float *u = buf, *w1 = u + (size_t)rv * m, *b1 = w1 + (size_t)rk * h, *w2 = b1 + h,
-              *b2 = w2 + (size_t)h * m;
-        for (size_t i = 0; i < n_units; i++)
-            units[i] = (struct kvcap_unit_maps){m, rk, h, rv, 0, mask, w1, b1, w2, b2, u};
-        struct kvcap_artifact_desc desc = {*g, 1, b, KVCAP_DTYPE_F32, 0, KVCAP_POLICY_FLASHCACHE,
-                                           rs, rs, NULL, NULL};
-        st = kvcap_artifact_write(path, &desc, units);
-    }
-    free(buf), free(mask), free(rs), free(units);
-    return st;
-}
-
 struct result {
     const char *name;
     double ms_per_step, ms_best, compress_ms; /* median and fastest of the timed steps */
@@ -450,14 +413,10 @@ static enum kvcap_status policy_run_prepare(struct policy_run *pr, const struct 
     pr->policy = policy;
     pr->g = g;
     pr->batch = batch;
-    char cfg_path[4200];
-    const char *tmp = getenv("TMPDIR");
-    snprintf(cfg_path, sizeof cfg_path, "%s/kvcap-bench-%d.yaml", tmp ? tmp : "/tmp", (int)getpid());
-    FILE *f = fopen(cfg_path, "w");
-    KVCAP_RETURN_IF(!f, KVCAP_ERR_IO, "%s: cannot write", cfg_path);
-    fprintf(f, "policies: {vision: %s, text: full, generated: %s}\nfallback: full\n", policy,
-            strcmp(policy, "freekv") == 0 && !freekv_static ? "freekv" : "full");
-    fclose(f);
+    char cfg_path[4200], yaml[256];
+    snprintf(yaml, sizeof yaml, "policies: {vision: %s, text: full, generated: %s}\nfallback: full\n",
+             policy, strcmp(policy, "freekv") == 0 && !freekv_static ? "freekv" : "full");
+    KVCAP_TRY(kvcap_bench_config_file(policy, yaml, cfg_path, sizeof cfg_path));
     struct kvcap_cache_params p;
     kvcap_cache_default_params(&p);
     p.model = *g;
@@ -591,12 +550,8 @@ static enum kvcap_status flashcache_overhead(const struct kvcap_model_geometry *
                                              enum kvcap_dtype storage, int threads, double *ms)
 {
     char cfg_path[4200];
-    const char *tmp = getenv("TMPDIR");
-    snprintf(cfg_path, sizeof cfg_path, "%s/kvcap-bench-%d.yaml", tmp ? tmp : "/tmp", (int)getpid());
-    FILE *f = fopen(cfg_path, "w");
-    KVCAP_RETURN_IF(!f, KVCAP_ERR_IO, "%s: cannot write", cfg_path);
-    fputs("policies: {vision: flashcache}\n", f);
-    fclose(f);
+    KVCAP_TRY(kvcap_bench_config_file("flashcache", "policies: {vision: flashcache}\n", cfg_path,
+                                      sizeof cfg_path));
     int H = g->n_kv_heads, d = g->head_dim;
     float *kv = malloc(sizeof(float) * 2 * (size_t)H * n * d);
     KVCAP_RETURN_IF(!kv, KVCAP_ERR_OUT_OF_MEMORY, "bench: out of memory");
@@ -713,7 +668,6 @@ int main(int argc, char **argv)
     if (n_q != 28 || n_kv != 4)
         snprintf(g.name, sizeof g.name, "Qwen2.5-VL-7B shape with %d q / %d kv heads", n_q, n_kv);
     struct kvcap_artifact *a = NULL;
-    char path[4200];
     enum kvcap_status st;
     if (artifact_path) {
         if ((st = kvcap_artifact_open(artifact_path, &a)) != KVCAP_OK)
@@ -725,13 +679,7 @@ int main(int argc, char **argv)
         struct kvcap_bucket b = {rows, cols, tr ? KVCAP_STRUCTURE_TILED : KVCAP_STRUCTURE_DENSE, tr, tc};
         if ((st = kvcap_bucket_check(&b, "--grid/--tile")) != KVCAP_OK)
             return cli_fail(st);
-        const char *tmp = getenv("TMPDIR");
-        snprintf(path, sizeof path, "%s/kvcap-bench-%d.kvcap", tmp ? tmp : "/tmp", (int)getpid());
-        st = random_artifact(path, &g, &b, ratio);
-        if (st == KVCAP_OK)
-            st = kvcap_artifact_open(path, &a);
-        remove(path);
-        if (st != KVCAP_OK)
+        if ((st = kvcap_bench_random_artifact(&g, &b, ratio, &a)) != KVCAP_OK)
             return cli_fail(st);
     }
     long cores = sysconf(_SC_NPROCESSORS_ONLN);
