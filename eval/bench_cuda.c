@@ -2,7 +2,9 @@
  * flash-decoding and fused KVCapsule (tiled maps) over 8K–128K tokens at batch 1 and 8, with the
  * bytes each reads and the bandwidth it achieves next to a device-to-device copy measured in the
  * same run; FlashCache's compression time; FreeKV's decode step over every layer with the share
- * of page recalls hidden behind it, next to the pinned host-to-device bandwidth. Every shape is
+ * of page recalls hidden behind it, next to the pinned host-to-device bandwidth; a device
+ * cache's KVCapsule prefill with and without exact tiles, next to the device-to-host copy of
+ * the span's K/V. Every shape is
  * checked against the CPU code before it is timed. Sections are entries of one table
  * (SECTIONS below). */
 #include <getopt.h>
@@ -15,6 +17,7 @@
 
 #include "kernels/attention.h"
 #include "eval/bench_cuda.h"
+#include "eval/bench_common.h"
 #include "cli/cli.h"
 #include "kernels/cuda/attention_cuda.h"
 #include "kernels/cuda/freekv_cuda.h"
@@ -23,6 +26,7 @@
 #include "kernels/cuda/vlcache_cuda.h"
 #include "kernels/dct.h"
 #include "kernels/flashcache.h"
+#include "runtime/artifact.h"
 #include "runtime/freekv.h"
 #include "common/internal.h"
 #include "common/rng.h"
@@ -55,6 +59,10 @@ static void usage(FILE *out)
             "              state each, per context of --freekv-contexts: share of the page\n"
             "              recalls hidden, corrections, pages and bytes recalled and time per\n"
             "              step, and the recall's time at the pinned host-to-device bandwidth\n"
+            "  prefill     a device cache's KVCapsule prefill of one --prefill-grid span at\n"
+            "              --layers (default 28 here) layers, random tiled maps: without exact\n"
+            "              tiles (on the device) and with one (picked on the host), beside the\n"
+            "              device-to-host copy of the span's K/V in f32\n"
             "Each decode shape is first checked against the CPU kernels (kvcap_attend_rows,\n"
             "kvcap_capsule_attend), FreeKV's layer 0 against the CPU state (runtime/freekv.h)\n"
             "during its warm-up steps; a disagreement above 1e-3 relative withholds the\n"
@@ -63,7 +71,7 @@ static void usage(FILE *out)
             "options:\n"
             "      --dtype T          K/V storage: f16 (default), bf16 or f32\n"
             "  -l, --layers L         layers per decode step (default 1), per FlashCache\n"
-            "                         span and per FreeKV step (default 28 for both)\n"
+            "                         span, FreeKV step and prefill (default 28 for these)\n"
             "      --heads QxKV       query x KV heads (default 28x4, Qwen2.5-VL-7B)\n"
             "  -d, --head-dim D       head dim (default 128)\n"
             "  -n, --contexts LIST    tokens per sequence (default 8192,16384,32768,65536,131072)\n"
@@ -79,7 +87,9 @@ static void usage(FILE *out)
             "                         the L2 size before every timed run, untimed)\n"
             "      --no-graph         enqueue each run's calls directly instead of replaying a\n"
             "                         CUDA graph of them\n"
-            "      --sections LIST    bandwidth,decode,flashcache,freekv (default: all;\n"
+            "      --prefill-grid RxC the prefill section's image span (default 32x32)\n"
+            "      --sections LIST    bandwidth,decode,flashcache,freekv,prefill (default:\n"
+            "                         all;\n"
             "                         bandwidth, every other one's reference, always runs)\n"
             "      --freekv           run the FreeKV section even if --sections leaves it out\n"
             "      --freekv-contexts LIST\n"
@@ -142,6 +152,7 @@ struct opts {
     int fkv_contexts[MAX_LIST], n_fkv_contexts, fkv_steps;
     double fkv_layer_us;
     int reps, warmup, warm, graph, freekv, device;
+    int pf_rows, pf_cols; /* the prefill section's span grid */
     const char *tsv;
     unsigned sections; /* bit i: SECTIONS[i] */
 };
@@ -1311,6 +1322,131 @@ static int section_freekv(struct bench *b)
     return 0;
 }
 
+/* ---- Section: a device cache's KVCapsule prefill, with and without exact tiles ------------
+ * kvcap_cache_add_span of one vision span at every layer, timed on the host (add_span returns
+ * once the span is stored), on a fresh device cache per run: exact_tiles 0 (the state computed
+ * on the device) and 1 (the span's K/V brought to the host, the tiles picked and the state
+ * computed there, then uploaded) taking turns. The reference: the device-to-host copy of the
+ * same f32 K/V into pageable memory, measured in the same run. */
+
+struct prefill_job {
+    const struct kvcap_model_geometry *g;
+    const struct kvcap_artifact *a;
+    int rows, cols;
+    const void *k, *v; /* [kv_heads][n][d] in the benchmark's dtype, on the device */
+    enum kvcap_dtype dtype;
+};
+
+/* Milliseconds to add the span at every layer of a new device cache with this config. */
+static double prefill_once(const struct prefill_job *j, const char *config_path)
+{
+    struct kvcap_cache_params p;
+    kvcap_cache_default_params(&p);
+    p.model = *j->g;
+    p.storage = j->dtype;
+    p.artifact = j->a;
+    p.config_path = config_path;
+    p.memory = KVCAP_MEMORY_CUDA;
+    struct kvcap_cache *c = NULL;
+    KV(kvcap_cache_create(&p, &c));
+    int n = j->rows * j->cols, d = j->g->head_dim;
+    struct kvcap_span_desc desc = {KVCAP_SPAN_VISION, n, j->rows, j->cols, 0};
+    struct kvcap_tensor_view kv = {j->k, NULL, 0, j->dtype, (int64_t)n * d, d};
+    struct kvcap_tensor_view vv = {j->v, NULL, 0, j->dtype, (int64_t)n * d, d};
+    double t0 = kvcap_seconds();
+    for (int l = 0; l < j->g->n_layers; l++)
+        KV(kvcap_cache_add_span(c, 0, l, &desc, &kv, &vv));
+    double ms = (kvcap_seconds() - t0) * 1e3;
+    kvcap_cache_free(c);
+    return ms;
+}
+
+static int section_prefill(struct bench *b)
+{
+    const struct opts *o = &b->o;
+    const int L = o->layers_set ? o->layers : 28, H = o->kv_heads, d = o->d;
+    const int rows = o->pf_rows, cols = o->pf_cols, n = rows * cols;
+    struct kvcap_model_geometry g = {.name = "Qwen2.5-VL-7B (attention shape)", .n_layers = L,
+                                     .n_q_heads = o->q_heads, .n_kv_heads = H, .head_dim = d,
+                                     .rope_type = KVCAP_ROPE_ROPE,
+                                     .rope_pairing = KVCAP_ROPE_PAIRING_HALF, .rope_theta = 1e6};
+    struct kvcap_bucket bk = {rows, cols, KVCAP_STRUCTURE_TILED, o->tr, o->tc};
+    if (rows % o->tr || cols % o->tc) {
+        printf("KVCapsule prefill: skipped: the %dx%d grid is not a multiple of the %dx%d tile\n\n",
+               rows, cols, o->tr, o->tc);
+        return 0;
+    }
+    struct kvcap_artifact *a = NULL;
+    KV(kvcap_bench_random_artifact(&g, &bk, o->ratio, &a));
+    char cfg[2][4200];
+    for (int e = 0; e < 2; e++) {
+        char yaml[160], tag[16];
+        snprintf(yaml, sizeof yaml,
+                 "policies: {vision: kvcapsule, text: full, generated: full}\nfallback: full\n"
+                 "kvcapsule: {exact_tiles: %d}\n", e);
+        snprintf(tag, sizeof tag, "exact%d", e);
+        KV(kvcap_bench_config_file(tag, yaml, cfg[e], sizeof cfg[e]));
+    }
+    const size_t elems = (size_t)H * n * d, es = kvcap_dtype_size(o->dtype);
+    const size_t f32_bytes = 2 * elems * sizeof(float); /* what exact tiles bring to the host */
+    void *k = dev_try(elems * es), *v = dev_try(elems * es), *f32 = dev_try(f32_bytes);
+    void *host = xmalloc(f32_bytes);
+    if (!k || !v || !f32) {
+        fprintf(stderr, TOOL ": error: out of device memory for a %d-token span\n", n);
+        return 1;
+    }
+    fill(b, k, o->dtype, elems, 11, -1.0f, 1.0f);
+    fill(b, v, o->dtype, elems, 12, -1.0f, 1.0f);
+    fill(b, f32, KVCAP_DTYPE_F32, 2 * elems, 13, -1.0f, 1.0f);
+    CU(cudaStreamSynchronize(b->s));
+    struct prefill_job j = {&g, a, rows, cols, k, v, o->dtype};
+    const int reps = o->reps;
+    double *ms = xmalloc(sizeof *ms * 3 * (size_t)reps);
+    for (int r = -o->warmup; r < reps; r++)
+        for (int e = 0; e < 3; e++) { /* exact 0, exact 1, the copy: taking turns */
+            double t;
+            if (e < 2) {
+                t = prefill_once(&j, cfg[e]);
+            } else {
+                double t0 = kvcap_seconds();
+                for (int l = 0; l < L; l++)
+                    CU(cudaMemcpy(host, f32, f32_bytes, cudaMemcpyDeviceToHost));
+                t = (kvcap_seconds() - t0) * 1e3;
+            }
+            if (r >= 0)
+                ms[(size_t)e * reps + r] = t;
+        }
+    double med[3];
+    for (int e = 0; e < 3; e++)
+        med[e] = cli_median(ms + (size_t)e * reps, reps);
+    printf("KVCapsule prefill of a device cache: one %dx%d span (%d tokens) at each of %d layers, "
+           "%d kv heads, d %d, %s, %dx%d tiles, random maps of rank %d\n",
+           rows, cols, n, L, H, d, kvcap_dtype_name(o->dtype), o->tr, o->tc,
+           kvcap_artifact_unit(a, 0, 0, 0)->rk);
+    printf("  timed on the host (add_span returns with the span stored), a new cache per run, "
+           "median of %d runs after %d warm-up, the three taking turns\n\n", reps, o->warmup);
+    printf("  %-44s %10s %10s\n", "", "ms", "x device");
+    printf("  %-44s %10.2f %10.2f\n", "exact_tiles 0 (state computed on the device)", med[0], 1.0);
+    printf("  %-44s %10.2f %10.2f\n", "exact_tiles 1 (picked and computed on the host)", med[1],
+           med[1] / med[0]);
+    printf("  %-44s %10.2f %10.2f\n", "its K/V in f32, device to pageable host memory", med[2],
+           med[2] / med[0]);
+    printf("  (%.1f MiB per layer: %.1f GB/s)\n\n", f32_bytes / 1048576.0,
+           (double)f32_bytes * L / (med[2] * 1e-3) * 1e-9);
+    if (b->tsv)
+        fprintf(b->tsv, "prefill\t%d\t%d\t%s\t%.4f\t%.4f\t%.4f\n", n, L, kvcap_dtype_name(o->dtype),
+                med[0], med[1], med[2]);
+    free(ms);
+    free(host);
+    void *ptrs[] = {k, v, f32};
+    for (size_t i = 0; i < sizeof ptrs / sizeof *ptrs; i++)
+        dev_free(&ptrs[i]);
+    for (int e = 0; e < 2; e++)
+        remove(cfg[e]);
+    kvcap_artifact_free(a);
+    return 0;
+}
+
 /* ---- Sections, options, main ---------------------------------------------------------------- */
 
 struct section {
@@ -1323,6 +1459,7 @@ static const struct section SECTIONS[] = {
     {"decode", section_decode},
     {"flashcache", section_flashcache},
     {"freekv", section_freekv},
+    {"prefill", section_prefill},
 };
 #define N_SECTIONS ((int)(sizeof SECTIONS / sizeof *SECTIONS))
 
@@ -1384,7 +1521,7 @@ static int open_device(int device, struct cudaDeviceProp *prop)
 int main(int argc, char **argv)
 {
     enum { DTYPE = 1000, HEADS, FC_TOKENS, REPS, WARMUP, WARM, NO_GRAPH, SECTIONS_OPT, FREEKV,
-           FKV_CONTEXTS, FKV_STEPS, FKV_LAYER_US, TSV, DEVICE, PROBE };
+           FKV_CONTEXTS, FKV_STEPS, FKV_LAYER_US, TSV, DEVICE, PROBE, PF_GRID };
     static const struct option options[] = {
         {"dtype", required_argument, NULL, DTYPE},      {"layers", required_argument, NULL, 'l'},
         {"heads", required_argument, NULL, HEADS},      {"head-dim", required_argument, NULL, 'd'},
@@ -1399,6 +1536,7 @@ int main(int argc, char **argv)
         {"freekv-steps", required_argument, NULL, FKV_STEPS},
         {"freekv-layer-us", required_argument, NULL, FKV_LAYER_US},
         {"device", required_argument, NULL, DEVICE},    {"probe", no_argument, NULL, PROBE},
+        {"prefill-grid", required_argument, NULL, PF_GRID},
         {"help", no_argument, NULL, 'h'},               {NULL, 0, NULL, 0}};
     struct bench b;
     memset(&b, 0, sizeof b);
@@ -1412,6 +1550,7 @@ int main(int argc, char **argv)
     parse_list("2048,4096,8192", o->fc_tokens, &o->n_fc_tokens);
     parse_list("32768", o->fkv_contexts, &o->n_fkv_contexts);
     o->fkv_steps = 64;
+    o->pf_rows = o->pf_cols = 32;
     int probe = 0, c;
     cli_init(TOOL, 0);
     while ((c = getopt_long(argc, argv, "l:d:n:b:t:r:h", options, NULL)) != -1) {
@@ -1447,6 +1586,11 @@ int main(int argc, char **argv)
             if (sscanf(optarg, "%dx%d", &o->tr, &o->tc) != 2 || o->tr < 1 || o->tc < 1)
                 return cli_usage_error("--tile: '%s' is not RxC", optarg);
             break;
+        case PF_GRID:
+            if (sscanf(optarg, "%dx%d", &o->pf_rows, &o->pf_cols) != 2 || o->pf_rows < 1 ||
+                o->pf_cols < 1 || o->pf_rows > 4096 || o->pf_cols > 4096)
+                return cli_usage_error("--prefill-grid: '%s' is not RxC (1..4096 each)", optarg);
+            break;
         case 'r': o->ratio = atof(optarg); break;
         case REPS: o->reps = atoi(optarg); break;
         case WARMUP: o->warmup = atoi(optarg); break;
@@ -1455,7 +1599,7 @@ int main(int argc, char **argv)
         case SECTIONS_OPT:
             if (!parse_sections(optarg, &o->sections))
                 return cli_usage_error("--sections: '%s' is not a list of bandwidth, decode, "
-                                       "flashcache, freekv", optarg);
+                                       "flashcache, freekv, prefill", optarg);
             break;
         case FREEKV: o->freekv = 1; break;
         case FKV_CONTEXTS:
