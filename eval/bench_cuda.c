@@ -4,9 +4,9 @@
  * same run; FlashCache's compression time; FreeKV's decode step over every layer with the share
  * of page recalls hidden behind it, next to the pinned host-to-device bandwidth; a device
  * cache's KVCapsule prefill with and without exact tiles, next to the device-to-host copy of
- * the span's K/V. Every shape is
- * checked against the CPU code before it is timed. Sections are entries of one table
- * (SECTIONS below). */
+ * the span's K/V. Every decode, FlashCache and FreeKV shape is checked against the CPU code
+ * before it is timed (the prefill's results are test_runtime_cuda's to check). Sections are
+ * entries of one table (SECTIONS below). */
 #include <getopt.h>
 #include <math.h>
 #include <stdio.h>
@@ -89,8 +89,8 @@ static void usage(FILE *out)
             "                         CUDA graph of them\n"
             "      --prefill-grid RxC the prefill section's image span (default 32x32)\n"
             "      --sections LIST    bandwidth,decode,flashcache,freekv,prefill (default:\n"
-            "                         all;\n"
-            "                         bandwidth, every other one's reference, always runs)\n"
+            "                         all; bandwidth, every other one's reference, always\n"
+            "                         runs)\n"
             "      --freekv           run the FreeKV section even if --sections leaves it out\n"
             "      --freekv-contexts LIST\n"
             "                         FreeKV context tokens (default 32768; e.g.\n"
