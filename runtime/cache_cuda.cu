@@ -325,6 +325,17 @@ extern "C" enum kvcap_status kvcap_cache_cuda_capsule_prefill(
                                       storage, hs, vt, mu, mu_f32, x->stream);
 }
 
+extern "C" enum kvcap_status kvcap_cache_cuda_capsule_point_errors(
+    const kvcap_cache_cuda_ctx *x, const kvcap_cuda_view *k, const kvcap_cuda_view *v, int head,
+    int n, int d, const kvcap_cuda_rope *rope, const float *rope_row, const kvcap_cuda_grid *grid,
+    const kvcap_cuda_capsule_unit *unit, const float *hs, const float *vt, const float *mu,
+    double *points)
+{
+    ENTER(x, "kvcapsule exact tiles");
+    return kvcap_cuda_capsule_point_errors(k, v, head, n, d, rope, rope_row, grid, unit, hs, vt,
+                                           mu, points, x->stream);
+}
+
 // ---- Decode -----------------------------------------------------------------------------------
 
 extern "C" enum kvcap_status kvcap_cache_cuda_append_token(const kvcap_cache_cuda_ctx *x,

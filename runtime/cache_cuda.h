@@ -77,6 +77,15 @@ enum kvcap_status kvcap_cache_cuda_capsule_prefill(
     const struct kvcap_cuda_capsule_unit *unit, int tiles, enum kvcap_dtype storage, void *hs,
     void *vt, void *mu, float *mu_f32);
 
+/* kvcap's exact tiles: the per-point error sums of one KV head on the cache's device and
+ * stream: the kernel kvcap_cuda_capsule_point_errors (kernels/cuda/capsule_prefill_cuda.h). */
+enum kvcap_status kvcap_cache_cuda_capsule_point_errors(
+    const struct kvcap_cache_cuda_ctx *x, const struct kvcap_cuda_view *k,
+    const struct kvcap_cuda_view *v, int head, int n, int d, const struct kvcap_cuda_rope *rope,
+    const float *rope_row, const struct kvcap_cuda_grid *grid,
+    const struct kvcap_cuda_capsule_unit *unit, const float *hs, const float *vt,
+    const float *mu, double *points);
+
 /* ---- Decode ------------------------------------------------------------------------------- */
 
 /* One generated token into the generated rows of a sequence-layer. The row comes from the

@@ -335,76 +335,126 @@ static enum kvcap_status device_fill(struct kvcap_cache *c, struct kvcap_segment
     return KVCAP_OK;
 }
 
-/* KVCapsule with kvcap's exact tiles: the span's K and V are gathered to f32 on the device and
- * brought to the host, where kvcap_capsule_exact_head computes what the host store would (the
- * same tiles picked, the same state); the state and the exact tiles' rows are then uploaded.
- * The maps' f32 host copies are the artifact's. */
+/* KVCapsule with kvcap's exact tiles. Per KV head, on the device: the state of every tile in
+ * f32 and each point's error sums (kvcap_cuda_capsule_point_errors), which come to the host,
+ * where kvcap_capsule_exact_pick picks the tiles by the host store's rule; then the state of
+ * every tile in the storage dtype, of which the kept tiles' is copied into the segment, and the
+ * picked tiles' tokens converted into its rows. */
 static enum kvcap_status device_capsule_exact(struct kvcap_cache *c, int layer,
                                               struct kvcap_segment *seg,
                                               const struct kvcap_tensor_view *k,
                                               const struct kvcap_tensor_view *v, int exact)
 {
-    const struct kvcap_artifact *a = c->artifact;
-    const struct kvcap_bucket *bk = &a->buckets[seg->bucket];
-    const struct kvcap_unit_maps *u0 = kvcap_artifact_unit(a, layer, 0, seg->bucket);
-    int n = seg->n_tokens, d = c->g.head_dim, H = c->g.n_kv_heads, m = u0->m;
-    seg->tiles = n / m - exact;
+    const struct kvcap_bucket *bk = &c->artifact->buckets[seg->bucket];
+    const struct kvcap_cuda_capsule_unit *u0 = dev_unit(c, layer, 0, seg->bucket);
+    const int n = seg->n_tokens, d = c->g.head_dim, H = c->g.n_kv_heads, m = u0->m;
+    const int all = n / m, rows = exact * m;
+    seg->tiles = all - exact;
     seg->h = u0->h;
     seg->rv = u0->rv;
-    size_t es = kvcap_dtype_size(c->storage), hd = (size_t)H * n * d;
-    size_t per_h = (size_t)seg->tiles * seg->h * d, per_v = (size_t)seg->tiles * seg->rv * d;
-    size_t per_r = (size_t)exact * m * d; /* rows of a head */
+    const size_t es = kvcap_dtype_size(c->storage);
+    const size_t tile_h = (size_t)seg->h * d, tile_v = (size_t)seg->rv * d;
+    const size_t per_h = (size_t)seg->tiles * tile_h, per_v = (size_t)seg->tiles * tile_v;
     seg->dev = 1 + c->dev->ctx.device;
     KVCAP_TRY(kvcap_cache_cuda_malloc(&c->dev->ctx, (size_t)H * per_h * es, &seg->hs));
     KVCAP_TRY(kvcap_cache_cuda_malloc(&c->dev->ctx, (size_t)H * per_v * es, &seg->vt));
     KVCAP_TRY(kvcap_cache_cuda_malloc(&c->dev->ctx, (size_t)H * d * es, &seg->mu));
-    KVCAP_TRY(kvcap_segment_reserve(c, seg, exact * m)); /* exactly: [heads][exact·m][d] */
-    /* host: K, V [2][heads][n][d] f32, then hs, vt, mu, k rows, v rows in storage, then work */
-    size_t staged = ((size_t)H * (per_h + per_v + d) + 2 * (size_t)H * per_r) * es;
-    size_t work = kvcap_capsule_exact_work_floats(u0, n, d);
-    for (int h = 1; h < H; h++) {
-        size_t w = kvcap_capsule_exact_work_floats(kvcap_artifact_unit(a, layer, h, seg->bucket),
-                                                   n, d);
-        work = w > work ? w : work;
-    }
-    float *kv = malloc(sizeof(float) * (2 * hd + work) + staged);
-    KVCAP_RETURN_IF(!kv, KVCAP_ERR_OUT_OF_MEMORY, "kvcapsule: out of memory for a %d-token span",
+    KVCAP_TRY(kvcap_segment_reserve(c, seg, rows)); /* exactly: [heads][exact·m][d] */
+    /* Device scratch: every tile's state in f32 with its μ and the prefill's μ scratch, the
+     * same state in storage, the points' sums, the picked tokens, and their rows of every head. */
+    size_t total = 0;
+    const size_t o_hf = section(&total, sizeof(float) * all * tile_h);
+    const size_t o_vf = section(&total, sizeof(float) * all * tile_v);
+    const size_t o_mf = section(&total, sizeof(float) * (size_t)d);
+    const size_t o_ms = section(&total, sizeof(float) * (size_t)d);
+    const size_t o_hs = section(&total, es * all * tile_h);
+    const size_t o_vs = section(&total, es * all * tile_v);
+    const size_t o_pt = section(&total, sizeof(double) * 4 * (size_t)n);
+    const size_t o_tk = section(&total, sizeof(int) * (size_t)rows);
+    const size_t o_rk = section(&total, es * (size_t)H * rows * d);
+    const size_t o_rv = section(&total, es * (size_t)H * rows * d);
+    /* host: the points' sums, the tile errors, the picks, the picked tokens */
+    double *pts = malloc(sizeof(double) * 4 * (size_t)n + sizeof(float) * all +
+                         sizeof(int) * (size_t)rows + (size_t)all);
+    KVCAP_RETURN_IF(!pts, KVCAP_ERR_OUT_OF_MEMORY, "kvcapsule: out of memory for a %d-token span",
                     n);
-    void *gathered = NULL;
-    enum kvcap_status st = kvcap_cache_cuda_malloc(&c->dev->ctx, sizeof(float) * 2 * hd, &gathered);
+    float *err = (float *)(pts + 4 * (size_t)n);
+    int *tokens = (int *)(err + all);
+    unsigned char *pick = (unsigned char *)(tokens + rows);
+    char *w = NULL;
+    enum kvcap_status st = kvcap_cache_cuda_malloc(&c->dev->ctx, total, (void **)&w);
+    float row[KVCAP_CUDA_ROPE_MAX_D];
+    rope_row(&c->g, -(double)seg->p0, row);
     struct prefill_temp t = {0};
-    if (st == KVCAP_OK && (st = temp_make(c, k, v, n, NULL, 0, 0, &t)) == KVCAP_OK) {
-        st = kvcap_cache_cuda_fill_rows(&c->dev->ctx, &t.k, NULL, n, H, d, gathered, n,
-                                        KVCAP_DTYPE_F32);
+    if (st == KVCAP_OK)
+        st = temp_make(c, k, v, n, row, sizeof(float) * (size_t)d, sizeof(float) * (size_t)d, &t);
+    const float *rr = (const float *)t.extra;
+    struct kvcap_cuda_grid grid = {bk->structure == KVCAP_STRUCTURE_TILED, bk->cols,
+                                   bk->tile_rows, bk->tile_cols};
+    float *hf = (float *)(w + o_hf), *vf = (float *)(w + o_vf), *mf = (float *)(w + o_mf);
+    float *ms = (float *)(w + o_ms);
+    char *hs = w + o_hs, *vs = w + o_vs, *rk = w + o_rk, *rv = w + o_rv;
+    int *dtok = (int *)(w + o_tk);
+    for (int h = 0; st == KVCAP_OK && t.mem && h < H; h++) {
+        const struct kvcap_cuda_capsule_unit *u = dev_unit(c, layer, h, seg->bucket);
+        const struct kvcap_cache_cuda_ctx *x = &c->dev->ctx;
+        st = kvcap_cache_cuda_capsule_prefill(x, &t.k, &t.v, h, n, d, &c->dev->rope, rr, &grid, u,
+                                              all, KVCAP_DTYPE_F32, hf, vf, mf, ms);
         if (st == KVCAP_OK)
-            st = kvcap_cache_cuda_fill_rows(&c->dev->ctx, &t.v, NULL, n, H, d,
-                                            (float *)gathered + hd, n, KVCAP_DTYPE_F32);
-        st = temp_done(c, &t, st);
+            st = kvcap_cache_cuda_capsule_point_errors(x, &t.k, &t.v, h, n, d, &c->dev->rope, rr,
+                                                       &grid, u, hf, vf, mf,
+                                                       (double *)(w + o_pt));
+        if (st == KVCAP_OK)
+            st = kvcap_cache_cuda_download_sync(x, pts, w + o_pt, sizeof(double) * 4 * (size_t)n);
+        if (st != KVCAP_OK)
+            break;
+        kvcap_capsule_exact_pick(pts, all, m, exact, err, pick);
+        st = kvcap_cache_cuda_capsule_prefill(x, &t.k, &t.v, h, n, d, &c->dev->rope, rr, &grid, u,
+                                              all, c->storage, hs, vs,
+                                              (char *)seg->mu + (size_t)h * d * es, ms);
+        /* the kept tiles, run by run, then the picked tiles' tokens */
+        for (int t0 = 0, kept = 0, r = 0; st == KVCAP_OK && t0 < all;) {
+            if (pick[t0]) {
+                for (int p = 0; p < m; p++)
+                    tokens[r++] = (int)kvcap_bucket_token(bk, t0, p);
+                t0++;
+                continue;
+            }
+            int t1 = t0;
+            while (t1 < all && !pick[t1])
+                t1++;
+            size_t nh = (size_t)(t1 - t0) * tile_h * es, nv = (size_t)(t1 - t0) * tile_v * es;
+            st = kvcap_cache_cuda_copy_2d(x, (char *)seg->hs + ((size_t)h * per_h + kept * tile_h) * es,
+                                          nh, hs + t0 * tile_h * es, nh, nh, 1);
+            if (st == KVCAP_OK)
+                st = kvcap_cache_cuda_copy_2d(
+                    x, (char *)seg->vt + ((size_t)h * per_v + kept * tile_v) * es, nv,
+                    vs + t0 * tile_v * es, nv, nv, 1);
+            kept += t1 - t0;
+            t0 = t1;
+        }
+        if (st == KVCAP_OK)
+            st = kvcap_cache_cuda_upload_sync(x, dtok, tokens, sizeof(int) * (size_t)rows);
+        if (st == KVCAP_OK)
+            st = kvcap_cache_cuda_fill_rows(x, &t.k, dtok, rows, H, d, rk, rows, c->storage);
+        if (st == KVCAP_OK)
+            st = kvcap_cache_cuda_fill_rows(x, &t.v, dtok, rows, H, d, rv, rows, c->storage);
+        const size_t head_rows = (size_t)rows * d * es; /* head h's rows of the picked tokens */
+        if (st == KVCAP_OK)
+            st = kvcap_cache_cuda_copy_2d(x, (char *)seg->k + h * head_rows, head_rows,
+                                          rk + h * head_rows, head_rows, head_rows, 1);
+        if (st == KVCAP_OK)
+            st = kvcap_cache_cuda_copy_2d(x, (char *)seg->v + h * head_rows, head_rows,
+                                          rv + h * head_rows, head_rows, head_rows, 1);
     }
+    if (t.mem)
+        st = temp_done(c, &t, st); /* waits for the stream */
+    else if (st == KVCAP_OK)
+        st = kvcap_cache_cuda_sync(&c->dev->ctx);
+    kvcap_cache_cuda_free(c->dev->ctx.device, w);
+    free(pts);
     if (st == KVCAP_OK)
-        st = kvcap_cache_cuda_download_sync(&c->dev->ctx, kv, gathered, sizeof(float) * 2 * hd);
-    char *hs = (char *)(kv + 2 * hd + work), *vt = hs + (size_t)H * per_h * es;
-    char *mu = vt + (size_t)H * per_v * es, *kr = mu + (size_t)H * d * es;
-    char *vr = kr + (size_t)H * per_r * es;
-    for (int h = 0; st == KVCAP_OK && h < H; h++)
-        st = kvcap_capsule_exact_head(
-            &c->g, bk, kvcap_artifact_unit(a, layer, h, seg->bucket), n, d, seg->p0, exact,
-            kv + (size_t)h * n * d, kv + hd + (size_t)h * n * d, c->storage,
-            hs + (size_t)h * per_h * es, vt + (size_t)h * per_v * es, mu + (size_t)h * d * es,
-            kr + (size_t)h * per_r * es, vr + (size_t)h * per_r * es, kv + 2 * hd);
-    const struct {
-        void *dst;
-        const char *src;
-        size_t bytes;
-    } up[5] = {{seg->hs, hs, (size_t)H * per_h * es}, {seg->vt, vt, (size_t)H * per_v * es},
-               {seg->mu, mu, (size_t)H * d * es}, {seg->k, kr, (size_t)H * per_r * es},
-               {seg->v, vr, (size_t)H * per_r * es}};
-    for (int i = 0; st == KVCAP_OK && i < 5; i++)
-        st = kvcap_cache_cuda_upload_sync(&c->dev->ctx, up[i].dst, up[i].src, up[i].bytes);
-    if (st == KVCAP_OK)
-        seg->n_rows = exact * m;
-    kvcap_cache_cuda_free(c->dev->ctx.device, gathered);
-    free(kv);
+        seg->n_rows = rows;
     return st;
 }
 

@@ -1,8 +1,8 @@
 /* capsule_exact.c — kvcap's exact tiles (runtime config kvcapsule.exact_tiles): one KV head of a
  * KVCapsule span keeps the tiles KVCapsule reconstructs worst as plain rows and the others
- * compressed. Computed on the host from f32 keys and values, by both stores: the host store
- * writes into its own memory, the device store into staging it then uploads, so both hold the
- * same state and pick the same tiles. */
+ * compressed. The host store computes it all here (kvcap_capsule_exact_head); the device store
+ * computes the state and the per-point errors on the device and picks the tiles here
+ * (kvcap_capsule_exact_pick), by the same rule. */
 #include <string.h>
 
 #include "kernels/capsule_prefill.h"
@@ -25,6 +25,28 @@ static void pick_worst_tiles(const float *err, int tiles, int exact, unsigned ch
                 best = t;
         pick[best] = 1;
     }
+}
+
+void kvcap_capsule_exact_pick(const double *points, int tiles, int m, int exact, float *err,
+                              unsigned char *pick)
+{
+    const size_t n = (size_t)tiles * m;
+    double ks = 0, vs = 0;
+    for (size_t i = 0; i < n; i++) {
+        ks += points[4 * i];
+        vs += points[4 * i + 1];
+    }
+    const double k2 = ks > 0 ? ks / (double)n : 1.0, v2 = vs > 0 ? vs / (double)n : 1.0;
+    for (int t = 0; t < tiles; t++) {
+        double worst = 0;
+        for (int p = 0; p < m; p++) {
+            const double *x = points + 4 * ((size_t)t * m + p);
+            double e = x[2] / k2 + x[3] / v2;
+            worst = e > worst ? e : worst;
+        }
+        err[t] = (float)worst;
+    }
+    pick_worst_tiles(err, tiles, exact, pick);
 }
 
 /* The working memory of one head, in this order: K' [n][d] (the keys, then made offset-free),

@@ -22,7 +22,11 @@
 
 #include <cmocka.h>
 
+#include "kernels/capsule_prefill.h"
+#include "kernels/cuda/capsule_prefill_cuda.h"
+#include "kernels/rope.h"
 #include "runtime/artifact.h"
+#include "runtime/cache_internal.h"
 #include "common/internal.h"
 #include "common/rng.h"
 #include "formats/safetensors.h"
@@ -735,6 +739,82 @@ static void test_capture_limits(void **state)
     dev_free_all();
 }
 
+/* kvcap's exact tiles on the device: the point sums of kvcap_cuda_capsule_point_errors, made
+ * tile errors by kvcap_capsule_exact_pick, against kvcap_capsule_tile_error_ref from the same
+ * f32 state. The sums are taken in double on both sides from f32 reconstructions computed in
+ * different orders: 1e-4 relative is rounding with room. */
+#  define TILE_ERROR_TOL 1e-4
+
+static void test_point_errors(void **state)
+{
+    (void)state;
+    enum { ROWS = 8, COLS = 12, N = ROWS * COLS, D = 64, M = 16, RK = 5, HID = 4, RV = 6 };
+    const int tiles = N / M, p0 = 37, exact = 2;
+    struct kvcap_model_geometry g = geometry(1, 4, 1, D, KVCAP_ROPE_PAIRING_HALF);
+    struct kvcap_bucket bk = {ROWS, COLS, KVCAP_STRUCTURE_TILED, 4, 4};
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 77);
+    static float k[N * D], v[N * D], kr[N * D], w1[RK * HID], b1[HID], w2[HID * M], b2[M],
+        u[RV * M], hs[N / M * HID * D], vt[N / M * RV * D], mu[D], rr[D], err_ref[N / M],
+        err[N / M];
+    static double points[N * 4];
+    fill(&r, k, N * D, 1.0);
+    fill(&r, v, N * D, 1.0);
+    fill(&r, w1, RK * HID, 0.5);
+    fill(&r, b1, HID, 0.1);
+    fill(&r, w2, HID * M, 0.5);
+    fill(&r, b2, M, 0.1);
+    fill(&r, u, RV * M, 0.3);
+    for (int j = 0; j < D; j++) /* one token far from every reconstruction: a sink */
+        k[(size_t)kvcap_bucket_token(&bk, 4, 9) * D + j] *= 6.0f;
+    const int32_t mask[RK] = {0, 3, 6, 9, 12};
+    struct kvcap_capsule_prefill_maps pm = {M, RK, HID, RV, 0, mask, w1, b1, u};
+    struct kvcap_capsule_maps dm = {M, HID, RV, w2, b2, u};
+    KV_OK(kvcap_capsule_prefill_ref(&g, &bk, &pm, N, D, p0, k, v, KVCAP_DTYPE_F32, hs, vt, mu));
+    memcpy(kr, k, sizeof kr);
+    kvcap_rope_rotate_ref(&g, kr, N, D, -(double)p0);
+    KV_OK(kvcap_capsule_tile_error_ref(&bk, &dm, N, D, kr, v, hs, vt, mu, err_ref));
+
+    for (int i = 0; i < D / 2; i++) { /* the rotation table of -p0, as the device store makes it */
+        int a, b;
+        kvcap_rope_pair(&g, i, &a, &b);
+        double angle = -(double)p0 * pow(g.rope_theta, -2.0 * i / (double)kvcap_rope_dim(&g));
+        rr[a] = (float)cos(angle);
+        rr[b] = (float)sin(angle);
+    }
+    struct kvcap_cuda_view kv = {dev_upload(k, sizeof k), NULL, 0, KVCAP_DTYPE_F32, N * D, D};
+    struct kvcap_cuda_view vv = {dev_upload(v, sizeof v), NULL, 0, KVCAP_DTYPE_F32, N * D, D};
+    struct kvcap_cuda_rope rope = {1, 0, D};
+    struct kvcap_cuda_grid grid = {1, COLS, 4, 4};
+    struct kvcap_cuda_capsule_unit unit = {dev_upload(mask, sizeof mask), dev_upload(w1, sizeof w1),
+                                           dev_upload(b1, sizeof b1), dev_upload(w2, sizeof w2),
+                                           dev_upload(b2, sizeof b2), dev_upload(u, sizeof u),
+                                           M, RK, HID, RV, 0};
+    double *dpoints = dev_poisoned(sizeof points);
+    KV_OK(kvcap_cuda_capsule_point_errors(&kv, &vv, 0, N, D, &rope, dev_upload(rr, sizeof rr),
+                                          &grid, &unit, dev_upload(hs, sizeof hs),
+                                          dev_upload(vt, sizeof vt), dev_upload(mu, sizeof mu),
+                                          dpoints, NULL));
+    sync_ok(NULL);
+    download(points, dpoints, sizeof points);
+    unsigned char pick[N / M];
+    kvcap_capsule_exact_pick(points, tiles, M, exact, err, pick);
+    int worst = 0;
+    for (int t = 0; t < tiles; t++) {
+        if (!(fabs((double)err[t] - err_ref[t]) <= TILE_ERROR_TOL * fabs(err_ref[t])))
+            fail_msg("tile %d: error %.9g on the device, %.9g in the oracle", t, (double)err[t],
+                     (double)err_ref[t]);
+        worst = err_ref[t] > err_ref[worst] ? t : worst;
+    }
+    assert_int_equal(worst, 4); /* the planted token's tile, picked */
+    assert_true(pick[4]);
+    int picked = 0;
+    for (int t = 0; t < tiles; t++)
+        picked += pick[t];
+    assert_int_equal(picked, exact);
+    dev_free_all();
+}
+
 #endif /* KVCAP_WITH_CUDA */
 
 int main(void)
@@ -750,6 +830,7 @@ int main(void)
     }
 #ifdef KVCAP_WITH_CUDA
     const struct CMUnitTest device_tests[] = {
+        cmocka_unit_test(test_point_errors),
         cmocka_unit_test(test_host_vs_device),
         cmocka_unit_test(test_graph),
         cmocka_unit_test(test_capture_limits),

@@ -98,6 +98,41 @@ __global__ void capsule_values_kernel(kvcap_cuda_view v, int head, int d,
 }
 
 
+// kvcap's exact tiles: for point p of tile t (block t·m + p), the four sums the tile error of
+// kvcap_capsule_tile_error is made of, over the channels, in double:
+//   ‖k'‖², ‖v − μ‖², ‖k̂' − k'‖², ‖v̂ − v‖²
+// with k' = R(−p0) k, k̂' = Σ_a W2[a][p] H_t[a] + b2[p] and v̂ = Σ_r U[r][p] Ṽ_t[r] + μ, from the
+// f32 state of every tile (hs [tiles][h][d], vt [tiles][rv][d], mu [d]).
+__global__ void capsule_point_error_kernel(kvcap_cuda_view k, kvcap_cuda_view v, int head, int d,
+                                           kvcap_cuda_rope rope, const float *rr,
+                                           kvcap_cuda_grid grid, kvcap_cuda_capsule_unit u,
+                                           const float *hs, const float *vt, const float *mu,
+                                           double *out)
+{
+    const int t = blockIdx.x / u.m, p = blockIdx.x - t * u.m;
+    const int tok = grid_token(grid, t, p);
+    const void *krow = kvcap_cuda_view_row(k, head, tok), *vrow = kvcap_cuda_view_row(v, head, tok);
+    const float *ht = hs + (size_t)t * u.h * d, *vtt = vt + (size_t)t * u.rv * d;
+    double s[4] = {0, 0, 0, 0};
+    for (int c = threadIdx.x; c < d; c += blockDim.x) {
+        const float kr = kvcap_cuda_rope_rotated(krow, k.dtype, c, rope, rr);
+        const float x = kvcap_cuda_load_any(vrow, (size_t)c, v.dtype);
+        float kh = u.b2[p], vh = mu[c];
+        for (int a = 0; a < u.h; a++)
+            kh = fmaf(u.w2[(size_t)a * u.m + p], ht[(size_t)a * d + c], kh);
+        for (int r = 0; r < u.rv; r++)
+            vh = fmaf(u.u[(size_t)r * u.m + p], vtt[(size_t)r * d + c], vh);
+        const double dv = (double)x - mu[c], ek = (double)kh - kr, ev = (double)vh - x;
+        s[0] += (double)kr * kr;
+        s[1] += dv * dv;
+        s[2] += ek * ek;
+        s[3] += ev * ev;
+    }
+    kvcap_block_sum<4>(s);
+    if (threadIdx.x == 0)
+        for (int i = 0; i < 4; i++)
+            out[(size_t)blockIdx.x * 4 + i] = s[i];
+}
 
 template <typename T>
 void capsule_launch(cudaStream_t st, const kvcap_cuda_view &k, const kvcap_cuda_view &v,
@@ -140,5 +175,18 @@ extern "C" enum kvcap_status kvcap_cuda_capsule_prefill(
         break;
     }
     KVCAP_CUDA_CHECK_LAUNCH("kvcapsule prefill", "capsule kernels");
+    return KVCAP_OK;
+}
+
+extern "C" enum kvcap_status kvcap_cuda_capsule_point_errors(
+    const kvcap_cuda_view *k, const kvcap_cuda_view *v, int head, int n, int d,
+    const kvcap_cuda_rope *rope, const float *rope_row, const kvcap_cuda_grid *grid,
+    const kvcap_cuda_capsule_unit *unit, const float *hs, const float *vt, const float *mu,
+    double *points, void *stream)
+{
+    if (n > 0)
+        capsule_point_error_kernel<<<n, 128, 0, static_cast<cudaStream_t>(stream)>>>(
+            *k, *v, head, d, *rope, rope_row, *grid, *unit, hs, vt, mu, points);
+    KVCAP_CUDA_CHECK_LAUNCH("kvcapsule exact tiles", "capsule_point_error_kernel");
     return KVCAP_OK;
 }

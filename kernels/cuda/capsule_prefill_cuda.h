@@ -68,6 +68,22 @@ enum kvcap_status kvcap_cuda_capsule_prefill(const struct kvcap_cuda_view *k,
                                              enum kvcap_dtype storage, void *hs, void *vt,
                                              void *mu, float *mu_f32, void *stream);
 
+/* kvcap's exact tiles, the device half of kvcap_capsule_tile_error: for point p of tile t of
+ * KV head `head`, points[(t·m + p)·4 + i] (device, n·4 doubles) = ‖k'‖², ‖v − μ‖², ‖k̂' − k'‖²,
+ * ‖v̂ − v‖² over the channels, with k' = R(−p0) k (rope_row as above), k̂' = Σ_a W2[a][p] H_t[a]
+ * + b2[p] and v̂ = Σ_r U[r][p] Ṽ_t[r] + μ, from the f32 state of every tile (hs [tiles][h][d],
+ * vt [tiles][rv][d], mu [d], device; kvcap_cuda_capsule_prefill with storage F32). The tile
+ * errors follow on the host (kvcap_capsule_exact_pick, runtime/capsule_exact.c). A launch
+ * failure is KVCAP_ERR_DEVICE naming it. */
+enum kvcap_status kvcap_cuda_capsule_point_errors(const struct kvcap_cuda_view *k,
+                                                  const struct kvcap_cuda_view *v, int head, int n,
+                                                  int d, const struct kvcap_cuda_rope *rope,
+                                                  const float *rope_row,
+                                                  const struct kvcap_cuda_grid *grid,
+                                                  const struct kvcap_cuda_capsule_unit *unit,
+                                                  const float *hs, const float *vt,
+                                                  const float *mu, double *points, void *stream);
+
 #ifdef __cplusplus
 }
 #endif
