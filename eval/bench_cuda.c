@@ -3,10 +3,10 @@
  * bytes each reads and the bandwidth it achieves next to a device-to-device copy measured in the
  * same run; FlashCache's compression time; FreeKV's decode step over every layer with the share
  * of page recalls hidden behind it, next to the pinned host-to-device bandwidth; a device
- * cache's KVCapsule prefill with and without exact tiles, next to the device-to-host copy of
- * the span's K/V. Every decode, FlashCache and FreeKV shape is checked against the CPU code
- * before it is timed (the prefill's results are test_runtime_cuda's to check). Sections are
- * entries of one table (SECTIONS below). */
+ * cache's KVCapsule prefill with exact tiles, next to the same without. Every decode,
+ * FlashCache and FreeKV shape is checked against the CPU code before it is timed (the
+ * prefill's results are test_runtime_cuda's to check). Sections are entries of one table
+ * (SECTIONS below). */
 #include <getopt.h>
 #include <math.h>
 #include <stdio.h>
@@ -60,9 +60,8 @@ static void usage(FILE *out)
             "              recalls hidden, corrections, pages and bytes recalled and time per\n"
             "              step, and the recall's time at the pinned host-to-device bandwidth\n"
             "  prefill     a device cache's KVCapsule prefill of one --prefill-grid span at\n"
-            "              --layers (default 28 here) layers, random tiled maps: without exact\n"
-            "              tiles (on the device) and with one (picked on the host), beside the\n"
-            "              device-to-host copy of the span's K/V in f32\n"
+            "              --layers (default 28 here) layers, random tiled maps, with one\n"
+            "              exact tile per span and KV head next to the same without\n"
             "Each decode shape is first checked against the CPU kernels (kvcap_attend_rows,\n"
             "kvcap_capsule_attend), FreeKV's layer 0 against the CPU state (runtime/freekv.h)\n"
             "during its warm-up steps; a disagreement above 1e-3 relative withholds the\n"
@@ -1324,10 +1323,10 @@ static int section_freekv(struct bench *b)
 
 /* ---- Section: a device cache's KVCapsule prefill, with and without exact tiles ------------
  * kvcap_cache_add_span of one vision span at every layer, timed on the host (add_span returns
- * once the span is stored), on a fresh device cache per run: exact_tiles 0 (the state computed
- * on the device) and 1 (the span's K/V brought to the host, the tiles picked and the state
- * computed there, then uploaded) taking turns. The reference: the device-to-host copy of the
- * same f32 K/V into pageable memory, measured in the same run. */
+ * once the span is stored), on a fresh device cache per run, exact_tiles 0 and 1 taking turns.
+ * With exact tiles each KV head's state is computed twice on the device (in f32 for the errors,
+ * then in the storage dtype), its points' error sums come to the host, which picks the tiles,
+ * and the kept tiles' state and the picked tiles' rows are copied into the cache. */
 
 struct prefill_job {
     const struct kvcap_model_geometry *g;
@@ -1388,57 +1387,40 @@ static int section_prefill(struct bench *b)
         KV(kvcap_bench_config_file(tag, yaml, cfg[e], sizeof cfg[e]));
     }
     const size_t elems = (size_t)H * n * d, es = kvcap_dtype_size(o->dtype);
-    const size_t f32_bytes = 2 * elems * sizeof(float); /* what exact tiles bring to the host */
-    void *k = dev_try(elems * es), *v = dev_try(elems * es), *f32 = dev_try(f32_bytes);
-    void *host = xmalloc(f32_bytes);
-    if (!k || !v || !f32) {
+    void *k = dev_try(elems * es), *v = dev_try(elems * es);
+    if (!k || !v) {
         fprintf(stderr, TOOL ": error: out of device memory for a %d-token span\n", n);
         return 1;
     }
     fill(b, k, o->dtype, elems, 11, -1.0f, 1.0f);
     fill(b, v, o->dtype, elems, 12, -1.0f, 1.0f);
-    fill(b, f32, KVCAP_DTYPE_F32, 2 * elems, 13, -1.0f, 1.0f);
     CU(cudaStreamSynchronize(b->s));
     struct prefill_job j = {&g, a, rows, cols, k, v, o->dtype};
     const int reps = o->reps;
-    double *ms = xmalloc(sizeof *ms * 3 * (size_t)reps);
+    double *ms = xmalloc(sizeof *ms * 2 * (size_t)reps);
     for (int r = -o->warmup; r < reps; r++)
-        for (int e = 0; e < 3; e++) { /* exact 0, exact 1, the copy: taking turns */
-            double t;
-            if (e < 2) {
-                t = prefill_once(&j, cfg[e]);
-            } else {
-                double t0 = kvcap_seconds();
-                for (int l = 0; l < L; l++)
-                    CU(cudaMemcpy(host, f32, f32_bytes, cudaMemcpyDeviceToHost));
-                t = (kvcap_seconds() - t0) * 1e3;
-            }
+        for (int e = 0; e < 2; e++) { /* exact 0, exact 1: taking turns */
+            double t = prefill_once(&j, cfg[e]);
             if (r >= 0)
                 ms[(size_t)e * reps + r] = t;
         }
-    double med[3];
-    for (int e = 0; e < 3; e++)
+    double med[2];
+    for (int e = 0; e < 2; e++)
         med[e] = cli_median(ms + (size_t)e * reps, reps);
     printf("KVCapsule prefill of a device cache: one %dx%d span (%d tokens) at each of %d layers, "
            "%d kv heads, d %d, %s, %dx%d tiles, random maps of rank %d\n",
            rows, cols, n, L, H, d, kvcap_dtype_name(o->dtype), o->tr, o->tc,
            kvcap_artifact_unit(a, 0, 0, 0)->rk);
     printf("  timed on the host (add_span returns with the span stored), a new cache per run, "
-           "median of %d runs after %d warm-up, the three taking turns\n\n", reps, o->warmup);
-    printf("  %-44s %10s %10s\n", "", "ms", "x device");
-    printf("  %-44s %10.2f %10.2f\n", "exact_tiles 0 (state computed on the device)", med[0], 1.0);
-    printf("  %-44s %10.2f %10.2f\n", "exact_tiles 1 (picked and computed on the host)", med[1],
-           med[1] / med[0]);
-    printf("  %-44s %10.2f %10.2f\n", "its K/V in f32, device to pageable host memory", med[2],
-           med[2] / med[0]);
-    printf("  (%.1f MiB per layer: %.1f GB/s)\n\n", f32_bytes / 1048576.0,
-           (double)f32_bytes * L / (med[2] * 1e-3) * 1e-9);
+           "median of %d runs after %d warm-up, the two taking turns\n\n", reps, o->warmup);
+    printf("  %-30s %10s %14s\n", "", "ms", "x no exact");
+    printf("  %-30s %10.2f %14.2f\n", "exact_tiles 0", med[0], 1.0);
+    printf("  %-30s %10.2f %14.2f\n\n", "exact_tiles 1", med[1], med[1] / med[0]);
     if (b->tsv)
-        fprintf(b->tsv, "prefill\t%d\t%d\t%s\t%.4f\t%.4f\t%.4f\n", n, L, kvcap_dtype_name(o->dtype),
-                med[0], med[1], med[2]);
+        fprintf(b->tsv, "prefill\t%d\t%d\t%s\t%.4f\t%.4f\n", n, L, kvcap_dtype_name(o->dtype),
+                med[0], med[1]);
     free(ms);
-    free(host);
-    void *ptrs[] = {k, v, f32};
+    void *ptrs[] = {k, v};
     for (size_t i = 0; i < sizeof ptrs / sizeof *ptrs; i++)
         dev_free(&ptrs[i]);
     for (int e = 0; e < 2; e++)

@@ -269,9 +269,9 @@ struct kvcap_cache_params {
  *  - Policies: full, streaming and kvcapsule (tiled and dense maps; a vision span without a
  *    bucket takes the fallback, which must be full, streaming or none: a runtime config that
  *    compresses vision spans with kvcapsule must set `fallback`, whose default is flashcache).
- *    With kvcapsule.exact_tiles, add_span brings the span's K/V to host memory, picks the
- *    tiles and computes the state there as a host cache does, then uploads it: far slower than
- *    the device's own prefill (kvcap-bench-cuda --sections prefill measures both).
+ *    With kvcapsule.exact_tiles, add_span computes each point's reconstruction error on the
+ *    device and picks the tiles on the host, by the host cache's rule; its prefill takes about
+ *    3x one without (kvcap-bench-cuda --sections prefill measures both).
  *    A runtime config that selects flashcache, vlcache or freekv fails kvcap_cache_create with
  *    KVCAP_ERR_UNSUPPORTED naming the key; so does record mode (record_dir). Without a runtime
  *    config a device cache keeps vision spans with kvcapsule when an artifact is given and in
