@@ -178,7 +178,14 @@ static enum kvcap_status check_error(const char *fn, const struct kvcap_bucket *
     return KVCAP_OK;
 }
 
-/* The span's mean ‖k'‖² and ‖v − μ‖², 1 where 0 (a span of zeros is reconstructed exactly). */
+/* A span's mean energy from its sum over n tokens, 1 where 0 (a span of zeros is reconstructed
+ * exactly). */
+static double mean_energy(double sum, size_t n)
+{
+    return sum > 0 ? sum / (double)n : 1.0;
+}
+
+/* The span's mean ‖k'‖² and ‖v − μ‖². */
 static void span_energies(int n, int d, const float *kr, const float *v, const float *mu,
                           double *k2, double *v2)
 {
@@ -188,8 +195,8 @@ static void span_energies(int n, int d, const float *kr, const float *v, const f
         ks += (double)kr[i] * kr[i];
         vs += dv * dv;
     }
-    *k2 = ks > 0 ? ks / n : 1.0;
-    *v2 = vs > 0 ? vs / n : 1.0;
+    *k2 = mean_energy(ks, (size_t)n);
+    *v2 = mean_energy(vs, (size_t)n);
 }
 
 enum kvcap_status kvcap_capsule_tile_error_ref(const struct kvcap_bucket *bucket,
@@ -272,4 +279,24 @@ enum kvcap_status kvcap_capsule_tile_error(const struct kvcap_bucket *bucket,
         err[t] = (float)worst;
     }
     return KVCAP_OK;
+}
+
+void kvcap_capsule_tile_error_points(const double *points, int tiles, int m, float *err)
+{
+    const size_t n = (size_t)tiles * m;
+    double ks = 0, vs = 0;
+    for (size_t i = 0; i < n; i++) {
+        ks += points[4 * i];
+        vs += points[4 * i + 1];
+    }
+    const double k2 = mean_energy(ks, n), v2 = mean_energy(vs, n);
+    for (int t = 0; t < tiles; t++) {
+        double worst = 0;
+        for (int p = 0; p < m; p++) {
+            const double *x = points + 4 * ((size_t)t * m + p);
+            double e = x[2] / k2 + x[3] / v2;
+            worst = e > worst ? e : worst;
+        }
+        err[t] = (float)worst;
+    }
 }

@@ -72,5 +72,9 @@ enum kvcap_status kvcap_capsule_tile_error(const struct kvcap_bucket *bucket,
                                            const float *vt, const float *mu, float *err,
                                            float *scratch);
 size_t kvcap_capsule_tile_error_scratch_floats(const struct kvcap_capsule_maps *maps, int d);
+/* The same errors from per-point sums over the channels, points [tiles·m][4] (point p of tile t
+ * at t·m + p): ‖k'_p‖², ‖v_p − μ‖², ‖k̂'_p − k'_p‖², ‖v̂_p − v_p‖², as the device computes them
+ * (kvcap_cuda_capsule_point_errors); err [tiles]. */
+void kvcap_capsule_tile_error_points(const double *points, int tiles, int m, float *err);
 
 #endif /* KVCAP_CAPSULE_PREFILL_H */

@@ -78,10 +78,10 @@ enum kvcap_status kvcap_capsule_exact_head(const struct kvcap_model_geometry *g,
                                            enum kvcap_dtype storage, void *hs, void *vt,
                                            void *mu, void *k_rows, void *v_rows, float *work);
 size_t kvcap_capsule_exact_work_floats(const struct kvcap_unit_maps *u, int n, int d);
-/* The device store's half of the same choice: the tile errors of kvcap_capsule_tile_error from
- * per-point sums (points [tiles·m][4]: ‖k'‖², ‖v − μ‖², ‖k̂' − k'‖², ‖v̂ − v‖², as
- * kvcap_cuda_capsule_point_errors writes them) to err [tiles], and the `exact` worst marked in
- * pick [tiles] (ties: the lower tile), as kvcap_capsule_exact_head picks them. */
+/* The device store's half of the same choice: the tile errors from per-point sums
+ * (kvcap_capsule_tile_error_points: points [tiles·m][4] as kvcap_cuda_capsule_point_errors
+ * writes them) to err [tiles], and the `exact` worst marked in pick [tiles] (ties: the lower
+ * tile), as kvcap_capsule_exact_head picks them. */
 void kvcap_capsule_exact_pick(const double *points, int tiles, int m, int exact, float *err,
                               unsigned char *pick);
 

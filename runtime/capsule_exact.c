@@ -30,22 +30,7 @@ static void pick_worst_tiles(const float *err, int tiles, int exact, unsigned ch
 void kvcap_capsule_exact_pick(const double *points, int tiles, int m, int exact, float *err,
                               unsigned char *pick)
 {
-    const size_t n = (size_t)tiles * m;
-    double ks = 0, vs = 0;
-    for (size_t i = 0; i < n; i++) {
-        ks += points[4 * i];
-        vs += points[4 * i + 1];
-    }
-    const double k2 = ks > 0 ? ks / (double)n : 1.0, v2 = vs > 0 ? vs / (double)n : 1.0;
-    for (int t = 0; t < tiles; t++) {
-        double worst = 0;
-        for (int p = 0; p < m; p++) {
-            const double *x = points + 4 * ((size_t)t * m + p);
-            double e = x[2] / k2 + x[3] / v2;
-            worst = e > worst ? e : worst;
-        }
-        err[t] = (float)worst;
-    }
+    kvcap_capsule_tile_error_points(points, tiles, m, err);
     pick_worst_tiles(err, tiles, exact, pick);
 }
 

@@ -241,6 +241,33 @@ static void state_free(struct state *s)
     free(s->w2), free(s->b2), free(s->u), free(s->hs), free(s->vt), free(s->mu);
 }
 
+/* The per-point sums kvcap_capsule_tile_error_points takes (the device computes them), naively
+ * from the same inputs: points [n][4] of ‖k'‖², ‖v − μ‖², ‖k̂' − k'‖², ‖v̂ − v‖². */
+static void point_sums(const struct kvcap_bucket *b, const struct kvcap_capsule_maps *mp, int n,
+                       int d, const float *kr, const float *v, const float *hs, const float *vt,
+                       const float *mu, double *points)
+{
+    const int m = mp->m, tiles = n / m;
+    for (int t = 0; t < tiles; t++)
+        for (int p = 0; p < m; p++) {
+            size_t j = kvcap_bucket_token(b, t, p);
+            double *x = points + 4 * ((size_t)t * m + p);
+            x[0] = x[1] = x[2] = x[3] = 0;
+            for (int c = 0; c < d; c++) {
+                double kh = mp->b2[p], vh = mu[c];
+                for (int a = 0; a < mp->h; a++)
+                    kh += (double)mp->w2[(size_t)a * m + p] * hs[((size_t)t * mp->h + a) * d + c];
+                for (int r = 0; r < mp->rv; r++)
+                    vh += (double)mp->u[(size_t)r * m + p] * vt[((size_t)t * mp->rv + r) * d + c];
+                double k = kr[j * d + c], x_v = v[j * d + c];
+                x[0] += k * k;
+                x[1] += (x_v - mu[c]) * (x_v - mu[c]);
+                x[2] += (kh - k) * (kh - k);
+                x[3] += (vh - x_v) * (vh - x_v);
+            }
+        }
+}
+
 static void test_tile_error_fast_matches_ref(void **state)
 {
     (void)state;
@@ -267,14 +294,23 @@ static void test_tile_error_fast_matches_ref(void **state)
         expect_ok(kvcap_capsule_tile_error_ref(&b, &st.m, n, d, k, v, st.hs, st.vt, st.mu, want));
         expect_ok(kvcap_capsule_tile_error(&b, &st.m, n, d, k, v, st.hs, st.vt, st.mu, got,
                                            scratch));
+        /* and from per-point sums, as the device store makes them */
+        double *points = malloc(sizeof(double) * 4 * (size_t)n);
+        float *from_points = alloc_f((size_t)tiles);
+        assert_non_null(points);
+        point_sums(&b, &st.m, n, d, k, v, st.hs, st.vt, st.mu, points);
+        kvcap_capsule_tile_error_points(points, tiles, m, from_points);
         for (int t = 0; t < tiles; t++) {
             if (!(want[t] > 0))
                 fail_msg("shape %zu, tile %d: error %g of random maps", i, t, (double)want[t]);
             if (!(fabs(got[t] - want[t]) <= TILE_ERROR_TOL * want[t]))
                 fail_msg("shape %zu, tile %d: fast %.9g, oracle %.9g", i, t, (double)got[t],
                          (double)want[t]);
+            if (!(fabs(from_points[t] - want[t]) <= TILE_ERROR_TOL * want[t]))
+                fail_msg("shape %zu, tile %d: from point sums %.9g, oracle %.9g", i, t,
+                         (double)from_points[t], (double)want[t]);
         }
-        free(k), free(v), free(want), free(got), free(scratch);
+        free(k), free(v), free(want), free(got), free(scratch), free(points), free(from_points);
         state_free(&st);
     }
 }

@@ -73,7 +73,7 @@ enum kvcap_status kvcap_cuda_capsule_prefill(const struct kvcap_cuda_view *k,
  * ‖v̂ − v‖² over the channels, with k' = R(−p0) k (rope_row as above), k̂' = Σ_a W2[a][p] H_t[a]
  * + b2[p] and v̂ = Σ_r U[r][p] Ṽ_t[r] + μ, from the f32 state of every tile (hs [tiles][h][d],
  * vt [tiles][rv][d], mu [d], device; kvcap_cuda_capsule_prefill with storage F32). The tile
- * errors follow on the host (kvcap_capsule_exact_pick, runtime/capsule_exact.c). A launch
+ * errors follow on the host (kvcap_capsule_tile_error_points, kernels/capsule_prefill.h). A launch
  * failure is KVCAP_ERR_DEVICE naming it. */
 enum kvcap_status kvcap_cuda_capsule_point_errors(const struct kvcap_cuda_view *k,
                                                   const struct kvcap_cuda_view *v, int head, int n,
