@@ -337,9 +337,9 @@ static enum kvcap_status device_fill(struct kvcap_cache *c, struct kvcap_segment
 
 /* KVCapsule with kvcap's exact tiles. Per KV head, on the device: the state of every tile in
  * f32 and each point's error sums (kvcap_cuda_capsule_point_errors), which come to the host,
- * where kvcap_capsule_exact_pick picks the tiles by the host store's rule; then the state of
- * every tile in the storage dtype, of which the kept tiles' is copied into the segment, and the
- * picked tiles' tokens converted into its rows. */
+ * where kvcap_capsule_exact_pick picks the tiles by the host store's rule; then, by fill_rows,
+ * the kept tiles' state and μ converted into the segment's storage (the bits a storage-dtype
+ * prefill would write) and the picked tiles' tokens into its rows. */
 static enum kvcap_status device_capsule_exact(struct kvcap_cache *c, int layer,
                                               struct kvcap_segment *seg,
                                               const struct kvcap_tensor_view *k,
@@ -353,34 +353,33 @@ static enum kvcap_status device_capsule_exact(struct kvcap_cache *c, int layer,
     seg->h = u0->h;
     seg->rv = u0->rv;
     const size_t es = kvcap_dtype_size(c->storage);
-    const size_t tile_h = (size_t)seg->h * d, tile_v = (size_t)seg->rv * d;
-    const size_t per_h = (size_t)seg->tiles * tile_h, per_v = (size_t)seg->tiles * tile_v;
+    const int kept_h = seg->tiles * seg->h, kept_v = seg->tiles * seg->rv; /* state rows kept */
+    const size_t per_h = (size_t)kept_h * d, per_v = (size_t)kept_v * d;
+    const int n_idx = kept_h + kept_v + rows; /* those rows' indices, then the picked tokens */
     seg->dev = 1 + c->dev->ctx.device;
     KVCAP_TRY(kvcap_cache_cuda_malloc(&c->dev->ctx, (size_t)H * per_h * es, &seg->hs));
     KVCAP_TRY(kvcap_cache_cuda_malloc(&c->dev->ctx, (size_t)H * per_v * es, &seg->vt));
     KVCAP_TRY(kvcap_cache_cuda_malloc(&c->dev->ctx, (size_t)H * d * es, &seg->mu));
     KVCAP_TRY(kvcap_segment_reserve(c, seg, rows)); /* exactly: [heads][exact·m][d] */
     /* Device scratch: every tile's state in f32 with its μ and the prefill's μ scratch, the
-     * same state in storage, the points' sums, the picked tokens, and their rows of every head. */
+     * points' sums, the indices, and the picked tokens' rows of every head. */
     size_t total = 0;
-    const size_t o_hf = section(&total, sizeof(float) * all * tile_h);
-    const size_t o_vf = section(&total, sizeof(float) * all * tile_v);
+    const size_t o_hf = section(&total, sizeof(float) * (size_t)all * seg->h * d);
+    const size_t o_vf = section(&total, sizeof(float) * (size_t)all * seg->rv * d);
     const size_t o_mf = section(&total, sizeof(float) * (size_t)d);
     const size_t o_ms = section(&total, sizeof(float) * (size_t)d);
-    const size_t o_hs = section(&total, es * all * tile_h);
-    const size_t o_vs = section(&total, es * all * tile_v);
     const size_t o_pt = section(&total, sizeof(double) * 4 * (size_t)n);
-    const size_t o_tk = section(&total, sizeof(int) * (size_t)rows);
+    const size_t o_ix = section(&total, sizeof(int) * (size_t)n_idx);
     const size_t o_rk = section(&total, es * (size_t)H * rows * d);
     const size_t o_rv = section(&total, es * (size_t)H * rows * d);
-    /* host: the points' sums, the tile errors, the picks, the picked tokens */
+    /* host: the points' sums, the tile errors, the indices, the picks */
     double *pts = malloc(sizeof(double) * 4 * (size_t)n + sizeof(float) * all +
-                         sizeof(int) * (size_t)rows + (size_t)all);
+                         sizeof(int) * (size_t)n_idx + (size_t)all);
     KVCAP_RETURN_IF(!pts, KVCAP_ERR_OUT_OF_MEMORY, "kvcapsule: out of memory for a %d-token span",
                     n);
     float *err = (float *)(pts + 4 * (size_t)n);
-    int *tokens = (int *)(err + all);
-    unsigned char *pick = (unsigned char *)(tokens + rows);
+    int *idx = (int *)(err + all);
+    unsigned char *pick = (unsigned char *)(idx + n_idx);
     char *w = NULL;
     enum kvcap_status st = kvcap_cache_cuda_malloc(&c->dev->ctx, total, (void **)&w);
     float row[KVCAP_CUDA_ROPE_MAX_D];
@@ -393,8 +392,12 @@ static enum kvcap_status device_capsule_exact(struct kvcap_cache *c, int layer,
                                    bk->tile_rows, bk->tile_cols};
     float *hf = (float *)(w + o_hf), *vf = (float *)(w + o_vf), *mf = (float *)(w + o_mf);
     float *ms = (float *)(w + o_ms);
-    char *hs = w + o_hs, *vs = w + o_vs, *rk = w + o_rk, *rv = w + o_rv;
-    int *dtok = (int *)(w + o_tk);
+    char *rk = w + o_rk, *rv = w + o_rv;
+    int *didx = (int *)(w + o_ix);
+    /* the f32 state as one-head views of rows of d channels */
+    const struct kvcap_cuda_view hview = {hf, NULL, 0, KVCAP_DTYPE_F32, 0, d};
+    const struct kvcap_cuda_view vview = {vf, NULL, 0, KVCAP_DTYPE_F32, 0, d};
+    const struct kvcap_cuda_view mview = {mf, NULL, 0, KVCAP_DTYPE_F32, 0, d};
     for (int h = 0; st == KVCAP_OK && t.mem && h < H; h++) {
         const struct kvcap_cuda_capsule_unit *u = dev_unit(c, layer, h, seg->bucket);
         const struct kvcap_cache_cuda_ctx *x = &c->dev->ctx;
@@ -409,37 +412,36 @@ static enum kvcap_status device_capsule_exact(struct kvcap_cache *c, int layer,
         if (st != KVCAP_OK)
             break;
         kvcap_capsule_exact_pick(pts, all, m, exact, err, pick);
-        st = kvcap_cache_cuda_capsule_prefill(x, &t.k, &t.v, h, n, d, &c->dev->rope, rr, &grid, u,
-                                              all, c->storage, hs, vs,
-                                              (char *)seg->mu + (size_t)h * d * es, ms);
-        /* the kept tiles, run by run, then the picked tiles' tokens */
-        for (int t0 = 0, kept = 0, r = 0; st == KVCAP_OK && t0 < all;) {
-            if (pick[t0]) {
+        int *ih = idx, *iv = idx + kept_h, *it = iv + kept_v;
+        for (int tt = 0; tt < all; tt++)
+            if (pick[tt]) {
                 for (int p = 0; p < m; p++)
-                    tokens[r++] = (int)kvcap_bucket_token(bk, t0, p);
-                t0++;
-                continue;
+                    *it++ = (int)kvcap_bucket_token(bk, tt, p);
+            } else {
+                for (int i = 0; i < seg->h; i++)
+                    *ih++ = tt * seg->h + i;
+                for (int i = 0; i < seg->rv; i++)
+                    *iv++ = tt * seg->rv + i;
             }
-            int t1 = t0;
-            while (t1 < all && !pick[t1])
-                t1++;
-            size_t nh = (size_t)(t1 - t0) * tile_h * es, nv = (size_t)(t1 - t0) * tile_v * es;
-            st = kvcap_cache_cuda_copy_2d(x, (char *)seg->hs + ((size_t)h * per_h + kept * tile_h) * es,
-                                          nh, hs + t0 * tile_h * es, nh, nh, 1);
-            if (st == KVCAP_OK)
-                st = kvcap_cache_cuda_copy_2d(
-                    x, (char *)seg->vt + ((size_t)h * per_v + kept * tile_v) * es, nv,
-                    vs + t0 * tile_v * es, nv, nv, 1);
-            kept += t1 - t0;
-            t0 = t1;
-        }
+        st = kvcap_cache_cuda_upload_sync(x, didx, idx, sizeof(int) * (size_t)n_idx);
         if (st == KVCAP_OK)
-            st = kvcap_cache_cuda_upload_sync(x, dtok, tokens, sizeof(int) * (size_t)rows);
+            st = kvcap_cache_cuda_fill_rows(x, &hview, didx, kept_h, 1, d,
+                                            (char *)seg->hs + (size_t)h * per_h * es, kept_h,
+                                            c->storage);
+        if (st == KVCAP_OK)
+            st = kvcap_cache_cuda_fill_rows(x, &vview, didx + kept_h, kept_v, 1, d,
+                                            (char *)seg->vt + (size_t)h * per_v * es, kept_v,
+                                            c->storage);
+        if (st == KVCAP_OK)
+            st = kvcap_cache_cuda_fill_rows(x, &mview, NULL, 1, 1, d,
+                                            (char *)seg->mu + (size_t)h * d * es, 1, c->storage);
+        /* the picked tokens' rows of every head, of which head h's are kept */
+        const int *dtok = didx + kept_h + kept_v;
         if (st == KVCAP_OK)
             st = kvcap_cache_cuda_fill_rows(x, &t.k, dtok, rows, H, d, rk, rows, c->storage);
         if (st == KVCAP_OK)
             st = kvcap_cache_cuda_fill_rows(x, &t.v, dtok, rows, H, d, rv, rows, c->storage);
-        const size_t head_rows = (size_t)rows * d * es; /* head h's rows of the picked tokens */
+        const size_t head_rows = (size_t)rows * d * es;
         if (st == KVCAP_OK)
             st = kvcap_cache_cuda_copy_2d(x, (char *)seg->k + h * head_rows, head_rows,
                                           rk + h * head_rows, head_rows, head_rows, 1);
