@@ -270,8 +270,8 @@ struct kvcap_cache_params {
  *    bucket takes the fallback, which must be full, streaming or none: a runtime config that
  *    compresses vision spans with kvcapsule must set `fallback`, whose default is flashcache).
  *    With kvcapsule.exact_tiles, add_span computes each point's reconstruction error on the
- *    device and picks the tiles on the host, by the host cache's rule; its prefill takes about
- *    3x one without (kvcap-bench-cuda --sections prefill measures both).
+ *    device and picks the tiles on the host, by the host cache's rule; its prefill takes 2-3x
+ *    one without (kvcap-bench-cuda --sections prefill measures both).
  *    A runtime config that selects flashcache, vlcache or freekv fails kvcap_cache_create with
  *    KVCAP_ERR_UNSUPPORTED naming the key; so does record mode (record_dir). Without a runtime
  *    config a device cache keeps vision spans with kvcapsule when an artifact is given and in
