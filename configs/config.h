@@ -164,10 +164,14 @@ struct kvcap_streaming_config {
 };
 
 /* kvzip (arXiv 2505.23416): the span keeps `retention` of its tokens over all layers and KV heads
- * together, `sinks` first and `window` last tokens of every head always among them. */
+ * together, `sinks` first and `window` last tokens of every head always among them. With
+ * `safeguard` > 0 (kvcap's variant: Ada-KV's safeguard, arXiv 2407.11550) every head first keeps
+ * its best tokens up to that share of an even split (retention × the span's tokens), then the
+ * rest of the budget is shared. */
 struct kvcap_kvzip_config {
-    double retention; /* (0, 1], default 0.4 */
+    double retention;  /* (0, 1], default 0.4 */
     int sinks, window; /* default 0 */
+    double safeguard;  /* [0, 1], default 0: KVzip's rule */
 };
 
 /* random: each KV head of each layer keeps `retention` of the span's tokens (sinks and window

@@ -26,7 +26,8 @@ void kvcap_runtime_config_default(struct kvcap_runtime_config *cfg)
     cfg->freekv = (struct kvcap_freekv_config){
         .page_size = 32, .budget = 2048, .tau = 0.9, .sink_pages = 1, .window_pages = 2};
     cfg->streaming = (struct kvcap_streaming_config){.sinks = 4, .window = 1024};
-    cfg->kvzip = (struct kvcap_kvzip_config){.retention = 0.4, .sinks = 0, .window = 0};
+    cfg->kvzip =
+        (struct kvcap_kvzip_config){.retention = 0.4, .sinks = 0, .window = 0, .safeguard = 0};
     cfg->random = (struct kvcap_random_config){.retention = 0.4, .sinks = 0, .window = 0,
                                                .seed = 0};
     cfg->expected = (struct kvcap_expected_config){
@@ -78,7 +79,7 @@ static enum kvcap_status parse_runtime(struct kvcap_yaml *c, yaml_node_t *root, 
     static const char *const freekv_keys[] = {"page_size", "budget", "tau", "sink_pages",
                                               "window_pages", NULL};
     static const char *const streaming_keys[] = {"sinks", "window", NULL};
-    static const char *const kvzip_keys[] = {"retention", "sinks", "window", NULL};
+    static const char *const kvzip_keys[] = {"retention", "sinks", "window", "safeguard", NULL};
     static const char *const random_keys[] = {"retention", "sinks", "window", "seed", NULL};
     static const char *const expected_keys[] = {"retention", "n_future", "query_sinks", "sinks",
                                                 "window", NULL};
@@ -181,6 +182,8 @@ static enum kvcap_status parse_runtime(struct kvcap_yaml *c, yaml_node_t *root, 
                                         KVCAP_YAML_RATIO, &p->retention));
         KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "sinks", 0, 1 << 30, &p->sinks));
         KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "window", 0, 1 << 30, &p->window));
+        KVCAP_TRY(kvcap_yaml_get_double(c, n, f, "safeguard",
+                                        (struct kvcap_yaml_range){0.0, 1.0, 0, 0}, &p->safeguard));
     }
     if ((n = kvcap_yaml_lookup(c, root, "random"))) {
         struct kvcap_random_config *p = &cfg->random;

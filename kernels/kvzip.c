@@ -160,21 +160,54 @@ static int select_args_bad(const float *score, int units, int n, const int *keep
     return !score || !keep || !sel || units < 0 || n < 0 || (int64_t)units * n > INT_MAX;
 }
 
-int64_t kvcap_kvzip_select(const float *score, int units, int n, int64_t budget, int *keep,
-                           unsigned char *sel, int *work)
+/* The budget clamped to [0, total] and the floor to [0, n] and to budget / units. */
+static void select_counts(int units, int n, int64_t budget, int head_floor, int *k, int *f)
 {
-    if (select_args_bad(score, units, n, keep, sel) || !work)
+    const int total = units * n;
+    *k = budget < 0 ? 0 : budget > total ? total : (int)budget;
+    *f = head_floor < 0 ? 0 : head_floor > n ? n : head_floor;
+    if (units > 0 && *f > *k / units)
+        *f = *k / units;
+}
+
+int64_t kvcap_kvzip_select(const float *score, int units, int n, int64_t budget,
+                           int head_floor, int *keep, unsigned char *sel)
+{
+    if (select_args_bad(score, units, n, keep, sel))
         return -1;
     const int total = units * n;
-    const int k = budget < 0 ? 0 : budget > total ? total : (int)budget;
-    memset(sel, 0, (size_t)total);
-    memset(keep, 0, sizeof(int) * (size_t)units);
-    int *idx = work + total; /* work: the selection's scratch, then the indices */
-    int got = kvcap_topk_indices(score, total, k, idx, work);
-    for (int i = 0; i < got; i++) {
-        sel[idx[i]] = 1;
-        keep[idx[i] / n]++;
+    int k, f;
+    select_counts(units, n, budget, head_floor, &k, &f);
+    const size_t cells = (size_t)(total > 0 ? total : 1);
+    int *idx = malloc(sizeof(int) * cells), *work = malloc(sizeof(int) * cells);
+    int *from = malloc(sizeof(int) * cells); /* the rest: their index among all scores */
+    float *rest = malloc(sizeof(float) * cells);
+    int64_t got = -1;
+    if (idx && work && from && rest) {
+        memset(sel, 0, (size_t)total);
+        memset(keep, 0, sizeof(int) * (size_t)units);
+        got = 0;
+        for (int u = 0; u < units && f > 0; u++) { /* the safeguard: each row's own top f */
+            int g = kvcap_topk_indices(score + (size_t)u * n, n, f, idx, work);
+            for (int i = 0; i < g; i++)
+                sel[(size_t)u * n + idx[i]] = 1;
+            keep[u] += g;
+            got += g;
+        }
+        int m = 0; /* the scores not kept yet, in index order (ties stay to the lower) */
+        for (int i = 0; i < total; i++)
+            if (!sel[i]) {
+                rest[m] = score[i];
+                from[m++] = i;
+            }
+        int g = kvcap_topk_indices(rest, m, k - (int)got, idx, work);
+        for (int i = 0; i < g; i++) {
+            sel[from[idx[i]]] = 1;
+            keep[from[idx[i]] / n]++;
+        }
+        got += g;
     }
+    free(idx), free(work), free(from), free(rest);
     return got;
 }
 
@@ -195,25 +228,38 @@ static int by_rank(const void *a, const void *b)
     return (x->i > y->i) - (x->i < y->i);
 }
 
-int64_t kvcap_kvzip_select_ref(const float *score, int units, int n, int64_t budget, int *keep,
-                               unsigned char *sel)
+int64_t kvcap_kvzip_select_ref(const float *score, int units, int n, int64_t budget,
+                               int head_floor, int *keep, unsigned char *sel)
 {
     if (select_args_bad(score, units, n, keep, sel))
         return -1;
     const int total = units * n;
-    const int k = budget < 0 ? 0 : budget > total ? total : (int)budget;
+    int k, f;
+    select_counts(units, n, budget, head_floor, &k, &f);
     struct ranked *r = malloc(sizeof *r * (size_t)(total > 0 ? total : 1));
     if (!r)
         return -1;
-    for (int i = 0; i < total; i++)
-        r[i] = (struct ranked){score[i], i};
-    qsort(r, (size_t)total, sizeof *r, by_rank);
     memset(sel, 0, (size_t)total);
     memset(keep, 0, sizeof(int) * (size_t)units);
-    for (int i = 0; i < k; i++) {
-        sel[r[i].i] = 1;
-        keep[r[i].i / n]++;
+    int got = 0;
+    for (int u = 0; u < units; u++) { /* each row ranked alone: its first f are kept */
+        for (int j = 0; j < n; j++)
+            r[j] = (struct ranked){score[(size_t)u * n + j], u * n + j};
+        qsort(r, (size_t)n, sizeof *r, by_rank);
+        for (int j = 0; j < f; j++, got++) {
+            sel[r[j].i] = 1;
+            keep[u]++;
+        }
     }
+    for (int i = 0; i < total; i++) /* then all rows ranked together, the kept skipped */
+        r[i] = (struct ranked){score[i], i};
+    qsort(r, (size_t)total, sizeof *r, by_rank);
+    for (int i = 0; i < total && got < k; i++)
+        if (!sel[r[i].i]) {
+            sel[r[i].i] = 1;
+            keep[r[i].i / n]++;
+            got++;
+        }
     free(r);
-    return k;
+    return got;
 }

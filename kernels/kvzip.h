@@ -38,15 +38,18 @@ enum kvcap_status kvcap_kvzip_head_ref(const float *q, size_t q_stride, const fl
 
 /* The shared budget: `units` score rows of n floats each (one per layer and KV head, the
  * compressible tokens only) compete for `budget` places; keep[u] receives how many of row u's
- * tokens are among the budget largest scores of all rows, and sel (units·n ints) marks them:
- * sel[u·n + j] = 1 for a kept token. Ties go to the lower (row, token) index; NaN ranks below
- * every number. budget is clamped to [0, units·n]. work: 2·units·n ints. Returns the number
- * kept, or -1 for a bad argument (NULL, units or n < 0, units·n > INT_MAX). */
-int64_t kvcap_kvzip_select(const float *score, int units, int n, int64_t budget, int *keep,
-                           unsigned char *sel, int *work);
-/* The same by sorting every (score, index) pair: the readable oracle (-1 also when out of
- * memory). */
-int64_t kvcap_kvzip_select_ref(const float *score, int units, int n, int64_t budget, int *keep,
-                               unsigned char *sel);
+ * tokens are kept and sel (units·n bytes) marks them: sel[u·n + j] = 1 for a kept token.
+ * Every row first keeps its `head_floor` largest scores (Ada-KV's safeguard, arXiv 2407.11550:
+ * no head is starved; head_floor is clamped to [0, n] and to budget / units), then the rest of
+ * the budget goes to the largest remaining scores of all rows together (head_floor 0: KVzip's
+ * rule).
+ * Ties go to the lower (row, token) index; NaN ranks below every number. budget is clamped to
+ * [0, units·n]. Returns the number kept, or -1 for a bad argument (NULL, units or n < 0,
+ * units·n > INT_MAX) or when out of memory (it allocates O(units·n)). */
+int64_t kvcap_kvzip_select(const float *score, int units, int n, int64_t budget,
+                           int head_floor, int *keep, unsigned char *sel);
+/* The same by sorting every (score, index) pair: the readable oracle. */
+int64_t kvcap_kvzip_select_ref(const float *score, int units, int n, int64_t budget,
+                               int head_floor, int *keep, unsigned char *sel);
 
 #endif

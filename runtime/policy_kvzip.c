@@ -7,7 +7,10 @@
  * span's tokens × layers × KV heads, goes to the largest scores of all layers and heads
  * together, so layers and heads keep different numbers of rows (the rows of a head are packed,
  * cache_state.h). The first `sinks` and last `window` tokens of every head are always kept
- * and counted in the budget, so bytes held = retention × full for the span. */
+ * and counted in the budget, so bytes held = retention × full for the span. With
+ * `safeguard` > 0 (kvcap's variant, Ada-KV's safeguard, arXiv 2407.11550) every head first
+ * keeps its largest scores up to that share of an even split, then the rest is shared. */
+#include <limits.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -117,24 +120,30 @@ static enum kvcap_status kvzip_finish(struct kvcap_cache *c, int seq, int span)
     const size_t units = (size_t)L * H;
     float *score = malloc(sizeof(float) * (units * nc > 0 ? units * nc : 1));
     int *keep = malloc(sizeof(int) * units);
-    int *work = malloc(sizeof(int) * (2 * units * nc > 0 ? 2 * units * nc : 1));
     unsigned char *sel = malloc(units * nc > 0 ? units * nc : 1);
     unsigned char *mark = malloc((size_t)H * n > 0 ? (size_t)H * n : 1);
     struct kvcap_kept_rows *kept = calloc((size_t)L, sizeof *kept);
     enum kvcap_status st = KVCAP_OK;
-    if (!score || !keep || !work || !sel || !mark || !kept)
+    if (!score || !keep || !sel || !mark || !kept)
         st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "kvzip: out of memory");
     for (int l = 0; st == KVCAP_OK && l < L && nc > 0; l++)
         st = score_layer(c, seq, l, span, lo, hi, score + (size_t)l * H * nc);
     if (st == KVCAP_OK) {
         /* every head keeps its protected tokens; the rest of the budget goes to the largest
          * scores of every layer and head together */
-        int64_t budget = llround(cfg->retention * (double)n) * (int64_t)units -
-                         (int64_t)units * (n - nc);
-        if (kvcap_kvzip_select(score, (int)units, nc, budget > 0 ? budget : 0, keep, sel,
-                               work) < 0)
+        const int64_t even = llround(cfg->retention * (double)n); /* a head's even share */
+        int64_t budget = even * (int64_t)units - (int64_t)units * (n - nc);
+        /* the safeguard: every head first keeps that share of its even share, protected
+         * tokens included */
+        int64_t floor_rows = llround(cfg->safeguard * (double)even) - (n - nc);
+        int head_floor = floor_rows < 0 ? 0 : floor_rows > nc ? nc : (int)floor_rows;
+        if ((int64_t)units * nc > INT_MAX)
             st = kvcap_fail(KVCAP_ERR_INVALID_ARGUMENT, "kvzip: %zu x %d scores are too many",
                             units, nc);
+        else if (kvcap_kvzip_select(score, (int)units, nc, budget > 0 ? budget : 0, head_floor,
+                                    keep, sel) < 0)
+            st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "kvzip: out of memory selecting among "
+                            "%zu x %d scores", units, nc);
     }
     for (int l = 0; st == KVCAP_OK && l < L; l++) {
         const struct kvcap_segment *seg = &kvcap_cache_seq_layer(c, seq, l)->segs[span];
@@ -146,7 +155,7 @@ static enum kvcap_status kvzip_finish(struct kvcap_cache *c, int seq, int span)
         st = kvcap_segment_keep_marked(c, seg, mark, &kept[l]);
     }
     st = kvcap_span_commit(c, seq, span, kept, st);
-    free(score), free(keep), free(work), free(sel), free(mark), free(kept);
+    free(score), free(keep), free(sel), free(mark), free(kept);
     c->compress_seconds += kvcap_seconds() - t0;
     return st;
 }

@@ -1,7 +1,7 @@
 /* test_kvzip.c — KVzip's scoring against its oracle: the fast column maxima vs the double
  * _ref over dtypes, G, d, query counts and chunk splits (blocks straddling chunks, empty
  * chunks, padded rows), a case worked by hand, the shared budget's selection vs its sorting
- * oracle (ties, NaN, clamping), and the argument checks. */
+ * oracle (ties, NaN, clamping, per-head floors) and by hand, and the argument checks. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -149,19 +149,29 @@ static void test_by_hand(void **state)
     free(scratch);
 }
 
-static void check_select(const float *score, int units, int n, int64_t budget)
+/* The selection against its oracle; also that every row keeps at least its clamped floor. */
+static void check_select(const float *score, int units, int n, int64_t budget, int head_floor)
 {
     int keep[64], keep_ref[64];
     unsigned char *sel = malloc((size_t)units * n + 1), *sel_ref = malloc((size_t)units * n + 1);
-    int *work = malloc(sizeof(int) * (2 * (size_t)units * n + 1));
-    int64_t a = kvcap_kvzip_select(score, units, n, budget, keep, sel, work);
-    int64_t b = kvcap_kvzip_select_ref(score, units, n, budget, keep_ref, sel_ref);
+    int64_t a = kvcap_kvzip_select(score, units, n, budget, head_floor, keep, sel);
+    int64_t b = kvcap_kvzip_select_ref(score, units, n, budget, head_floor, keep_ref, sel_ref);
     int64_t want = budget < 0 ? 0 : budget > (int64_t)units * n ? (int64_t)units * n : budget;
     assert_int_equal(a, want);
     assert_int_equal(b, want);
     assert_memory_equal(keep, keep_ref, sizeof(int) * (size_t)units);
     assert_memory_equal(sel, sel_ref, (size_t)units * n);
-    free(sel), free(sel_ref), free(work);
+    int f = head_floor < 0 ? 0 : head_floor > n ? n : head_floor;
+    if (units > 0 && f > want / units)
+        f = (int)(want / units);
+    for (int u = 0; u < units; u++) {
+        int count = 0;
+        for (int j = 0; j < n; j++)
+            count += sel[(size_t)u * n + j];
+        assert_int_equal(count, keep[u]);
+        assert_true(keep[u] >= f);
+    }
+    free(sel), free(sel_ref);
 }
 
 static void test_select(void **state)
@@ -171,24 +181,43 @@ static void test_select(void **state)
     kvcap_rng_seed(&r, 7);
     float s[12 * 50];
     fill(&r, s, 12 * 50, 1.0);
-    for (int64_t b = -3; b <= 12 * 50 + 3; b += 37)
-        check_select(s, 12, 50, b);
+    /* rows of unequal scale, so the shared budget starves some and the floor matters */
+    for (int u = 0; u < 12; u++)
+        for (int j = 0; j < 50; j++)
+            s[u * 50 + j] *= (float)(1 + u * u);
+    const int floors[] = {0, 1, 4, 13, 50, 51, -2};
+    for (int fi = 0; fi < (int)(sizeof floors / sizeof floors[0]); fi++)
+        for (int64_t b = -3; b <= 12 * 50 + 3; b += 37)
+            check_select(s, 12, 50, b, floors[fi]);
     for (int i = 0; i < 12 * 50; i++) /* ties everywhere, and NaN: lower index and numbers win */
         s[i] = i % 7 == 0 ? NAN : (float)(i % 4);
-    for (int64_t b = 0; b <= 12 * 50; b += 13)
-        check_select(s, 12, 50, b);
-    check_select(s, 0, 50, 10);
-    check_select(s, 12, 0, 10);
+    for (int fi = 0; fi < (int)(sizeof floors / sizeof floors[0]); fi++)
+        for (int64_t b = 0; b <= 12 * 50; b += 13)
+            check_select(s, 12, 50, b, floors[fi]);
+    check_select(s, 0, 50, 10, 3);
+    check_select(s, 12, 0, 10, 3);
     /* by hand: units of 3, budget 3 → the three largest wherever they are */
     const float h[6] = {0.1f, 0.9f, 0.2f, 0.8f, 0.7f, 0.05f};
     int keep[2];
     unsigned char sel[6];
-    int work[12];
-    assert_int_equal(kvcap_kvzip_select(h, 2, 3, 3, keep, sel, work), 3);
+    assert_int_equal(kvcap_kvzip_select(h, 2, 3, 3, 0, keep, sel), 3);
     assert_int_equal(keep[0], 1);
     assert_int_equal(keep[1], 2);
     const unsigned char want[6] = {0, 1, 0, 1, 1, 0};
     assert_memory_equal(sel, want, 6);
+    /* a floor of 1 per row, budget 4: first 0.9 and 0.8, then 0.7 and 0.2 (as without) */
+    assert_int_equal(kvcap_kvzip_select(h, 2, 3, 4, 1, keep, sel), 4);
+    const unsigned char want_floor[6] = {0, 1, 1, 1, 1, 0};
+    assert_memory_equal(sel, want_floor, 6);
+    /* a floor of 2, budget 4: each row its own two largest, so 0.2 in place of 0.7 */
+    const float g[6] = {0.1f, 0.2f, 0.3f, 0.9f, 0.8f, 0.7f};
+    assert_int_equal(kvcap_kvzip_select(g, 2, 3, 4, 0, keep, sel), 4);
+    assert_int_equal(keep[0], 1); /* without: 0.9, 0.8, 0.7 and 0.3 */
+    assert_int_equal(kvcap_kvzip_select(g, 2, 3, 4, 2, keep, sel), 4);
+    assert_int_equal(keep[0], 2);
+    assert_int_equal(keep[1], 2);
+    const unsigned char want_two[6] = {0, 1, 1, 1, 1, 0};
+    assert_memory_equal(sel, want_two, 6);
 }
 
 static void test_arguments(void **state)
@@ -218,11 +247,10 @@ static void test_arguments(void **state)
     assert_int_equal(kvcap_kvzip_scratch_floats(0, 1, 64), 0);
     int keep[1];
     unsigned char sel[1];
-    int work[2];
-    assert_int_equal(kvcap_kvzip_select(NULL, 1, 1, 1, keep, sel, work), -1);
-    assert_int_equal(kvcap_kvzip_select(s, -1, 1, 1, keep, sel, work), -1);
-    assert_int_equal(kvcap_kvzip_select(s, 1, 1, 1, keep, sel, NULL), -1);
-    assert_int_equal(kvcap_kvzip_select_ref(s, 1, -1, 1, keep, sel), -1);
+    assert_int_equal(kvcap_kvzip_select(NULL, 1, 1, 1, 0, keep, sel), -1);
+    assert_int_equal(kvcap_kvzip_select(s, -1, 1, 1, 0, keep, sel), -1);
+    assert_int_equal(kvcap_kvzip_select(s, 1, 1, 1, 0, keep, NULL), -1);
+    assert_int_equal(kvcap_kvzip_select_ref(s, 1, -1, 1, 0, keep, sel), -1);
 }
 
 int main(void)

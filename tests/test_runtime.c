@@ -1460,16 +1460,17 @@ static void add_text_vision_text(struct kvcap_cache *c, const struct kvcap_model
  * scores over the whole prompt, one budget over every layer and head (the readable selection),
  * sinks and window kept; heads keep different numbers of rows (packed), the bytes held are
  * exactly retention × the span's, and decode attention over the packed rows matches a naive
- * softmax over the rows the brute force keeps. */
-static void test_kvzip_in_cache(void **state)
+ * softmax over the rows the brute force keeps. With a safeguard, every head first keeps its
+ * floor (the brute force's selection with that floor), which starves no head. */
+static void check_kvzip_in_cache(double safeguard)
 {
-    (void)state;
     struct kvcap_model_geometry g = geometry(3, 6, 2, 64);
     const int L = g.n_layers, H = g.n_kv_heads, Hq = g.n_q_heads, G = Hq / H, d = g.head_dim;
     const int nh = 9, nv = 80, nt = 7, n_r = 23, sinks = 2, window = 3;
     const double retention = 0.3;
-    const char *yaml = "policies: {vision: kvzip, text: full}\n"
-                       "kvzip: {retention: 0.3, sinks: 2, window: 3}\n";
+    char yaml[160];
+    snprintf(yaml, sizeof yaml, "policies: {vision: kvzip, text: full}\n"
+             "kvzip: {retention: 0.3, sinks: 2, window: 3, safeguard: %g}\n", safeguard);
     struct kvcap_cache *c = make_cache(&g, 1, KVCAP_DTYPE_F32, NULL, yaml);
     struct kvcap_rng r;
     kvcap_rng_seed(&r, 61);
@@ -1541,11 +1542,27 @@ static void test_kvzip_in_cache(void **state)
     int keep_n[6];
     unsigned char *sel = malloc((size_t)L * H * nc);
     int64_t budget = llround(retention * nv) * (int64_t)L * H - (int64_t)L * H * (nv - nc);
-    assert_int_equal(kvcap_kvzip_select_ref(score, L * H, nc, budget, keep_n, sel), budget);
+    /* the safeguard: each head's best up to that share of an even split, protected included */
+    const int head_floor = (int)llround(safeguard * llround(retention * nv)) - (nv - nc);
+    assert_int_equal(kvcap_kvzip_select_ref(score, L * H, nc, budget,
+                                            head_floor > 0 ? head_floor : 0, keep_n, sel),
+                     budget);
     int differ = 0;
     for (int u = 1; u < L * H; u++)
         differ |= keep_n[u] != keep_n[0];
     assert_true(differ); /* the budget really moved between layers and heads */
+    if (head_floor > 0) { /* and the floor bound: without it, some head keeps less */
+        int keep_0[6], starved = 0;
+        unsigned char *sel_0 = malloc((size_t)L * H * nc);
+        assert_int_equal(kvcap_kvzip_select_ref(score, L * H, nc, budget, 0, keep_0, sel_0),
+                         budget);
+        for (int u = 0; u < L * H; u++) {
+            assert_true(keep_n[u] >= head_floor);
+            starved |= keep_0[u] < head_floor;
+        }
+        assert_true(starved);
+        free(sel_0);
+    }
     int64_t kept_rows = 0;
     for (int l = 0; l < L; l++) {
         const struct kvcap_segment *seg = &kvcap_cache_seq_layer(c, 0, l)->segs[1];
@@ -1599,6 +1616,13 @@ static void test_kvzip_in_cache(void **state)
         free(rq[l]), free(rl[l]);
     }
     kvcap_cache_free(c);
+}
+
+static void test_kvzip_in_cache(void **state)
+{
+    (void)state;
+    check_kvzip_in_cache(0);   /* KVzip's rule: one budget shared by every layer and head */
+    check_kvzip_in_cache(0.7); /* kvcap's safeguard: every head first keeps 12 of its 75 */
 }
 
 /* Expected attention in a cache: a text head, the span, a text tail; the engine hands every

@@ -308,7 +308,7 @@ static enum kvcap_policy write_config(struct fuzz_bytes *in, char *path, size_t 
              "window: %d}\n"
              "freekv: {page_size: %d, budget: %d, tau: %g, sink_pages: %d, window_pages: %d}\n"
              "streaming: {sinks: %d, window: %d}\n"
-             "kvzip: {retention: %g, sinks: %d, window: %d}\n"
+             "kvzip: {retention: %g, sinks: %d, window: %d, safeguard: %g}\n"
              "random: {retention: %g, sinks: %d, window: %d, seed: %d}\n"
              "expected_attention: {retention: %g, n_future: %d, query_sinks: %d}\n",
              POLICY_NAMES[vision], POLICY_NAMES[text], POLICY_NAMES[gen],
@@ -318,7 +318,8 @@ static enum kvcap_policy write_config(struct fuzz_bytes *in, char *path, size_t 
              fuzz_unit(in), fuzz_unit(in), fuzz_u8(in) / 255.0, fuzz_int(in, 0, 3),
              fuzz_int(in, 0, 3), page, budget, fuzz_int(in, -4, 4) / 4.0, sink_pages,
              window_pages, fuzz_int(in, 0, 4), fuzz_int(in, 1, 8), fuzz_unit(in),
-             fuzz_int(in, 0, 3), fuzz_int(in, 0, 3), fuzz_unit(in), fuzz_int(in, 0, 3),
+             fuzz_int(in, 0, 3), fuzz_int(in, 0, 3), fuzz_u8(in) / 255.0, fuzz_unit(in),
+             fuzz_int(in, 0, 3),
              fuzz_int(in, 0, 3), fuzz_int(in, 0, 9), fuzz_unit(in), fuzz_int(in, 1, 64),
              fuzz_int(in, 0, 8));
     fuzz_write_file(path, cap, "runtime.yaml", yaml, strlen(yaml));
