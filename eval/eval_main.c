@@ -42,8 +42,11 @@
 #define DEFAULT_CALIB_DOCS "GPL-3,GPL-2,LGPL-2.1,LGPL-3,GFDL-1.3,MPL-1.1,GPL-1"
 #define DEFAULT_HELDOUT_DOCS "Apache-2.0,MPL-2.0,Artistic,CC0-1.0"
 #define MAX_DOCS 64
-#define MAX_RUNS 64
 #define MAX_ARTIFACTS 16
+#define MAX_RETENTIONS 8
+/* build_runs: full, then this many rows per retention, then one per --kvcapsule artifact */
+#define RUNS_PER_RETENTION 10
+#define MAX_RUNS (1 + MAX_RETENTIONS * RUNS_PER_RETENTION + MAX_ARTIFACTS)
 /* The retrieval task: depths of the asked line in the span, greedy tokens of an answer. */
 enum { TASK_DEPTHS = 8, TASK_ANSWER_TOKENS = 6, TASK_NEEDLES = 1 };
 
@@ -154,7 +157,7 @@ struct options {
     int head, span, tail, decode, max_chunks, prompts, generate, continuation, fidelity_steps;
     int task_queries, threads, quiet;
     enum kvcap_dtype storage;
-    double retentions[8];
+    double retentions[MAX_RETENTIONS];
     int n_retentions;
     struct artifact_arg artifacts[MAX_ARTIFACTS];
     int n_artifacts, exact_tiles;
@@ -171,7 +174,7 @@ static int parse_retentions(const char *arg, struct options *o)
     while (*p) {
         char *end;
         double r = strtod(p, &end);
-        if (end == p || !(r > 0.0 && r <= 1.0) || o->n_retentions == 8)
+        if (end == p || !(r > 0.0 && r <= 1.0) || o->n_retentions == MAX_RETENTIONS)
             return cli_usage_error("--retentions: '%s' is not a list of up to 8 values in (0, 1]",
                                    arg);
         o->retentions[o->n_retentions++] = r;
@@ -917,7 +920,7 @@ static void vlcache_yaml(struct run *r, double alpha)
 
 enum { FREEKV_PAGE = 8 };
 /* kvzip+safeguard: every head first keeps its best tokens up to half an even split. Chosen on
- * the calibration documents (README), not on the held-out prompts the report scores. */
+ * the calibration documents (README). */
 #define KVZIP_SAFEGUARD 0.5
 
 /* The policies × retentions of one evaluation. The papers' methods are the headline rows
@@ -972,6 +975,8 @@ static int build_runs(const struct options *o, struct kvcap_artifact **arts, str
         add_run(runs, &n, "random", "random", r,
                 "policies: {vision: random, text: full, generated: full}\n"
                 "random: {retention: %.6f, seed: 0}\n", r);
+        if (n != 1 + (i + 1) * RUNS_PER_RETENTION) /* runs[] is sized by it: a row added */
+            return -1;                              /* above needs RUNS_PER_RETENTION raised */
     }
     for (int a = 0; a < o->n_artifacts; a++) {
         const struct artifact_arg *aa = &o->artifacts[a];
@@ -2055,7 +2060,11 @@ static int cmd_run(const struct options *opt, int argc, char **argv)
         }
     }
     static struct run runs[MAX_RUNS];
-    const int n_runs = build_runs(o, arts, runs);
+    const int built = build_runs(o, arts, runs), n_runs = built > 0 ? built : 0;
+    if (s == KVCAP_OK && built < 0)
+        s = kvcap_fail(KVCAP_ERR_INTERNAL,
+                       "a retention holds other than RUNS_PER_RETENTION = %d runs",
+                       RUNS_PER_RETENTION);
     struct prompt *prompts = calloc((size_t)n_prompts, sizeof *prompts);
     struct task task = {0};
     if (s == KVCAP_OK && !prompts)
