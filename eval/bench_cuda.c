@@ -1324,9 +1324,9 @@ static int section_freekv(struct bench *b)
 /* ---- Section: a device cache's KVCapsule prefill, with and without exact tiles ------------
  * kvcap_cache_add_span of one vision span at every layer, timed on the host (add_span returns
  * once the span is stored), on a fresh device cache per run, exact_tiles 0 and 1 taking turns.
- * With exact tiles each KV head's state is computed twice on the device (in f32 for the errors,
- * then in the storage dtype), its points' error sums come to the host, which picks the tiles,
- * and the kept tiles' state and the picked tiles' rows are copied into the cache. */
+ * With exact tiles each KV head's state is computed on the device in f32, with its points'
+ * error sums; the sums come to the host, which picks the tiles, and the kept tiles' state
+ * (converted into the storage dtype) and the picked tiles' rows are copied into the cache. */
 
 struct prefill_job {
     const struct kvcap_model_geometry *g;

@@ -134,9 +134,8 @@ static enum kvcap_status kvzip_finish(struct kvcap_cache *c, int seq, int span)
         const int64_t even = llround(cfg->retention * (double)n); /* a head's even share */
         int64_t budget = even * (int64_t)units - (int64_t)units * (n - nc);
         /* the safeguard: every head first keeps that share of its even share, protected
-         * tokens included */
-        int64_t floor_rows = llround(cfg->safeguard * (double)even) - (n - nc);
-        int head_floor = floor_rows < 0 ? 0 : floor_rows > nc ? nc : (int)floor_rows;
+         * tokens included (in [-n, n]: the selection clamps it to [0, nc]) */
+        const int head_floor = (int)(llround(cfg->safeguard * (double)even) - (n - nc));
         if ((int64_t)units * nc > INT_MAX)
             st = kvcap_fail(KVCAP_ERR_INVALID_ARGUMENT, "kvzip: %zu x %d scores are too many",
                             units, nc);
