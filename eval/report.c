@@ -1101,13 +1101,19 @@ static double ratio(double a, double b)
     return b > 0 ? a / b : NAN;
 }
 
+/* A row against random eviction at its target (versus_random, below). */
+enum versus { VS_NONE, VS_CLOSER, VS_TIED, VS_FARTHER };
+static enum versus versus_random(const struct report *r, const struct run *u, double *mean,
+                                 double *half);
+
 static void render_csv(struct buf *b, const struct report *r)
 {
     bputs(b, "id,policy,label,retention,compression,token_agreement,next_token_agreement,"
              "first_divergence_mean,nll,nll_full,nll_delta,attn_cosine_mean,attn_rel_err_mean,"
              "bytes_held,bytes_held_full,bytes_read_per_step,step_ms,step_ms_full,"
              "step_time_ratio,realised_retention,nominal,extension,kl,task_accuracy,"
-             "task_agreement_full,freekv_corrected,freekv_reselected,freekv_hidden\n");
+             "task_agreement_full,freekv_corrected,freekv_reselected,freekv_hidden,"
+             "kl_minus_random,kl_minus_random_half95\n");
     for (int i = 0; i < r->n_runs; i++) {
         const struct run *u = r->sorted[i];
         csv_text(b, u->id);
@@ -1140,6 +1146,10 @@ static void render_csv(struct buf *b, const struct report *r)
                             u->fk_corrected, u->fk_reselected, u->fk_hidden};
         for (size_t k = 0; k < sizeof w / sizeof w[0]; k++)
             csv_number(b, w[k]);
+        double m, h; /* empty where there is nothing to pair */
+        versus_random(r, u, &m, &h);
+        csv_number(b, m);
+        csv_number(b, h);
         bputs(b, "\n");
     }
 }
@@ -1211,6 +1221,16 @@ void kvcap_report_paired(const double *a, const double *b, int n, int absolute, 
     }
     *mean = m;
     *half = t975(n - 1) * sqrt(sq / (n - 1) / n);
+}
+
+/* A paired difference's cell: the mean over prompts and ± the half-width of its 95 % interval,
+ * green ("win") where the interval lies below 0, red ("lose") where above. */
+static void paired_cell(struct buf *b, double mean, double half)
+{
+    char v[48];
+    bprintf(b, "<td class=\"%s\">%s<br><span class=\"unit\">&plusmn;%.4f</span></td>",
+            mean + half < 0 ? "win" : mean - half > 0 ? "lose" : "tie",
+            fmt_signed(v, sizeof v, mean, 4), half);
 }
 
 static double approx_text_width(const char *s, double font_px)
@@ -1316,6 +1336,35 @@ static int ranked_at(const struct report *r, double t, const struct run **out)
     return n;
 }
 
+/* The random-eviction run at target `t` (the floor every policy must clear), or NULL. */
+static const struct run *random_at(const struct report *r, double t)
+{
+    for (int i = 0; i < r->n_runs; i++) {
+        const struct run *u = &r->runs[i];
+        if (!is_reference(r, u) && !strcmp(u->policy, "random") && fabs(u->retention - t) < 1e-9)
+            return u;
+    }
+    return NULL;
+}
+
+/* Run u against random eviction at its target, paired over the prompts: *mean is u's KL minus
+ * random's (mean over prompts) and *half the half-width of its 95 % t-interval. VS_CLOSER: u is
+ * closer to full beyond that interval; VS_FARTHER: farther; VS_TIED: the prompts do not separate
+ * them; VS_NONE: nothing to pair (u is random or full, no random run at u's target, or either
+ * lacks per-prompt KL for the same prompts). */
+static enum versus versus_random(const struct report *r, const struct run *u, double *mean,
+                                 double *half)
+{
+    *mean = *half = NAN;
+    const struct run *rnd = is_reference(r, u) ? NULL : random_at(r, u->retention);
+    if (!rnd || rnd == u || !u->pp_kl || !rnd->pp_kl || u->n_pp != rnd->n_pp)
+        return VS_NONE;
+    kvcap_report_paired(u->pp_kl, rnd->pp_kl, u->n_pp, 0, mean, half);
+    if (!isfinite(*mean) || !isfinite(*half))
+        return VS_NONE;
+    return *mean + *half < 0 ? VS_CLOSER : *mean - *half > 0 ? VS_FARTHER : VS_TIED;
+}
+
 static void swatch(struct buf *b, const struct curve *c)
 {
     bprintf(b, "<span class=\"sw%s\" style=\"%s:%s\"></span>", c->extension ? " ext" : "",
@@ -1344,6 +1393,50 @@ static const char *fmt_kl(char *out, size_t cap, double v)
 }
 
 /* ---- HTML: header, ranking, what was measured ---------------------------------------------- */
+
+/* The summary's sentence on the floor: how many compressed rows are closer to full than random
+ * eviction at the same budget (paired over the prompts, 95 %), naming the others. Nothing when
+ * no row can be paired with a random run. */
+static void versus_summary(struct buf *b, const struct report *r)
+{
+    int count[4] = {0};
+    for (int i = 0; i < r->n_runs; i++) {
+        double m, h;
+        count[versus_random(r, r->sorted[i], &m, &h)]++;
+    }
+    const int paired = count[VS_CLOSER] + count[VS_TIED] + count[VS_FARTHER];
+    if (!paired)
+        return;
+    bputs(b, " Against random eviction at the same budget (KL, paired over the prompts, "
+             "95&nbsp;% interval): ");
+    if (count[VS_CLOSER] == paired) {
+        bprintf(b, "all %d compressed rows are closer to full.", paired);
+        return;
+    }
+    bprintf(b, "%d of %d compressed rows are closer to full", count[VS_CLOSER], paired);
+    static const enum versus others[2] = {VS_TIED, VS_FARTHER};
+    static const char *const what[2] = {"not separated from it", "farther"};
+    for (int k = 0; k < 2; k++) {
+        if (!count[others[k]])
+            continue;
+        bprintf(b, "; %s: ", what[k]);
+        const struct run *prev = NULL; /* a label's runs in a row: "vlcache @ 0.40, 0.60" */
+        for (int i = 0; i < r->n_runs; i++) {
+            const struct run *u = r->sorted[i];
+            double m, h;
+            if (versus_random(r, u, &m, &h) != others[k])
+                continue;
+            if (prev && !strcmp(prev->label, u->label))
+                bprintf(b, ", %.2f", u->retention);
+            else {
+                bputs(b, prev ? "; " : "");
+                run_name(b, u);
+            }
+            prev = u;
+        }
+    }
+    bputs(b, ".");
+}
 
 static void render_header(struct buf *b, const struct report *r)
 {
@@ -1435,6 +1528,7 @@ static void render_header(struct buf *b, const struct report *r)
         bputs(b, ".");
     if (n_targets && full && task && isfinite(full->task_accuracy))
         bprintf(b, " Full, the ceiling, answers %.1f&nbsp;%%.", 100 * full->task_accuracy);
+    versus_summary(b, r);
     bputs(b, "</p>\n");
     bputs(b, "</header>\n");
     free(targets);
@@ -1450,9 +1544,9 @@ static void accuracy_bar(struct buf *b, double a, double ceiling)
     bprintf(b, "</span>%.1f&nbsp;%%", 100 * a);
 }
 
-/* One row of a ranking card; `rank` 0 for full's. */
+/* One row of a ranking card; `rank` 0 for full's; `versus` adds the cell against random. */
 static void rank_row(struct buf *b, const struct report *r, const struct run *u, int rank,
-                     double ceiling)
+                     double ceiling, int versus)
 {
     char n1[32];
     bprintf(b, "<tr class=\"%s\" title=\"", rank == 0 ? "ceiling" : rank == 1 ? "win" : "rk");
@@ -1490,6 +1584,13 @@ static void rank_row(struct buf *b, const struct report *r, const struct run *u,
         bprintf(b, "<td class=\"sec\">%.1f&nbsp;%%</td>", 100 * u->token_agreement);
     else
         bputs(b, "<td class=\"na\">&mdash;</td>");
+    double m, h;
+    if (versus && rank && !strcmp(u->policy, "random"))
+        bputs(b, "<td class=\"unit\">the floor</td>");
+    else if (versus && versus_random(r, u, &m, &h) != VS_NONE)
+        paired_cell(b, m, h);
+    else if (versus)
+        bputs(b, "<td class=\"na\">&mdash;</td>");
     bputs(b, "</tr>\n");
 }
 
@@ -1511,21 +1612,26 @@ static void render_ranking(struct buf *b, const struct report *r)
     if (!n_targets)
         bputs(b, "<p class=\"caption\">No compressed runs to rank.</p>\n");
     bputs(b, "<div class=\"rank-grid\">\n");
+    int any_versus = 0;
     for (int k = 0; k < n_targets; k++) {
         int n = ranked_at(r, targets[k], ranked);
+        const struct run *rnd = random_at(r, targets[k]);
+        const int versus = rnd && rnd->pp_kl;
+        any_versus |= versus;
         bprintf(b, "<div class=\"rank-card\"><div class=\"rank-head\">Keep %.0f&nbsp;%% of the span"
                    " <span class=\"unit\">&middot; %.3g&times; smaller</span></div>\n"
                    "<table class=\"rank\"><thead><tr><th>#</th><th class=\"l\">Policy</th>"
                    "<th>Realised<br>retention</th>%s"
                    "<th>KL<br><span class=\"unit\">nats</span></th>"
-                   "<th class=\"sec\">Greedy<br>agreement</th></tr></thead>\n<tbody>\n",
+                   "<th class=\"sec\">Greedy<br>agreement</th>%s</tr></thead>\n<tbody>\n",
                 100 * targets[k], 1 / targets[k],
                 task ? "<th class=\"l\">Task accuracy</th>"
-                     : "<th>Attention<br><span class=\"unit\">cosine</span></th>");
+                     : "<th>Attention<br><span class=\"unit\">cosine</span></th>",
+                versus ? "<th>KL&nbsp;&minus;<br>random&rsquo;s</th>" : "");
         if (full)
-            rank_row(b, r, full, 0, ceiling);
+            rank_row(b, r, full, 0, ceiling, versus);
         for (int i = 0; i < n; i++)
-            rank_row(b, r, ranked[i], i + 1, ceiling);
+            rank_row(b, r, ranked[i], i + 1, ceiling, versus);
         bputs(b, "</tbody></table></div>\n");
     }
     bputs(b, "</div>\n<p class=\"caption\">");
@@ -1544,7 +1650,15 @@ static void render_ranking(struct buf *b, const struct report *r)
              "<span class=\"key off\">amber</span> where it is not. Greedy agreement (share of "
              "generated tokens equal to full's) is secondary: it cascades after the first "
              "difference. Rows tagged <span class=\"ext-tag\">kvcap extension</span> are kvcap's "
-             "own variants, not the papers' methods.</p>\n</section>\n");
+             "own variants, not the papers' methods.");
+    if (any_versus)
+        bputs(b, " The last column pairs each row with random eviction at the same budget, the "
+                 "floor every policy must clear: its KL minus random&rsquo;s, the mean over the "
+                 "prompts &plusmn; the half-width of a 95&nbsp;% t-interval; <span class=\"win\">"
+                 "green</span>: closer to full than random beyond that interval, <span "
+                 "class=\"lose\">red</span>: farther, otherwise the prompts do not separate "
+                 "them.");
+    bputs(b, "</p>\n</section>\n");
     free(targets);
     free(ranked);
 }
@@ -1999,13 +2113,10 @@ static void paired_cells(struct buf *b, const struct run *best, const double *kl
         double m = NAN, h = NAN;
         if (ours[k] && theirs[k] && best->n_pp == n)
             kvcap_report_paired(ours[k], theirs[k], n, k == 1, &m, &h);
-        if (!isfinite(m) || !isfinite(h)) {
+        if (!isfinite(m) || !isfinite(h))
             bputs(b, "<td>&mdash;</td>");
-            continue;
-        }
-        char v[48];
-        bprintf(b, "<td class=\"%s\">%s<br><span class=\"unit\">&plusmn;%.4f</span></td>",
-                m + h < 0 ? "win" : m - h > 0 ? "lose" : "tie", fmt_signed(v, sizeof v, m, 4), h);
+        else
+            paired_cell(b, m, h);
     }
 }
 
@@ -2042,10 +2153,7 @@ static void render_outside(struct buf *b, const struct report *r)
             continue;
         bprintf(b, "<tr class=\"group\"><td class=\"l\" colspan=\"8\">%.0f&nbsp;%% of the span "
                    "kept</td></tr>\n", 100 * t);
-        const struct run *best = best_at(r, t), *rnd = NULL;
-        for (int k = 0; k < r->n_runs; k++)
-            if (!strcmp(r->runs[k].policy, "random") && fabs(r->runs[k].retention - t) < 1e-9)
-                rnd = &r->runs[k];
+        const struct run *best = best_at(r, t), *rnd = random_at(r, t);
         const struct run *ours[2] = {best, rnd != best ? rnd : NULL};
         for (int k = 0; k < 2; k++) {
             const struct run *u = ours[k];

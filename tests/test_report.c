@@ -29,12 +29,12 @@ static const char CSV_HEADER[] =
     "first_divergence_mean,nll,nll_full,nll_delta,attn_cosine_mean,attn_rel_err_mean,bytes_held,"
     "bytes_held_full,bytes_read_per_step,step_ms,step_ms_full,step_time_ratio,realised_retention,"
     "nominal,extension,kl,task_accuracy,task_agreement_full,freekv_corrected,freekv_reselected,"
-    "freekv_hidden";
+    "freekv_hidden,kl_minus_random,kl_minus_random_half95";
 
 /* CSV column indices (0-based) of the fields the tests read. */
 enum { CSV_STEP_MS = 16, CSV_REALISED = 19, CSV_NOMINAL, CSV_EXTENSION, CSV_KL, CSV_TASK_ACCURACY,
        CSV_TASK_AGREEMENT, CSV_FREEKV_CORRECTED, CSV_FREEKV_RESELECTED, CSV_FREEKV_HIDDEN,
-       CSV_COLUMNS };
+       CSV_KL_MINUS_RANDOM, CSV_KL_MINUS_RANDOM_HALF, CSV_COLUMNS };
 
 /* ---- Helpers ------------------------------------------------------------------------------- */
 
@@ -464,7 +464,7 @@ static void test_minimal_metrics(void **state)
     assert_int_equal(count(html, "<tr class=\"run"), 2);
     assert_non_null(strstr(html, "not measured"));
     /* Columns 4 to 19 (compression ... realised_retention) are null. */
-    assert_non_null(strstr(csv, "\ns,streaming,Streaming,0.5,,,,,,,,,,,,,,,,,0.5,false,0.1,,,,,"
+    assert_non_null(strstr(csv, "\ns,streaming,Streaming,0.5,,,,,,,,,,,,,,,,,0.5,false,0.1,,,,,,,"
                                 "\n"));
     assert_null(strstr(html, "Sample continuations"));
     assert_null(strstr(html, "Task accuracy by depth"));
@@ -1137,6 +1137,108 @@ static void test_outside_reference(void **state)
     dirs_remove(&d);
 }
 
+/* Per-prompt KL of run `id` (nll_delta alongside, as the schema wants both): random's plus
+ * `shift` plus `wobble` on odd prompts, minus it on even ones. */
+static void set_per_prompt(cJSON *doc, const char *id, double shift, double wobble)
+{
+    cJSON *run;
+    cJSON_ArrayForEach(run, cJSON_GetObjectItem(doc, "runs"))
+    {
+        if (strcmp(cJSON_GetObjectItem(run, "id")->valuestring, id) != 0)
+            continue;
+        cJSON *pp = cJSON_AddObjectToObject(run, "per_prompt");
+        cJSON *pd = cJSON_AddArrayToObject(pp, "nll_delta"), *pk = cJSON_AddArrayToObject(pp, "kl");
+        for (int i = 0; i < 24; i++) {
+            double random_kl = 0.050 + 0.001 * (i % 4);
+            cJSON_AddItemToArray(pd, cJSON_CreateNumber(0.01));
+            cJSON_AddItemToArray(pk, cJSON_CreateNumber(random_kl + shift +
+                                                        (i % 2 ? wobble : -wobble)));
+        }
+        return;
+    }
+    fail_msg("no run %s", id);
+}
+
+/* Random eviction is the floor: at a target with a random run holding per-prompt KL, the ranking
+ * card pairs every row with it (closer, not separated, farther), the summary counts them and
+ * names the rows that do not clear it, and the CSV carries the difference and its interval. */
+static void test_versus_random(void **state)
+{
+    (void)state;
+    struct dirs d;
+    dirs_make(&d);
+    cJSON *doc = load_sample();
+    cJSON *runs = cJSON_GetObjectItem(doc, "runs"), *run, *rnd = NULL;
+    cJSON_ArrayForEach(run, runs)
+    {
+        if (!strcmp(cJSON_GetObjectItem(run, "id")->valuestring, "streaming@0.40"))
+            rnd = cJSON_Duplicate(run, 1);
+    }
+    assert_non_null(rnd);
+    cJSON_ReplaceItemInObject(rnd, "id", cJSON_CreateString("random@0.40"));
+    cJSON_ReplaceItemInObject(rnd, "policy", cJSON_CreateString("random"));
+    cJSON_ReplaceItemInObject(rnd, "label", cJSON_CreateString("random"));
+    cJSON_ReplaceItemInObject(rnd, "kl", cJSON_CreateNumber(0.0515));
+    cJSON_AddItemToArray(runs, rnd);
+    set_per_prompt(doc, "random@0.40", 0, 0);
+    set_per_prompt(doc, "streaming@0.40", -0.02, 0.0005); /* closer on every prompt */
+    set_per_prompt(doc, "flashcache@0.40", 0.0005, 0.004); /* within the prompts' spread */
+    set_per_prompt(doc, "vlcache@0.40", 0.03, 0.0005);    /* farther on every prompt */
+    write_json(d.metrics, doc);
+    cJSON_Delete(doc);
+    if (kvcap_report_write(d.metrics, d.html, d.csv) != KVCAP_OK)
+        fail_msg("%s", kvcap_last_error());
+    char *html = slurp(d.html);
+    assert_non_null(html);
+    /* the column only on the card whose target has a random run */
+    assert_int_equal(count(html, "<th>KL&nbsp;&minus;<br>random&rsquo;s</th>"), 1);
+    const char *card = strstr(html, "Keep 40&nbsp;% of the span"), *end = strstr(card, "</table>");
+    assert_true(card && end);
+    static const struct {
+        const char *id, *cell;
+    } cells[] = {{"random@0.40", "<td class=\"unit\">the floor</td></tr>"},
+                 {"streaming@0.40", "<td class=\"win\">&minus;0.0200<br>"},
+                 {"flashcache@0.40", "<td class=\"tie\">+0.0005<br>"},
+                 {"vlcache@0.40", "<td class=\"lose\">+0.0300<br>"},
+                 {"freekv@0.40", "<td class=\"na\">&mdash;</td></tr>"}, /* nothing to pair */
+                 {"full@1.00", "<td class=\"na\">&mdash;</td></tr>"}};
+    for (size_t i = 0; i < sizeof cells / sizeof cells[0]; i++) {
+        char title[64];
+        snprintf(title, sizeof title, "title=\"%s\">", cells[i].id);
+        const char *row = strstr(card, title), *at = row ? strstr(row, cells[i].cell) : NULL;
+        if (!row || row > end || !at || at > strstr(row, "</tr>") + 5)
+            fail_msg("ranking at 0.40: %s lacks %s", cells[i].id, cells[i].cell);
+    }
+    assert_non_null(strstr(html, " Against random eviction at the same budget (KL, paired over "
+                                 "the prompts, 95&nbsp;% interval): 1 of 3 compressed rows are "
+                                 "closer to full; not separated from it: FlashCache @ 0.40; "
+                                 "farther: VL-Cache @ 0.40.</p>"));
+    assert_non_null(strstr(html, "The last column pairs each row with random eviction"));
+    free(html);
+    char *csv = slurp(d.csv), f[64];
+    assert_non_null(csv);
+    assert_memory_equal(csv, CSV_HEADER, strlen(CSV_HEADER));
+    assert_string_equal(csv_field(csv, "streaming@0.40", CSV_KL_MINUS_RANDOM, f, sizeof f), "-0.02");
+    assert_string_equal(csv_field(csv, "vlcache@0.40", CSV_KL_MINUS_RANDOM, f, sizeof f), "0.03");
+    assert_string_equal(csv_field(csv, "random@0.40", CSV_KL_MINUS_RANDOM, f, sizeof f), "");
+    assert_string_equal(csv_field(csv, "freekv@0.40", CSV_KL_MINUS_RANDOM, f, sizeof f), "");
+    assert_string_equal(csv_field(csv, "freekv@0.40", CSV_KL_MINUS_RANDOM_HALF, f, sizeof f), "");
+    double half = atof(csv_field(csv, "flashcache@0.40", CSV_KL_MINUS_RANDOM_HALF, f, sizeof f));
+    /* ±0.004 over 24 prompts: sd 0.004·sqrt(24/23), half-width t(0.975, 23) = 2.069 times sd/√24 */
+    assert_true(fabs(half - 2.069 * 0.004 * sqrt(24.0 / 23.0) / sqrt(24.0)) < 1e-6);
+    free(csv);
+    /* without the random run's per-prompt values: no column, no sentence */
+    doc = load_sample();
+    write_json(d.metrics, doc);
+    cJSON_Delete(doc);
+    assert_int_equal(kvcap_report_write(d.metrics, d.html, NULL), KVCAP_OK);
+    assert_non_null(html = slurp(d.html));
+    assert_null(strstr(html, "random&rsquo;s</th>"));
+    assert_null(strstr(html, "Against random eviction"));
+    free(html);
+    dirs_remove(&d);
+}
+
 /* The paired interval: the mean difference and Student's t half-width (t(0.975, 2) = 4.303),
  * on sizes when asked; nothing to say about one prompt. */
 static void test_paired_interval(void **state)
@@ -1277,6 +1379,7 @@ int main(void)
         cmocka_unit_test(test_tracks_side_by_side),
         cmocka_unit_test(test_outside_reference),
         cmocka_unit_test(test_paired_interval),
+        cmocka_unit_test(test_versus_random),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
