@@ -57,16 +57,3 @@ enum kvcap_status kvcap_bench_random_artifact(const struct kvcap_model_geometry 
     remove(path);
     return st;
 }
-
-enum kvcap_status kvcap_bench_config_file(const char *tag, const char *yaml, char *path,
-                                          size_t cap)
-{
-    const char *tmp = getenv("TMPDIR");
-    snprintf(path, cap, "%s/kvcap-bench-%d-%s.yaml", tmp ? tmp : "/tmp", (int)getpid(), tag);
-    FILE *f = fopen(path, "w");
-    KVCAP_RETURN_IF(!f, KVCAP_ERR_IO, "%s: cannot write", path);
-    int ok = fputs(yaml, f) >= 0;
-    ok = fclose(f) == 0 && ok;
-    KVCAP_RETURN_IF(!ok, KVCAP_ERR_IO, "%s: cannot write", path);
-    return KVCAP_OK;
-}

@@ -14,9 +14,4 @@ enum kvcap_status kvcap_bench_random_artifact(const struct kvcap_model_geometry 
                                               const struct kvcap_bucket *b, double ratio,
                                               struct kvcap_artifact **out);
 
-/* Writes `yaml` to a file in $TMPDIR (default /tmp) named after the process and `tag`; its
- * path goes to path[cap], for params.config_path. The caller removes it. */
-enum kvcap_status kvcap_bench_config_file(const char *tag, const char *yaml, char *path,
-                                          size_t cap);
-
 #endif

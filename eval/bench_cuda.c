@@ -1337,14 +1337,14 @@ struct prefill_job {
 };
 
 /* Milliseconds to add the span at every layer of a new device cache with this config. */
-static double prefill_once(const struct prefill_job *j, const char *config_path)
+static double prefill_once(const struct prefill_job *j, const char *config_yaml)
 {
     struct kvcap_cache_params p;
     kvcap_cache_default_params(&p);
     p.model = *j->g;
     p.storage = j->dtype;
     p.artifact = j->a;
-    p.config_path = config_path;
+    p.config_yaml = config_yaml;
     p.memory = KVCAP_MEMORY_CUDA;
     struct kvcap_cache *c = NULL;
     KV(kvcap_cache_create(&p, &c));
@@ -1377,15 +1377,11 @@ static int section_prefill(struct bench *b)
     }
     struct kvcap_artifact *a = NULL;
     KV(kvcap_bench_random_artifact(&g, &bk, o->ratio, &a));
-    char cfg[2][4200];
-    for (int e = 0; e < 2; e++) {
-        char yaml[160], tag[16];
-        snprintf(yaml, sizeof yaml,
+    char cfg[2][160];
+    for (int e = 0; e < 2; e++)
+        snprintf(cfg[e], sizeof cfg[e],
                  "policies: {vision: kvcapsule, text: full, generated: full}\nfallback: full\n"
                  "kvcapsule: {exact_tiles: %d}\n", e);
-        snprintf(tag, sizeof tag, "exact%d", e);
-        KV(kvcap_bench_config_file(tag, yaml, cfg[e], sizeof cfg[e]));
-    }
     const size_t elems = (size_t)H * n * d, es = kvcap_dtype_size(o->dtype);
     void *k = dev_try(elems * es), *v = dev_try(elems * es);
     if (!k || !v) {
@@ -1423,8 +1419,6 @@ static int section_prefill(struct bench *b)
     void *ptrs[] = {k, v};
     for (size_t i = 0; i < sizeof ptrs / sizeof *ptrs; i++)
         dev_free(&ptrs[i]);
-    for (int e = 0; e < 2; e++)
-        remove(cfg[e]);
     kvcap_artifact_free(a);
     return 0;
 }

@@ -413,24 +413,22 @@ static enum kvcap_status policy_run_prepare(struct policy_run *pr, const struct 
     pr->policy = policy;
     pr->g = g;
     pr->batch = batch;
-    char cfg_path[4200], yaml[256];
+    char yaml[256];
     snprintf(yaml, sizeof yaml, "policies: {vision: %s, text: full, generated: %s}\nfallback: full\n",
              policy, strcmp(policy, "freekv") == 0 && !freekv_static ? "freekv" : "full");
-    KVCAP_TRY(kvcap_bench_config_file(policy, yaml, cfg_path, sizeof cfg_path));
     struct kvcap_cache_params p;
     kvcap_cache_default_params(&p);
     p.model = *g;
     p.n_seqs = batch;
     p.storage = storage;
     p.artifact = strcmp(policy, "kvcapsule") == 0 ? a : NULL;
-    p.config_path = cfg_path;
+    p.config_yaml = yaml;
     p.n_threads = threads;
     if (engine_threads) {
         p.parallel_for = omp_parallel_for;
         p.parallel_user = engine_threads;
     }
     enum kvcap_status st = kvcap_cache_create(&p, &pr->c);
-    remove(cfg_path);
     KVCAP_TRY(st);
     int n = rows * cols, d = g->head_dim, H = g->n_kv_heads, Hq = g->n_q_heads;
     struct kvcap_synth_params sp;
@@ -549,9 +547,6 @@ static enum kvcap_status policy_run_finish(struct policy_run *pr, int steps, str
 static enum kvcap_status flashcache_overhead(const struct kvcap_model_geometry *g, int n,
                                              enum kvcap_dtype storage, int threads, double *ms)
 {
-    char cfg_path[4200];
-    KVCAP_TRY(kvcap_bench_config_file("flashcache", "policies: {vision: flashcache}\n", cfg_path,
-                                      sizeof cfg_path));
     int H = g->n_kv_heads, d = g->head_dim;
     float *kv = malloc(sizeof(float) * 2 * (size_t)H * n * d);
     KVCAP_RETURN_IF(!kv, KVCAP_ERR_OUT_OF_MEMORY, "bench: out of memory");
@@ -565,7 +560,7 @@ static enum kvcap_status flashcache_overhead(const struct kvcap_model_geometry *
         kvcap_cache_default_params(&p);
         p.model = *g;
         p.storage = storage;
-        p.config_path = cfg_path;
+        p.config_yaml = "policies: {vision: flashcache}\n";
         p.n_threads = threads;
         struct kvcap_cache *c = NULL;
         st = kvcap_cache_create(&p, &c);
@@ -582,7 +577,6 @@ static enum kvcap_status flashcache_overhead(const struct kvcap_model_geometry *
             *ms = cs.compress_seconds * 1e3 < *ms ? cs.compress_seconds * 1e3 : *ms;
         kvcap_cache_free(c);
     }
-    remove(cfg_path);
     free(kv);
     return st;
 }

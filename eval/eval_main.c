@@ -647,50 +647,21 @@ static enum kvcap_status prompt_to_cache(const struct model_ctx *mc, const struc
     return KVCAP_OK;
 }
 
-/* Writes a runtime config to a fresh temporary file; *path is malloc'ed. */
-static enum kvcap_status write_temp_config(const char *text, char **path)
-{
-    const char *tmp = getenv("TMPDIR");
-    char buf[4096];
-    snprintf(buf, sizeof buf, "%s/kvcap-eval-XXXXXX", tmp && *tmp ? tmp : "/tmp");
-    int fd = mkstemp(buf);
-    if (fd < 0)
-        return kvcap_fail(KVCAP_ERR_IO, "%s: cannot create: %s", buf, strerror(errno));
-    size_t len = strlen(text);
-    ssize_t w = write(fd, text, len);
-    close(fd);
-    if (w != (ssize_t)len) {
-        unlink(buf);
-        return kvcap_fail(KVCAP_ERR_IO, "%s: cannot write", buf);
-    }
-    *path = strdup(buf);
-    if (!*path) {
-        unlink(buf);
-        return kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "no memory");
-    }
-    return KVCAP_OK;
-}
-
 static enum kvcap_status create_cache(const struct model_ctx *mc, const char *yaml,
                                       const struct kvcap_artifact *art, int n_seqs,
                                       enum kvcap_dtype storage, int threads,
                                       const char *record_dir, struct kvcap_cache **out)
 {
-    char *cfg = NULL;
-    KVCAP_TRY(write_temp_config(yaml, &cfg));
     struct kvcap_cache_params p;
     kvcap_cache_default_params(&p);
     p.model = mc->g;
     p.n_seqs = n_seqs;
     p.storage = storage;
     p.artifact = art;
-    p.config_path = cfg;
+    p.config_yaml = yaml;
     p.record_dir = record_dir;
     p.n_threads = threads;
-    enum kvcap_status s = kvcap_cache_create(&p, out);
-    unlink(cfg);
-    free(cfg);
-    return s;
+    return kvcap_cache_create(&p, out);
 }
 
 /* ---- record ------------------------------------------------------------------------------ */

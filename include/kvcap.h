@@ -257,6 +257,10 @@ struct kvcap_cache_params {
                                             * doubles (streaming needs at most sinks + window
                                             * rows). On a device cache growing is a step that
                                             * cannot be captured: reserve what a capture needs */
+    const char *config_yaml;               /* the runtime YAML itself (NUL-terminated, read at
+                                            * create), for engines that hold their config in
+                                            * memory; its errors name params.config_yaml:line:col.
+                                            * At most one of config_path and config_yaml */
 };
 
 /* Device caches (params.memory = KVCAP_MEMORY_CUDA). Everything the cache stores lives on

@@ -70,6 +70,8 @@ enum kvcap_status kvcap_cache_create(const struct kvcap_cache_params *p, struct 
                     p->reserve_tokens);
     KVCAP_RETURN_IF(p->config_path && !*p->config_path, KVCAP_ERR_INVALID_ARGUMENT,
                     "params.config_path: empty string (NULL means the defaults)");
+    KVCAP_RETURN_IF(p->config_path && p->config_yaml, KVCAP_ERR_INVALID_ARGUMENT,
+                    "params.config_yaml: set together with params.config_path; give one");
     KVCAP_RETURN_IF(p->record_dir && !*p->record_dir, KVCAP_ERR_INVALID_ARGUMENT,
                     "params.record_dir: empty string (NULL means no record mode)");
     const struct kvcap_store_i *store = store_for(p->memory);
@@ -94,14 +96,17 @@ enum kvcap_status kvcap_cache_create(const struct kvcap_cache_params *p, struct 
     c->storage = p->storage;
     c->artifact = p->artifact;
     c->reserve_tokens = p->reserve_tokens;
+    const int configured = p->config_path || p->config_yaml;
     enum kvcap_status st =
-        p->config_path ? kvcap_runtime_config_load_file(p->config_path, &c->cfg)
-                       : (kvcap_runtime_config_default(&c->cfg), KVCAP_OK);
+        p->config_path   ? kvcap_runtime_config_load_file(p->config_path, &c->cfg)
+        : p->config_yaml ? kvcap_runtime_config_load_string(p->config_yaml, "params.config_yaml",
+                                                            &c->cfg)
+                         : (kvcap_runtime_config_default(&c->cfg), KVCAP_OK);
     /* Defaults: vision spans go to kvcapsule when an artifact is given (flashcache else; a
      * store without flashcache, the device's, keeps them in full and falls back to full). */
-    if (st == KVCAP_OK && !p->config_path && p->artifact)
+    if (st == KVCAP_OK && !configured && p->artifact)
         c->cfg.policy[KVCAP_SPAN_VISION] = KVCAP_POLICY_KVCAPSULE;
-    if (st == KVCAP_OK && !p->config_path && !store->offers(KVCAP_POLICY_FLASHCACHE)) {
+    if (st == KVCAP_OK && !configured && !store->offers(KVCAP_POLICY_FLASHCACHE)) {
         if (!p->artifact)
             c->cfg.policy[KVCAP_SPAN_VISION] = KVCAP_POLICY_FULL;
         c->cfg.fallback = KVCAP_POLICY_FULL;

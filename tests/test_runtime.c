@@ -445,19 +445,9 @@ static struct kvcap_cache *make_cache_on(const struct kvcap_model_geometry *g, i
     p.n_seqs = n_seqs;
     p.storage = storage;
     p.artifact = a;
-    char path[512];
-    if (yaml) {
-        tmp_path(path, sizeof path, "runtime.yaml");
-        FILE *f = fopen(path, "w");
-        assert_non_null(f);
-        fputs(yaml, f);
-        fclose(f);
-        p.config_path = path;
-    }
+    p.config_yaml = yaml; /* the runtime YAML in memory (config_path: see test_cache_params) */
     struct kvcap_cache *c = NULL;
     enum kvcap_status st = kvcap_cache_create(&p, &c);
-    if (yaml)
-        unlink(path);
     if (st != KVCAP_OK)
         fail_msg("create: %s", kvcap_last_error());
     return c;
@@ -772,6 +762,23 @@ static void test_invalid_calls_leave_cache_usable(void **state)
     p.config_path = NULL;
     p.record_dir = "";
     expect_status(kvcap_cache_create(&p, &bad), KVCAP_ERR_INVALID_ARGUMENT, "params.record_dir");
+    assert_null(bad);
+
+    /* the runtime YAML given in memory: read like a file, its errors named by line and column,
+     * and never together with a path */
+    kvcap_cache_default_params(&p);
+    p.model = g;
+    p.config_yaml = "policies: {vision: streaming}\nstreaming: {sinks: 2, window: 8}\n";
+    assert_int_equal(kvcap_cache_create(&p, &bad), KVCAP_OK);
+    kvcap_cache_free(bad);
+    bad = NULL;
+    p.config_yaml = "policies: {vision: streaming}\nstreaming: {sinks: -1}\n";
+    expect_status(kvcap_cache_create(&p, &bad), KVCAP_ERR_CONFIG, "params.config_yaml:2:");
+    p.config_yaml = "policies: {generated: flashcache}\n"; /* valid YAML, refused at create */
+    expect_status(kvcap_cache_create(&p, &bad), KVCAP_ERR_INVALID_ARGUMENT, "policies.generated");
+    p.config_yaml = "policies: {vision: streaming}\n";
+    p.config_path = "runtime.yaml";
+    expect_status(kvcap_cache_create(&p, &bad), KVCAP_ERR_INVALID_ARGUMENT, "params.config_yaml");
     assert_null(bad);
 
     /* device memory where no device can serve it (a build without CUDA, or no device): refused,

@@ -269,14 +269,15 @@ class Cache(_Owned):
     """A batch's KV cache in libkvcap (struct kvcap_cache): spans added at prefill go to the
     policy the runtime config gives their kind; decode attention runs on what is stored.
 
-    ``config`` is a runtime YAML path (configs/runtime.yaml documents every key); ``storage``
+    ``config`` is a runtime YAML path (configs/runtime.yaml documents every key), or
+    ``config_yaml`` the YAML text itself (give one); ``storage``
     "f16" (default), "bf16" or "f32"; ``artifact`` is borrowed and must stay open while the
     cache lives (the cache keeps a reference); ``record_dir`` turns on record mode."""
 
     def __init__(self, geometry: Geometry, *, n_seqs: int = 1, storage: str = "f16",
                  artifact: Optional[Artifact] = None, config: "os.PathLike[str] | str | None" = None,
                  record_dir: "os.PathLike[str] | str | None" = None, n_threads: int = 0,
-                 reserve_tokens: int = 0):
+                 reserve_tokens: int = 0, config_yaml: Optional[str] = None):
         if storage not in _DTYPES:
             raise _argument(f"storage: '{storage}' is not one of f32, f16, bf16")
         p = _capi.CacheParams()
@@ -286,6 +287,7 @@ class Cache(_Owned):
         p.storage = _DTYPES[storage]
         p.artifact = artifact._ptr() if artifact is not None else None
         p.config_path = os.fsencode(config) if config is not None else None  # read at create
+        p.config_yaml = config_yaml.encode() if config_yaml is not None else None  # likewise
         p.record_dir = os.fsencode(record_dir) if record_dir is not None else None  # copied
         p.n_threads = n_threads
         p.reserve_tokens = reserve_tokens

@@ -79,6 +79,7 @@ class CacheParams(ctypes.Structure):
         ("memory", ctypes.c_int),
         ("cuda_device", ctypes.c_int),
         ("reserve_tokens", ctypes.c_int),
+        ("config_yaml", ctypes.c_char_p),
     ]
 
 

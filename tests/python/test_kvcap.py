@@ -132,17 +132,26 @@ def test_config_and_geometry_errors_name_the_field(tmp_path):
     with pytest.raises(kvcap.Error) as e:
         kvcap.Cache(geometry(), config=cfg)
     assert e.value.status_name == "CONFIG" and "bad.yaml:1" in e.value.message
+    with pytest.raises(kvcap.Error) as e:  # the YAML text itself: named by line and column
+        kvcap.Cache(geometry(), config_yaml="fallback: full\npolicies: {vision: nonsense}\n")
+    assert e.value.status_name == "CONFIG" and "params.config_yaml:2" in e.value.message
+    with pytest.raises(kvcap.Error) as e:
+        kvcap.Cache(geometry(), config=cfg, config_yaml="policies: {vision: full}\n")
+    assert e.value.status_name == "INVALID_ARGUMENT" and "config_yaml" in e.value.message
     with pytest.raises(kvcap.Error) as e:
         kvcap.Cache(geometry(), storage="f8")
     assert "storage" in e.value.message
 
 
-def test_streaming_policy_from_the_runtime_config(tmp_path):
+@pytest.mark.parametrize("given", ["path", "text"])
+def test_streaming_policy_from_the_runtime_config(tmp_path, given):
+    text = ("policies: {vision: full, text: streaming, generated: full}\n"
+            "streaming: {sinks: 2, window: 4}\n")
     cfg = tmp_path / "runtime.yaml"
-    cfg.write_text("policies: {vision: full, text: streaming, generated: full}\n"
-                   "streaming: {sinks: 2, window: 4}\n")
+    cfg.write_text(text)
     g = geometry(layers=1)
-    cache = kvcap.Cache(g, storage="f32", config=cfg)
+    cache = (kvcap.Cache(g, storage="f32", config=cfg) if given == "path"
+             else kvcap.Cache(g, storage="f32", config_yaml=text))
     rng = np.random.default_rng(3)
     k = rng.standard_normal((g.kv_heads, 20, g.head_dim)).astype(np.float32)
     v = rng.standard_normal((g.kv_heads, 20, g.head_dim)).astype(np.float32)

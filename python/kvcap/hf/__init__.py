@@ -27,7 +27,6 @@ from __future__ import annotations
 import math
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -304,7 +303,7 @@ class KvcapCache(Cache):
 
     ``model`` is the transformers model (or its config). The runtime config comes from
     ``config`` (a YAML path, configs/runtime.yaml's keys) or from ``policies`` (span kind →
-    policy, written to a temporary YAML with ``sections`` and ``fallback``); without either
+    policy, given to libkvcap as YAML text with ``sections`` and ``fallback``); without either
     libkvcap's defaults apply. ``artifact`` (a path or :class:`kvcap.Artifact`) holds the
     KVCapsule compressors; its geometry must match the model's. ``spans`` gives each prompt's
     spans ([batch][spans] or one list for every prompt; default: one text span, or what
@@ -332,14 +331,9 @@ class KvcapCache(Cache):
         self.geometry = geometry_from_config(mconfig)
         if config is not None and policies is not None:
             raise _argument("config and policies: give one of them")
-        self._tmp = None
-        if policies is not None:
-            self._tmp = tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="kvcap-runtime-",
-                                                    delete=False)
-            self._tmp.write(runtime_yaml(policies, sections, fallback))
-            self._tmp.close()
-            config = self._tmp.name
         self.config_path = os.fspath(config) if config is not None else None
+        self.config_yaml = (runtime_yaml(policies, sections, fallback) if policies is not None
+                            else None)
         self._kvzip = _uses_policy(policies, self.config_path, "kvzip")
         # expected_attention takes every prompt token's query (its statistics)
         self._all_queries = _uses_policy(policies, self.config_path, "expected_attention")
@@ -378,7 +372,7 @@ class KvcapCache(Cache):
         made and freed. An artifact's error names its file."""
         try:
             kvcap.Cache(self.geometry, n_seqs=1, storage="f32", artifact=self.artifact,
-                        config=self.config_path).close()
+                        config=self.config_path, config_yaml=self.config_yaml).close()
         except Error as e:
             if self.artifact is not None and e.status_name == "GEOMETRY":
                 raise Error(e.status, f"{self.artifact.path}: {e.message}") from None
@@ -411,6 +405,7 @@ class KvcapCache(Cache):
             storage = _STORAGE.get(key_states.dtype, "f32")
         self.kv = kvcap.Cache(self.geometry, n_seqs=key_states.shape[0], storage=storage,
                               artifact=self.artifact, config=self.config_path,
+                              config_yaml=self.config_yaml,
                               record_dir=self.record_dir, n_threads=self.n_threads)
         self._batch = key_states.shape[0]
 
@@ -550,12 +545,6 @@ class KvcapCache(Cache):
         if self.kv is not None:
             self.kv.close()
             self.kv = None
-        if self._tmp is not None:
-            try:
-                os.unlink(self._tmp.name)
-            except OSError:
-                pass
-            self._tmp = None
 
     def __del__(self) -> None:
         try:
