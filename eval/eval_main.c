@@ -101,6 +101,10 @@ static void usage(FILE *out)
             "                           fitted in closed form, not a trained connector\n"
             "      --features FILE      image track: the feature file (default\n"
             "                           $HOME/.cache/kvcap/vision/features-g16.safetensors)\n"
+            "      --photos SPLIT       run, image track: heldout (default), or calibration: the\n"
+            "                           photos the compressors were fitted on, for choosing a\n"
+            "                           setting without looking at the held-out ones (the text\n"
+            "                           track's counterpart: --docs with calibration documents)\n"
             "      --compare FILE       run: another track's metrics.json (repeatable), shown\n"
             "                           beside this one in the report\n"
             "      --head N             tokens before the span, kept in full (default 16)\n"
@@ -153,6 +157,7 @@ struct options {
     int record;
     enum track track;
     const char *features;
+    int calibration_photos, photos_set; /* --photos calibration: run on the calibration split */
     const char *model, *corpus, *docs, *calib_docs, *out, *command;
     int head, span, tail, decode, max_chunks, prompts, generate, continuation, fidelity_steps;
     int task_queries, threads, quiet;
@@ -229,7 +234,7 @@ static int parse_options(int argc, char **argv, struct options *o)
     o->record = !strcmp(argv[1], "record");
     enum { O_SPAN = 256, O_HEAD, O_TAIL, O_DECODE, O_MAXCH, O_ART, O_RET, O_PROMPTS, O_GEN,
            O_STORAGE, O_THREADS, O_COMMAND, O_CALIB_DOCS, O_CONT, O_FID, O_TASK, O_TRACK,
-           O_FEATURES, O_COMPARE, O_ART_EXACT, O_EXACT_TILES };
+           O_FEATURES, O_COMPARE, O_ART_EXACT, O_EXACT_TILES, O_PHOTOS };
     static const struct option longopts[] = {
         {"model", required_argument, 0, 'm'},   {"corpus", required_argument, 0, 'C'},
         {"docs", required_argument, 0, 'D'},    {"out", required_argument, 0, 'o'},
@@ -252,6 +257,7 @@ static int parse_options(int argc, char **argv, struct options *o)
         {"compare", required_argument, 0, O_COMPARE},
         {"kvcapsule-exact", required_argument, 0, O_ART_EXACT},
         {"exact-tiles", required_argument, 0, O_EXACT_TILES},
+        {"photos", required_argument, 0, O_PHOTOS},
         {"quiet", no_argument, 0, 'q'},         {"version", no_argument, 0, 'V'},
         {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
     int c, rc = 0;
@@ -282,6 +288,12 @@ static int parse_options(int argc, char **argv, struct options *o)
         case O_COMMAND: o->command = optarg; break;
         case O_CALIB_DOCS: o->calib_docs = optarg; break;
         case O_FEATURES: o->features = optarg; break;
+        case O_PHOTOS:
+            o->photos_set = 1;
+            if (!strcmp(optarg, "heldout")) o->calibration_photos = 0;
+            else if (!strcmp(optarg, "calibration")) o->calibration_photos = 1;
+            else rc = cli_usage_error("--photos: '%s' is not heldout or calibration", optarg);
+            break;
         case O_COMPARE:
             if (o->n_compare == 7)
                 rc = cli_usage_error("--compare: at most 7 other tracks");
@@ -320,6 +332,10 @@ static int parse_options(int argc, char **argv, struct options *o)
         o->docs = o->record ? DEFAULT_CALIB_DOCS : DEFAULT_HELDOUT_DOCS;
     if (o->features && o->track != TRACK_IMAGE)
         return cli_usage_error("--features is for --track image");
+    if (o->photos_set && o->track != TRACK_IMAGE)
+        return cli_usage_error("--photos is for --track image");
+    if (o->photos_set && o->record)
+        return cli_usage_error("--photos is for run (record takes the calibration photos)");
     if (o->track == TRACK_IMAGE && !o->features) {
         const char *home = getenv("HOME");
         snprintf(o->features_default, sizeof o->features_default,
@@ -1714,7 +1730,10 @@ static enum kvcap_status write_metrics(const struct options *o, const struct mod
         cJSON_AddNumberToObject(track, "photos", im->f.n_photos);
         cJSON_AddNumberToObject(track, "heldout_photos", held_photos);
         cJSON_AddNumberToObject(track, "calibration_crops", calib_crops);
-        cJSON_AddNumberToObject(track, "heldout_crops", im->n);
+        cJSON_AddNumberToObject(track, "heldout_crops", im->f.n_crops - calib_crops);
+        /* the split the prompts' crops come from (--photos) */
+        cJSON_AddStringToObject(track, "photos_split",
+                                o->calibration_photos ? "calibration" : "heldout");
         cJSON_AddStringToObject(track, "projector",
                                 "closed form: the features' principal directions mapped onto "
                                 "the token-embedding table's, variances matched; not a trained "
@@ -1888,10 +1907,15 @@ static enum kvcap_status write_metrics(const struct options *o, const struct mod
                  "embedding space in closed form (principal directions onto the embedding "
                  "table's, variances matched): not a trained connector, so the model does not "
                  "understand the image; the span has an image's structure along the token axis, "
-                 "which is what compressing it depends on. Calibration and evaluation use "
-                 "different photos (%d of %d held out). The retrieval task is text-only and not "
-                 "run on this track.",
-                 im->f.grid, im->f.grid, held_photos_of(im), im->f.n_photos);
+                 "which is what compressing it depends on. %s (%d of %d photos held out). The "
+                 "retrieval task is text-only and not run on this track.",
+                 im->f.grid, im->f.grid,
+                 o->calibration_photos
+                     ? "This run shows the calibration photos, which the compressors were fitted "
+                       "on (--photos calibration): it is for choosing a setting, not for judging "
+                       "one"
+                     : "Calibration and evaluation use different photos",
+                 held_photos_of(im), im->f.n_photos);
         cJSON_AddItemToArray(notes, cJSON_CreateString(line));
     }
     static const char *const k_notes[] = {
@@ -1993,10 +2017,11 @@ static int cmd_run(const struct options *opt, int argc, char **argv)
     enum kvcap_status s = model_open(o->model, &mc, o->quiet);
     if (s != KVCAP_OK)
         return cli_fail(s);
-    /* the image track: held-out photos' crops on their grid in the text span's place */
+    /* the image track: crops of the --photos split (held out by default) on their grid in the
+     * text span's place */
     struct image_set im = {0};
     if (opt->track == TRACK_IMAGE) {
-        s = image_set_open(opt, &mc, 1, &im);
+        s = image_set_open(opt, &mc, !o->calibration_photos, &im);
         if (s == KVCAP_OK)
             eo.span = im.f.n_tokens;
     }
@@ -2016,7 +2041,7 @@ static int cmd_run(const struct options *opt, int argc, char **argv)
                                                                     : o->prompts;
     if (opt->track == TRACK_IMAGE && im.n < n_prompts)
         n_prompts = im.n;
-    /* image track: prompt p shows held-out crop crop_of[p], spread over the held-out photos */
+    /* image track: prompt p shows crop crop_of[p] of the split, spread over its photos */
     int *crop_of = calloc((size_t)n_prompts + 1, sizeof *crop_of);
     float *embd = NULL;
     if (s == KVCAP_OK && !crop_of)

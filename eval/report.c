@@ -128,6 +128,7 @@ struct report {
     struct outside outside;
     /* "track": what the span holds; image is a photo crop's features on its grid */
     int image;
+    int calibration_photos; /* track.photos_split "calibration": the prompts show those photos */
     double grid_rows, grid_cols, photos, heldout_photos, heldout_crops, calibration_crops;
     const char *features;
     /* other tracks shown side by side (kvcap_report_write_tracks), NULL-terminated */
@@ -912,6 +913,13 @@ static enum kvcap_status report_load(struct report *r, const char *path)
         KVCAP_TRY(get_number(r, o, "track", "heldout_crops", 0, NUM_COUNT, &r->heldout_crops));
         KVCAP_TRY(get_number(r, o, "track", "calibration_crops", 0, NUM_COUNT,
                              &r->calibration_crops));
+        const char *split = NULL;
+        KVCAP_TRY(get_string(r, o, "track", "photos_split", 0, &split));
+        KVCAP_RETURN_IF(split && strcmp(split, "heldout") != 0 && strcmp(split, "calibration") != 0,
+                        KVCAP_ERR_FORMAT,
+                        "%s: track.photos_split: '%s' is not heldout or calibration", r->path,
+                        split);
+        r->calibration_photos = split && !strcmp(split, "calibration");
     }
 
     KVCAP_TRY(get_object(r, root, "", "setup", &o));
@@ -1394,6 +1402,26 @@ static const char *fmt_kl(char *out, size_t cap, double v)
 
 /* ---- HTML: header, ranking, what was measured ---------------------------------------------- */
 
+/* Whether the prompts come from the data the compressors were fitted on: the image track's
+ * calibration photos (--photos calibration), or text documents that are all calibration
+ * documents. Such a run is for choosing a setting, not for judging one. */
+static int on_calibration_data(const struct report *r)
+{
+    if (r->image)
+        return r->calibration_photos;
+    if (!r->heldout_files || !r->calibration_files || !r->heldout_files->child)
+        return 0;
+    const cJSON *h, *c;
+    cJSON_ArrayForEach(h, r->heldout_files)
+    {
+        int found = 0;
+        cJSON_ArrayForEach(c, r->calibration_files) found |= !strcmp(h->valuestring, c->valuestring);
+        if (!found)
+            return 0;
+    }
+    return 1;
+}
+
 /* The summary's sentence on the floor: how many compressed rows are closer to full than random
  * eviction at the same budget (paired over the prompts, 95 %), naming the others. Nothing when
  * no row can be paired with a random run. */
@@ -1463,15 +1491,17 @@ static void render_header(struct buf *b, const struct report *r)
     } else {
         bputs(b, "The model");
     }
+    const int calibration = on_calibration_data(r);
     bputs(b, " was evaluated");
     if (isfinite(r->prompts))
-        bprintf(b, " on %s held-out prompt%s", fmt_count(n1, sizeof n1, r->prompts),
-                r->prompts == 1 ? "" : "s");
+        bprintf(b, " on %s %s prompt%s", fmt_count(n1, sizeof n1, r->prompts),
+                calibration ? "calibration" : "held-out", r->prompts == 1 ? "" : "s");
     bputs(b, ": each policy compressed the cache of ");
     if (r->image && isfinite(r->grid_rows) && isfinite(r->grid_cols))
-        bprintf(b, "an image span of %.0f&thinsp;&times;&thinsp;%.0f tokens (a held-out photo's "
+        bprintf(b, "an image span of %.0f&thinsp;&times;&thinsp;%.0f tokens (a %s photo's "
                    "patch features, projected into the embedding space in closed form: not a "
-                   "trained connector)", r->grid_rows, r->grid_cols);
+                   "trained connector)", r->grid_rows, r->grid_cols,
+                calibration ? "calibration" : "held-out");
     else if (isfinite(r->span_tokens))
         bprintf(b, "a %s-token %sspan", fmt_count(n1, sizeof n1, r->span_tokens),
                 r->image ? "image " : "text ");
@@ -1485,6 +1515,10 @@ static void render_header(struct buf *b, const struct report *r)
         bprintf(b, "; %s held-out tokens were scored teacher-forced against full's (KL, NLL)",
                 fmt_count(n2, sizeof n2, r->continuation_tokens));
     bputs(b, ".");
+    if (calibration)
+        bprintf(b, " <strong>These prompts come from the %s the compressors were fitted on: the "
+                   "run is for choosing a setting, not for judging one.</strong>",
+                r->image ? "photos" : "documents");
 
     const struct run *full = full_run(r);
     double *targets = malloc(sizeof *targets * (size_t)r->n_runs);
@@ -1800,6 +1834,8 @@ static void render_facts(struct buf *b, const struct report *r)
             bprintf(b, "%.0f photos", r->photos);
         if (isfinite(r->heldout_photos))
             bprintf(b, " (%.0f held out, never calibrated on)", r->heldout_photos);
+        if (r->calibration_photos)
+            bputs(b, " &middot; these prompts show the calibration photos");
         if (isfinite(r->calibration_crops) && isfinite(r->heldout_crops))
             bprintf(b, " &middot; %.0f calibration and %.0f held-out crops", r->calibration_crops,
                     r->heldout_crops);
@@ -3070,11 +3106,11 @@ static void render_mask_on_image(struct buf *b, const struct report *r, const st
                     y, x, 100 * kept);
         }
     free(share);
-    bprintf(b, "\n</svg>\n<figcaption>The %d&thinsp;&times;&thinsp;%d tokens of a held-out photo "
+    bprintf(b, "\n</svg>\n<figcaption>The %d&thinsp;&times;&thinsp;%d tokens of a %s photo "
                "crop: the darker a cell, the fewer of the %d layers &times; %d KV heads keep that "
                "token's key (clear: the most-kept token, %.0f&nbsp;%% of them).</figcaption>\n"
                "</figure>\n",
-            R, C, L, m->heads, 100 * most);
+            R, C, r->calibration_photos ? "calibration" : "held-out", L, m->heads, 100 * most);
 }
 
 static void render_masks(struct buf *b, const struct report *r)

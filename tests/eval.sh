@@ -24,6 +24,12 @@ eval_bin="$bin/kvcap-eval"
 "$eval_bin" run --out "$work/x" --exact-tiles 2 >"$work/exact.out" 2>&1; rc=$?
 [ "$rc" -eq 2 ] && grep -q -- "--exact-tiles: no --kvcapsule-exact run" "$work/exact.out" ||
   fail "--exact-tiles without --kvcapsule-exact: exit $rc"
+"$eval_bin" run --out "$work/x" --photos calibration >"$work/photos.out" 2>&1; rc=$?
+[ "$rc" -eq 2 ] && grep -q -- "--photos is for --track image" "$work/photos.out" ||
+  fail "--photos on the text track: exit $rc"
+"$eval_bin" run --out "$work/x" --track image --photos train >"$work/photos2.out" 2>&1; rc=$?
+[ "$rc" -eq 2 ] && grep -q -- "--photos: 'train' is not heldout or calibration" "$work/photos2.out" ||
+  fail "bad --photos: exit $rc"
 "$eval_bin" record --out "$work/x" --model "$work/missing.gguf" >"$work/nomodel.out" 2>&1; rc=$?
 [ "$rc" -eq 1 ] && grep -q "missing.gguf" "$work/nomodel.out" || fail "missing model: exit $rc"
 # --out must not replace or mix with an input: an input folder, a folder holding the model for
@@ -184,6 +190,18 @@ t = h["span_embeddings"]
 assert t["dtype"] == "F32" and t["shape"][0] == 2 and t["shape"][1] == 256, t
 PY
   grep -q "<dt>Images</dt>" "$work/iout/report.html" || fail "image report lacks its photos"
+  # the calibration photos, for choosing a setting: recorded as such, and said in the report
+  "$eval_bin" run -q --track image --photos calibration --features "$features" --model "$model" \
+    --corpus "$corpus" --docs Apache-2.0 --tail 8 --prompts 1 --generate 4 --continuation 8 \
+    --fidelity-steps 2 --retentions 0.4 --out "$work/ical" >/dev/null || fail "calibration-photo run"
+  python3 - "$work/iout/metrics.json" "$work/ical/metrics.json" <<'PY' || fail "photos_split"
+import json, sys
+held, cal = (json.load(open(p))["track"] for p in sys.argv[1:])
+assert held["photos_split"] == "heldout" and cal["photos_split"] == "calibration", (held, cal)
+assert held["heldout_crops"] == cal["heldout_crops"] > 0, (held, cal)
+PY
+  grep -q "These prompts come from the photos the compressors were fitted on" \
+    "$work/ical/report.html" || fail "calibration-photo report does not say so"
 else
   echo "SKIP: image track ($features not found; bash scripts/fetch-vision.sh and" \
     "scripts/vision_features.py make it)"

@@ -1014,6 +1014,84 @@ static void test_tracks_side_by_side(void **state)
     dirs_remove(&d);
 }
 
+/* A run on the data the compressors were fitted on (kvcap-eval run --photos calibration, or
+ * --docs naming calibration documents) says so, in bold, where held-out prompts are claimed
+ * otherwise; an unknown split is named. */
+static void test_calibration_split(void **state)
+{
+    (void)state;
+    struct dirs d;
+    dirs_make(&d);
+    static const char *const claim = "These prompts come from the";
+    cJSON *doc = load_sample();
+    cJSON *track = cJSON_CreateObject();
+    cJSON_AddStringToObject(track, "kind", "image");
+    cJSON_AddNumberToObject(track, "rows", 16);
+    cJSON_AddNumberToObject(track, "cols", 16);
+    cJSON_AddNumberToObject(track, "photos", 40);
+    cJSON_AddNumberToObject(track, "heldout_photos", 10);
+    cJSON_AddStringToObject(track, "photos_split", "calibration");
+    cJSON_AddItemToObject(doc, "track", track);
+    cJSON *mask = cJSON_GetArrayItem(cJSON_GetObjectItem(doc, "masks"), 0);
+    cJSON_AddNumberToObject(mask, "rows", 16);
+    cJSON_AddNumberToObject(mask, "cols", 16);
+    cJSON_AddStringToObject(mask, "thumb", "data:image/bmp;base64,Qk0A");
+    write_json(d.metrics, doc);
+    if (kvcap_report_write(d.metrics, d.html, NULL) != KVCAP_OK)
+        fail_msg("%s", kvcap_last_error());
+    char *html = slurp(d.html);
+    assert_non_null(html);
+    assert_non_null(strstr(html, " was evaluated on 24 calibration prompts: "));
+    assert_non_null(strstr(html, "tokens (a calibration photo's patch features"));
+    assert_non_null(strstr(html, "<strong>These prompts come from the photos the compressors were "
+                                 "fitted on: the run is for choosing a setting, not for judging "
+                                 "one.</strong>"));
+    assert_non_null(strstr(html, "(10 held out, never calibrated on) &middot; these prompts show "
+                                 "the calibration photos"));
+    assert_non_null(strstr(html, "The 16&thinsp;&times;&thinsp;16 tokens of a calibration photo"));
+    free(html);
+    /* the held-out split, said or not: as before */
+    for (int k = 0; k < 2; k++) {
+        if (k == 0)
+            cJSON_ReplaceItemInObject(track, "photos_split", cJSON_CreateString("heldout"));
+        else
+            cJSON_DeleteItemFromObject(track, "photos_split");
+        write_json(d.metrics, doc);
+        assert_int_equal(kvcap_report_write(d.metrics, d.html, NULL), KVCAP_OK);
+        assert_non_null(html = slurp(d.html));
+        assert_non_null(strstr(html, " was evaluated on 24 held-out prompts: "));
+        assert_non_null(strstr(html, "tokens (a held-out photo's patch features"));
+        assert_non_null(strstr(html, "tokens of a held-out photo"));
+        assert_null(strstr(html, claim));
+        free(html);
+    }
+    cJSON_AddStringToObject(track, "photos_split", "train");
+    write_json(d.metrics, doc);
+    assert_int_equal(kvcap_report_write(d.metrics, d.html, NULL), KVCAP_ERR_FORMAT);
+    assert_error_names(d.metrics, "track.photos_split: 'train' is not heldout or calibration");
+    cJSON_Delete(doc);
+    /* text: prompts from documents that are all calibration documents */
+    doc = load_sample();
+    cJSON *corpus = cJSON_GetObjectItem(doc, "corpus");
+    cJSON_ReplaceItemInObject(corpus, "heldout", cJSON_Duplicate(cJSON_GetObjectItem(corpus,
+                                                                                      "calibration"),
+                                                                 1));
+    write_json(d.metrics, doc);
+    cJSON_Delete(doc);
+    assert_int_equal(kvcap_report_write(d.metrics, d.html, NULL), KVCAP_OK);
+    assert_non_null(html = slurp(d.html));
+    assert_non_null(strstr(html, " was evaluated on 24 calibration prompts: "));
+    assert_non_null(strstr(html, "<strong>These prompts come from the documents the compressors"));
+    free(html);
+    /* one held-out document among them: held-out prompts */
+    assert_int_equal(kvcap_report_write(SAMPLE, d.html, NULL), KVCAP_OK);
+    assert_non_null(html = slurp(d.html));
+    assert_non_null(strstr(html, " was evaluated on 24 held-out prompts: "));
+    assert_null(strstr(html, claim));
+    free(html);
+    dirs_remove(&d);
+}
+
 /* kvpress.json beside the metrics (scripts/kvpress-reference.sh): its presses beside kvcap's best
  * row and random eviction at each retention; another setup's file is named and not shown; a
  * malformed one is refused naming the file and the field. */
@@ -1377,6 +1455,7 @@ int main(void)
         cmocka_unit_test(test_unwritable_output),
         cmocka_unit_test(test_bounded_rendering),
         cmocka_unit_test(test_tracks_side_by_side),
+        cmocka_unit_test(test_calibration_split),
         cmocka_unit_test(test_outside_reference),
         cmocka_unit_test(test_paired_interval),
         cmocka_unit_test(test_versus_random),
