@@ -947,12 +947,10 @@ static void test_bad_arguments(void **state)
 
 /* Other tracks beside the first: each run next to the run of the same id; an image track's
  * grid names its columns and the ranking shows the attention cosine where no task ran. */
-static void test_tracks_side_by_side(void **state)
+/* The sample as an image track: a 16 x 16 grid, 40 photos of which 10 held out; its "track"
+ * object, owned by doc. */
+static cJSON *add_image_track(cJSON *doc)
 {
-    (void)state;
-    struct dirs d;
-    dirs_make(&d);
-    cJSON *doc = load_sample();
     cJSON *track = cJSON_CreateObject();
     cJSON_AddStringToObject(track, "kind", "image");
     cJSON_AddNumberToObject(track, "rows", 16);
@@ -960,6 +958,26 @@ static void test_tracks_side_by_side(void **state)
     cJSON_AddNumberToObject(track, "photos", 40);
     cJSON_AddNumberToObject(track, "heldout_photos", 10);
     cJSON_AddItemToObject(doc, "track", track);
+    return track;
+}
+
+/* The sample's first mask drawn over a photo crop (a 16 x 16 grid and a thumbnail); the mask. */
+static cJSON *add_mask_thumb(cJSON *doc)
+{
+    cJSON *mask = cJSON_GetArrayItem(cJSON_GetObjectItem(doc, "masks"), 0);
+    cJSON_AddNumberToObject(mask, "rows", 16);
+    cJSON_AddNumberToObject(mask, "cols", 16);
+    cJSON_AddStringToObject(mask, "thumb", "data:image/bmp;base64,Qk0A");
+    return mask;
+}
+
+static void test_tracks_side_by_side(void **state)
+{
+    (void)state;
+    struct dirs d;
+    dirs_make(&d);
+    cJSON *doc = load_sample();
+    add_image_track(doc);
     write_json(d.metrics, doc);
     cJSON_Delete(doc);
     const char *paths[2] = {d.metrics, SAMPLE};
@@ -975,10 +993,7 @@ static void test_tracks_side_by_side(void **state)
     free(html);
     /* a mask drawn over its photo: only a base64 BMP data URI on a grid of n_tokens */
     doc = load_sample();
-    cJSON *mask = cJSON_GetArrayItem(cJSON_GetObjectItem(doc, "masks"), 0);
-    cJSON_AddNumberToObject(mask, "rows", 16);
-    cJSON_AddNumberToObject(mask, "cols", 16);
-    cJSON_AddStringToObject(mask, "thumb", "data:image/bmp;base64,Qk0A");
+    cJSON *mask = add_mask_thumb(doc);
     write_json(d.metrics, doc);
     if (kvcap_report_write(d.metrics, d.html, NULL) != KVCAP_OK)
         fail_msg("%s", kvcap_last_error());
@@ -1004,7 +1019,7 @@ static void test_tracks_side_by_side(void **state)
     assert_null(strstr(html, "Tracks side by side"));
     free(html);
     doc = load_sample();
-    track = cJSON_CreateObject();
+    cJSON *track = cJSON_CreateObject();
     cJSON_AddStringToObject(track, "kind", "audio");
     cJSON_AddItemToObject(doc, "track", track);
     write_json(d.metrics, doc);
@@ -1024,18 +1039,9 @@ static void test_calibration_split(void **state)
     dirs_make(&d);
     static const char *const claim = "These prompts come from the";
     cJSON *doc = load_sample();
-    cJSON *track = cJSON_CreateObject();
-    cJSON_AddStringToObject(track, "kind", "image");
-    cJSON_AddNumberToObject(track, "rows", 16);
-    cJSON_AddNumberToObject(track, "cols", 16);
-    cJSON_AddNumberToObject(track, "photos", 40);
-    cJSON_AddNumberToObject(track, "heldout_photos", 10);
+    cJSON *track = add_image_track(doc);
     cJSON_AddStringToObject(track, "photos_split", "calibration");
-    cJSON_AddItemToObject(doc, "track", track);
-    cJSON *mask = cJSON_GetArrayItem(cJSON_GetObjectItem(doc, "masks"), 0);
-    cJSON_AddNumberToObject(mask, "rows", 16);
-    cJSON_AddNumberToObject(mask, "cols", 16);
-    cJSON_AddStringToObject(mask, "thumb", "data:image/bmp;base64,Qk0A");
+    add_mask_thumb(doc);
     write_json(d.metrics, doc);
     if (kvcap_report_write(d.metrics, d.html, NULL) != KVCAP_OK)
         fail_msg("%s", kvcap_last_error());
@@ -1305,11 +1311,8 @@ static void test_versus_random(void **state)
     /* ±0.004 over 24 prompts: sd 0.004·sqrt(24/23), half-width t(0.975, 23) = 2.069 times sd/√24 */
     assert_true(fabs(half - 2.069 * 0.004 * sqrt(24.0 / 23.0) / sqrt(24.0)) < 1e-6);
     free(csv);
-    /* without the random run's per-prompt values: no column, no sentence */
-    doc = load_sample();
-    write_json(d.metrics, doc);
-    cJSON_Delete(doc);
-    assert_int_equal(kvcap_report_write(d.metrics, d.html, NULL), KVCAP_OK);
+    /* the sample has no random run: no column, no sentence */
+    assert_int_equal(kvcap_report_write(SAMPLE, d.html, NULL), KVCAP_OK);
     assert_non_null(html = slurp(d.html));
     assert_null(strstr(html, "random&rsquo;s</th>"));
     assert_null(strstr(html, "Against random eviction"));
