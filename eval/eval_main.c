@@ -180,8 +180,8 @@ static int parse_retentions(const char *arg, struct options *o)
         char *end;
         double r = strtod(p, &end);
         if (end == p || !(r > 0.0 && r <= 1.0) || o->n_retentions == MAX_RETENTIONS)
-            return cli_usage_error("--retentions: '%s' is not a list of up to 8 values in (0, 1]",
-                                   arg);
+            return cli_usage_error("--retentions: '%s' is not a list of up to %d values in (0, 1]",
+                                   arg, MAX_RETENTIONS);
         o->retentions[o->n_retentions++] = r;
         if (*end == ',')
             end++;

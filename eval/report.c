@@ -1109,7 +1109,9 @@ static double ratio(double a, double b)
     return b > 0 ? a / b : NAN;
 }
 
-/* A row against random eviction at its target (versus_random, below). */
+/* A paired difference a − b (KL or |ΔNLL|, over the prompts) read against its 95 % interval:
+ * VS_CLOSER, a is closer to full than b beyond it; VS_FARTHER, farther; VS_TIED, the prompts
+ * do not separate them; VS_NONE, nothing to pair. */
 enum versus { VS_NONE, VS_CLOSER, VS_TIED, VS_FARTHER };
 static enum versus versus_random(const struct report *r, const struct run *u, double *mean,
                                  double *half);
@@ -1231,14 +1233,21 @@ void kvcap_report_paired(const double *a, const double *b, int n, int absolute, 
     *half = t975(n - 1) * sqrt(sq / (n - 1) / n);
 }
 
+/* Where the interval mean ± half lies: below 0, above 0, or across it. */
+static enum versus paired_verdict(double mean, double half)
+{
+    return mean + half < 0 ? VS_CLOSER : mean - half > 0 ? VS_FARTHER : VS_TIED;
+}
+
 /* A paired difference's cell: the mean over prompts and ± the half-width of its 95 % interval,
  * green ("win") where the interval lies below 0, red ("lose") where above. */
 static void paired_cell(struct buf *b, double mean, double half)
 {
+    static const char *const cls[] = {[VS_CLOSER] = "win", [VS_TIED] = "tie",
+                                      [VS_FARTHER] = "lose"};
     char v[48];
     bprintf(b, "<td class=\"%s\">%s<br><span class=\"unit\">&plusmn;%.4f</span></td>",
-            mean + half < 0 ? "win" : mean - half > 0 ? "lose" : "tie",
-            fmt_signed(v, sizeof v, mean, 4), half);
+            cls[paired_verdict(mean, half)], fmt_signed(v, sizeof v, mean, 4), half);
 }
 
 static double approx_text_width(const char *s, double font_px)
@@ -1356,10 +1365,9 @@ static const struct run *random_at(const struct report *r, double t)
 }
 
 /* Run u against random eviction at its target, paired over the prompts: *mean is u's KL minus
- * random's (mean over prompts) and *half the half-width of its 95 % t-interval. VS_CLOSER: u is
- * closer to full beyond that interval; VS_FARTHER: farther; VS_TIED: the prompts do not separate
- * them; VS_NONE: nothing to pair (u is random or full, no random run at u's target, or either
- * lacks per-prompt KL for the same prompts). */
+ * random's (mean over prompts), *half the half-width of its 95 % t-interval, and the verdict
+ * paired_verdict's; VS_NONE when there is nothing to pair (u is random or full, no random run
+ * at u's target, or either lacks per-prompt KL for the same prompts). */
 static enum versus versus_random(const struct report *r, const struct run *u, double *mean,
                                  double *half)
 {
@@ -1368,9 +1376,7 @@ static enum versus versus_random(const struct report *r, const struct run *u, do
     if (!rnd || rnd == u || !u->pp_kl || !rnd->pp_kl || u->n_pp != rnd->n_pp)
         return VS_NONE;
     kvcap_report_paired(u->pp_kl, rnd->pp_kl, u->n_pp, 0, mean, half);
-    if (!isfinite(*mean) || !isfinite(*half))
-        return VS_NONE;
-    return *mean + *half < 0 ? VS_CLOSER : *mean - *half > 0 ? VS_FARTHER : VS_TIED;
+    return isfinite(*mean) && isfinite(*half) ? paired_verdict(*mean, *half) : VS_NONE;
 }
 
 static void swatch(struct buf *b, const struct curve *c)

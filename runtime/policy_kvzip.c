@@ -132,15 +132,16 @@ static enum kvcap_status kvzip_finish(struct kvcap_cache *c, int seq, int span)
         /* every head keeps its protected tokens; the rest of the budget goes to the largest
          * scores of every layer and head together */
         const int64_t even = llround(cfg->retention * (double)n); /* a head's even share */
-        int64_t budget = even * (int64_t)units - (int64_t)units * (n - nc);
+        /* what the protected tokens leave (negative when they exceed it: the selection
+         * clamps it to [0, units × nc], as it clamps the floor below) */
+        const int64_t budget = even * (int64_t)units - (int64_t)units * (n - nc);
         /* the safeguard: every head first keeps that share of its even share, protected
          * tokens included (in [-n, n]: the selection clamps it to [0, nc]) */
         const int head_floor = (int)(llround(cfg->safeguard * (double)even) - (n - nc));
         if ((int64_t)units * nc > INT_MAX)
             st = kvcap_fail(KVCAP_ERR_INVALID_ARGUMENT, "kvzip: %zu x %d scores are too many",
                             units, nc);
-        else if (kvcap_kvzip_select(score, (int)units, nc, budget > 0 ? budget : 0, head_floor,
-                                    keep, sel) < 0)
+        else if (kvcap_kvzip_select(score, (int)units, nc, budget, head_floor, keep, sel) < 0)
             st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "kvzip: out of memory selecting among "
                             "%zu x %d scores", units, nc);
     }
