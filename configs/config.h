@@ -167,11 +167,15 @@ struct kvcap_streaming_config {
  * together, `sinks` first and `window` last tokens of every head always among them. With
  * `safeguard` > 0 (kvcap's variant: Ada-KV's safeguard, arXiv 2407.11550) every head first keeps
  * its best tokens up to that share of an even split (retention × the span's tokens), then the
- * rest of the budget is shared. */
+ * rest of the budget is shared. With `values: basis` (kvcap's variant) a vision span with a
+ * bucket in the artifact keeps its values as KVCapsule's value state (Ṽ and μ, through the
+ * artifact's value basis) instead of one row per kept token, and spends the bytes this saves on
+ * more keys: `retention` is then of the span's bytes, not of its tokens. */
 struct kvcap_kvzip_config {
     double retention;  /* (0, 1], default 0.4 */
     int sinks, window; /* default 0 */
     double safeguard;  /* [0, 1], default 0: KVzip's rule */
+    int value_basis;   /* `values: basis` (1) or `rows` (0, default: KVzip's) */
 };
 
 /* random: each KV head of each layer keeps `retention` of the span's tokens (sinks and window

@@ -27,7 +27,8 @@ void kvcap_runtime_config_default(struct kvcap_runtime_config *cfg)
         .page_size = 32, .budget = 2048, .tau = 0.9, .sink_pages = 1, .window_pages = 2};
     cfg->streaming = (struct kvcap_streaming_config){.sinks = 4, .window = 1024};
     cfg->kvzip =
-        (struct kvcap_kvzip_config){.retention = 0.4, .sinks = 0, .window = 0, .safeguard = 0};
+        (struct kvcap_kvzip_config){.retention = 0.4, .sinks = 0, .window = 0, .safeguard = 0,
+                                    .value_basis = 0};
     cfg->random = (struct kvcap_random_config){.retention = 0.4, .sinks = 0, .window = 0,
                                                .seed = 0};
     cfg->expected = (struct kvcap_expected_config){
@@ -79,7 +80,8 @@ static enum kvcap_status parse_runtime(struct kvcap_yaml *c, yaml_node_t *root, 
     static const char *const freekv_keys[] = {"page_size", "budget", "tau", "sink_pages",
                                               "window_pages", NULL};
     static const char *const streaming_keys[] = {"sinks", "window", NULL};
-    static const char *const kvzip_keys[] = {"retention", "sinks", "window", "safeguard", NULL};
+    static const char *const kvzip_keys[] = {"retention", "sinks", "window", "safeguard",
+                                             "values",    NULL};
     static const char *const random_keys[] = {"retention", "sinks", "window", "seed", NULL};
     static const char *const expected_keys[] = {"retention", "n_future", "query_sinks", "sinks",
                                                 "window", NULL};
@@ -184,6 +186,16 @@ static enum kvcap_status parse_runtime(struct kvcap_yaml *c, yaml_node_t *root, 
         KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "window", 0, 1 << 30, &p->window));
         KVCAP_TRY(kvcap_yaml_get_double(c, n, f, "safeguard",
                                         (struct kvcap_yaml_range){0.0, 1.0, 0, 0}, &p->safeguard));
+        yaml_node_t *vals = kvcap_yaml_lookup(c, n, "values");
+        if (vals) {
+            const char *s = vals->type == YAML_SCALAR_NODE ? kvcap_yaml_scalar(vals) : "";
+            if (strcmp(s, "rows") != 0 && strcmp(s, "basis") != 0)
+                return kvcap_yaml_fail_at(c, vals->start_mark,
+                                          "kvzip.values: '%s' is not rows (a row per kept "
+                                          "token) or basis (the artifact's value bases)",
+                                          s);
+            p->value_basis = strcmp(s, "basis") == 0;
+        }
     }
     if ((n = kvcap_yaml_lookup(c, root, "random"))) {
         struct kvcap_random_config *p = &cfg->random;

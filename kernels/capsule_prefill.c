@@ -121,14 +121,7 @@ enum kvcap_status kvcap_capsule_prefill(const struct kvcap_model_geometry *g,
     const size_t es = kvcap_dtype_size(storage);
     float *tile = scratch;                 /* [m][d] */
     float *out = tile + (size_t)m * d;     /* [max(h, rv)][d] */
-    float *muf = out + (size_t)(u->h > u->rv ? u->h : u->rv) * d; /* [d] */
     kvcap_rope_rotate(g, k, (size_t)n, (size_t)d, -(double)p0);
-    for (int ch = 0; ch < d; ch++) {
-        double sum = 0;
-        for (int j = 0; j < n; j++)
-            sum += v[(size_t)j * d + ch];
-        muf[ch] = (float)(sum / n);
-    }
     for (int t = 0; t < tiles; t++) {
         /* H_t = φ(W1ᵀ K'[M] + b1 1ᵀ): [h][d] */
         for (int r = 0; r < u->rk; r++)
@@ -144,16 +137,54 @@ enum kvcap_status kvcap_capsule_prefill(const struct kvcap_model_geometry *g,
                 out[i] = kvcap_gelu(out[i]);
         kvcap_convert_from_f32(storage, out, (size_t)u->h * d,
                                (char *)hs + (size_t)t * u->h * d * es);
+    }
+    return kvcap_capsule_prefill_values(bucket, m, u->rv, u->u, n, d, v, storage, vt, mu,
+                                        scratch);
+}
+
+size_t kvcap_capsule_prefill_values_scratch_floats(int m, int rv, int d)
+{
+    return m < 1 || rv < 0 || d < 1 ? 0 : ((size_t)m + (size_t)rv + 1) * (size_t)d;
+}
+
+enum kvcap_status kvcap_capsule_prefill_values(const struct kvcap_bucket *bucket, int m, int rv,
+                                               const float *u, int n, int d, const float *v,
+                                               enum kvcap_dtype storage, void *vt, void *mu,
+                                               float *scratch)
+{
+    KVCAP_RETURN_IF(!bucket || !u || !v || !vt || !mu || !scratch, KVCAP_ERR_INVALID_ARGUMENT,
+                    "kvcap_capsule_prefill_values: NULL argument");
+    KVCAP_RETURN_IF(m < 1 || rv < 0 || rv > m || d < 1 || n < m || n % m != 0 ||
+                        (int64_t)bucket->rows * bucket->cols != n ||
+                        (bucket->structure == KVCAP_STRUCTURE_TILED
+                             ? bucket->tile_rows * bucket->tile_cols
+                             : n) != m,
+                    KVCAP_ERR_INVALID_ARGUMENT,
+                    "kvcap_capsule_prefill_values: a basis of rank %d over %d points for %d "
+                    "tokens of head_dim %d on a %dx%d grid",
+                    rv, m, n, d, bucket->rows, bucket->cols);
+    KVCAP_RETURN_IF(!kvcap_dtype_is_storage(storage), KVCAP_ERR_INVALID_ARGUMENT,
+                    "kvcap_capsule_prefill_values: storage %s is not F32, F16 or BF16",
+                    kvcap_dtype_name(storage));
+    const int tiles = n / m;
+    const size_t es = kvcap_dtype_size(storage);
+    float *tile = scratch, *out = tile + (size_t)m * d, *muf = out + (size_t)rv * d;
+    for (int ch = 0; ch < d; ch++) {
+        double sum = 0;
+        for (int j = 0; j < n; j++)
+            sum += v[(size_t)j * d + ch];
+        muf[ch] = (float)(sum / n);
+    }
+    for (int t = 0; t < tiles && rv > 0; t++) {
         /* Ṽ_t = U (V_t − 1μᵀ): [rv][d] */
         for (int p = 0; p < m; p++) {
             const float *row = v + kvcap_bucket_token(bucket, t, p) * (size_t)d;
             for (int ch = 0; ch < d; ch++)
                 tile[(size_t)p * d + ch] = row[ch] - muf[ch];
         }
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, u->rv, d, m, 1.0f, u->u, m, tile,
-                    d, 0.0f, out, d);
-        kvcap_convert_from_f32(storage, out, (size_t)u->rv * d,
-                               (char *)vt + (size_t)t * u->rv * d * es);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rv, d, m, 1.0f, u, m, tile, d,
+                    0.0f, out, d);
+        kvcap_convert_from_f32(storage, out, (size_t)rv * d, (char *)vt + (size_t)t * rv * d * es);
     }
     kvcap_convert_from_f32(storage, muf, (size_t)d, mu);
     return KVCAP_OK;

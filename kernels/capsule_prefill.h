@@ -48,6 +48,18 @@ enum kvcap_status kvcap_capsule_prefill(const struct kvcap_model_geometry *g,
 /* Floats of scratch kvcap_capsule_prefill needs: (m + max(h, rv) + 1) · d. */
 size_t kvcap_capsule_prefill_scratch_floats(const struct kvcap_capsule_prefill_maps *maps, int d);
 
+/* The value half of kvcap_capsule_prefill alone (kvzip's value basis, runtime/policy_kvzip.c):
+ * μ, the mean of v ([n][d] f32) over the span, and Ṽ_t = U (V_t − 1μᵀ) of every tile through the
+ * basis u ([rv][m] f32, rank 0 allowed: only μ), written in `storage` to vt [tiles][rv][d] and
+ * mu [d]. scratch: kvcap_capsule_prefill_values_scratch_floats() floats, (m + rv + 1) · d.
+ * KVCAP_ERR_INVALID_ARGUMENT for NULL pointers, sizes that do not fit the bucket or a
+ * non-storage dtype; nothing is written then. */
+enum kvcap_status kvcap_capsule_prefill_values(const struct kvcap_bucket *bucket, int m, int rv,
+                                               const float *u, int n, int d, const float *v,
+                                               enum kvcap_dtype storage, void *vt, void *mu,
+                                               float *scratch);
+size_t kvcap_capsule_prefill_values_scratch_floats(int m, int rv, int d);
+
 /* How badly KVCapsule reconstructs each tile of one KV head of a span (kvcap's exact tiles): for
  * tile t, the largest over its points p of
  *   ‖k̂'_p − k'_p‖² / k2 + ‖v̂_p − v_p‖² / v2,

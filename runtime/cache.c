@@ -116,6 +116,12 @@ enum kvcap_status kvcap_cache_create(const struct kvcap_cache_params *p, struct 
         st = kvcap_fail(KVCAP_ERR_INVALID_ARGUMENT,
                         "params.artifact: the runtime config compresses vision spans with "
                         "kvcapsule, which needs an artifact");
+    if (st == KVCAP_OK && c->cfg.kvzip.value_basis && !p->artifact)
+        for (int k = 0; st == KVCAP_OK && k < 3; k++)
+            if (c->cfg.policy[k] == KVCAP_POLICY_KVZIP)
+                st = kvcap_fail(KVCAP_ERR_INVALID_ARGUMENT,
+                                "params.artifact: the runtime config has kvzip.values: basis, "
+                                "which keeps values in the artifact's value bases; there is none");
     for (int k = 0; st == KVCAP_OK && k < 3; k++) {
         enum kvcap_policy pol = c->cfg.policy[k];
         if (!policy_impl(pol))
@@ -313,6 +319,11 @@ enum kvcap_status kvcap_cache_add_span(struct kvcap_cache *c, int seq, int layer
             fallback = 1;
         }
     }
+    /* kvzip with values: basis keeps the values of a vision span that has a bucket in the
+     * artifact's value basis; any other span keeps them as rows */
+    if (seg.policy == KVCAP_POLICY_KVZIP && c->cfg.kvzip.value_basis &&
+        span->kind == KVCAP_SPAN_VISION)
+        seg.bucket = kvcap_artifact_find_bucket(c->artifact, seg.rows, seg.cols);
     if (c->recorder && span->kind == KVCAP_SPAN_VISION)
         KVCAP_TRY(kvcap_recorder_span(c->recorder, seq, layer, sl->n_segs, span, k, v));
     enum kvcap_status st = policy_impl(seg.policy)->prefill(c, seq, layer, &seg, k, v);

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/basis_rows.h"
 #include "kernels/capsule_prefill.h"
 #include "kernels/rope.h"
 #include "runtime/cache_internal.h"
@@ -242,6 +243,17 @@ static enum kvcap_status prepare_scratch(struct kvcap_cache *c, int layer)
             work = need > work ? need : work;
         }
     }
+    for (int s = 0; s < c->n_seqs; s++) { /* kvzip's kept keys with values in a basis */
+        const struct kvcap_seq_layer *sl = kvcap_cache_seq_layer(c, s, layer);
+        for (int i = 0; i < sl->n_segs; i++) {
+            const struct kvcap_segment *seg = &sl->segs[i];
+            if (!seg->row_point)
+                continue;
+            size_t need = kvcap_attend_basis_rows_scratch_floats(seg->n_rows, seg->tiles,
+                                                                 seg->rv, G, d);
+            work = need > work ? need : work;
+        }
+    }
     for (int t = 0; t < c->threads; t++) {
         struct kvcap_thread_scratch *s = &c->scratch[t];
         KVCAP_TRY(grow((void **)&s->qrot, &s->qrot_cap, spans * (size_t)G * d, sizeof(float)));
@@ -294,10 +306,22 @@ static enum kvcap_status attend_part(struct kvcap_cache *c, int layer, int h, in
             if (hi == lo)
                 continue;
             size_t at = (first + (size_t)lo) * d * es;
-            struct kvcap_rows rows = {(const char *)seg->k + at, (const char *)seg->v + at,
-                                      c->storage, (size_t)d, hi - lo};
             uint64_t got;
-            KVCAP_TRY(kvcap_attend_rows(&rows, qs, G, d, scale, acc, &got));
+            if (seg->row_point) { /* kvzip's keys, values in the bucket's basis */
+                const struct kvcap_unit_maps *u =
+                    kvcap_artifact_unit(c->artifact, layer, h, seg->bucket);
+                struct kvcap_basis_rows rows = {
+                    (const char *)seg->k + at, c->storage, (size_t)d, hi - lo,
+                    seg->row_point + first + lo, u->m, seg->rv, seg->tiles, u->u,
+                    (const char *)seg->vt + (size_t)h * seg->tiles * seg->rv * d * es,
+                    (const char *)seg->mu + (size_t)h * d * es};
+                KVCAP_TRY(kvcap_attend_basis_rows(&rows, qs, G, d, scale, acc, sc->work,
+                                                  sc->work_cap, &got));
+            } else {
+                struct kvcap_rows rows = {(const char *)seg->k + at, (const char *)seg->v + at,
+                                          c->storage, (size_t)d, hi - lo};
+                KVCAP_TRY(kvcap_attend_rows(&rows, qs, G, d, scale, acc, &got));
+            }
             bytes += got;
         }
         if (sl->freekv && k == 0) {

@@ -128,6 +128,10 @@ struct kvcap_kept_rows {
     void *k, *v;      /* [kv_heads][cap][head_dim], storage dtype; packed when head_at is set */
     int n_keep, cap;  /* packed: n_keep the most rows a head keeps, cap unused */
     int64_t *head_at; /* NULL, or the packed layout's kv_heads + 1 row offsets */
+    /* Values in a value basis instead of v (NULL then): kvcap_segment.row_point, vt, mu */
+    int32_t *point;
+    void *vt, *mu;
+    int tiles, rv;
 };
 
 /* Eviction by score, the step FlashCache and VL-Cache share: each head h keeps the protected
@@ -147,7 +151,8 @@ enum kvcap_status kvcap_segment_keep_marked(const struct kvcap_cache *c,
                                             const struct kvcap_segment *seg,
                                             const unsigned char *mark, struct kvcap_kept_rows *out);
 
-/* Replaces seg's rows by `kept` (taking ownership) and frees the evicted ones for real. */
+/* Replaces seg's rows (and, when kept has them, its value state) by `kept` (taking ownership)
+ * and frees the evicted ones for real. */
 void kvcap_segment_commit(struct kvcap_segment *seg, struct kvcap_kept_rows *kept);
 
 /* The end of a cross-layer finish of span `span` of `seq`, with kept[l] built for every pending

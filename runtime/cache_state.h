@@ -35,6 +35,10 @@ struct kvcap_segment {
     /* KVCapsule: [kv_heads][tiles][h][d], [kv_heads][tiles][rv][d], [kv_heads][d] */
     int bucket, tiles, h, rv;
     void *hs, *vt, *mu;
+    /* kvzip with values: basis, after its finish: v is NULL, each kept row's value comes from
+     * the value state vt and mu (as KVCapsule's, through the unit's basis U), and row_point
+     * (laid out like the rows) holds each kept row's place in it, tile · m + point. */
+    int32_t *row_point;
     int dev; /* 1 + the CUDA device holding k, v, hs, vt, mu (the device store); 0: host memory */
 };
 

@@ -9,13 +9,21 @@
  * cache_state.h). The first `sinks` and last `window` tokens of every head are always kept
  * and counted in the budget, so bytes held = retention × full for the span. With
  * `safeguard` > 0 (kvcap's variant, Ada-KV's safeguard, arXiv 2407.11550) every head first
- * keeps its largest scores up to that share of an even split, then the rest is shared. */
+ * keeps its largest scores up to that share of an even split, then the rest is shared.
+ * With `values: basis` (kvcap's variant) a span with a bucket in the artifact keeps, besides the
+ * chosen keys, only KVCapsule's value state per layer and KV head (Ṽ and μ through the bucket's
+ * value basis, kernels/basis_rows.h): the budget is then the span's bytes, retention × full's,
+ * of which the value state takes its fixed share and the keys (each with its point in the
+ * basis) the rest. */
 #include <limits.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "runtime/cache_internal.h"
+#include "common/dtype.h"
+#include "common/internal.h"
+#include "kernels/capsule_prefill.h"
 #include "kernels/kvzip.h"
 
 struct layer_job {
@@ -108,6 +116,67 @@ static enum kvcap_status score_layer(struct kvcap_cache *c, int seq, int layer, 
     return st;
 }
 
+/* The value state of a kvzip span with values: basis at `layer`, beside the keys `kept` (built
+ * from `mark` [heads][n], token order): per KV head μ and Ṽ_t = U (V_t − 1μᵀ) of every tile
+ * (kvcap_capsule_prefill_values) from the segment's value rows, and each kept row's point
+ * t · m + p; kept->v is freed. */
+static enum kvcap_status value_state(const struct kvcap_cache *c, int layer,
+                                     const struct kvcap_segment *seg, const unsigned char *mark,
+                                     struct kvcap_kept_rows *kept)
+{
+    const struct kvcap_bucket *bk = &c->artifact->buckets[seg->bucket];
+    const struct kvcap_unit_maps *u0 = kvcap_artifact_unit(c->artifact, layer, 0, seg->bucket);
+    const int H = c->g.n_kv_heads, d = c->g.head_dim, n = seg->n_tokens, m = u0->m;
+    const int tiles = n / m, rv = u0->rv;
+    const size_t es = kvcap_dtype_size(c->storage);
+    const size_t rows = kept->head_at ? (size_t)kept->head_at[H] : (size_t)H * kept->cap;
+    int32_t *inv = malloc(sizeof(int32_t) * (size_t)n); /* token -> its point t · m + p */
+    float *vf = malloc(sizeof(float) *
+                       ((size_t)n * d + kvcap_capsule_prefill_values_scratch_floats(m, rv, d)));
+    kept->point = malloc(sizeof(int32_t) * (rows > 0 ? rows : 1));
+    kept->vt = malloc((size_t)H * tiles * rv * d * es + 1);
+    kept->mu = malloc((size_t)H * d * es);
+    if (!inv || !vf || !kept->point || !kept->vt || !kept->mu) {
+        free(inv), free(vf); /* kept's own are freed with it */
+        return kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY,
+                          "kvzip: out of memory for the value state of layer %d", layer);
+    }
+    kept->tiles = tiles, kept->rv = rv;
+    for (int t = 0; t < tiles; t++)
+        for (int p = 0; p < m; p++)
+            inv[kvcap_bucket_token(bk, t, p)] = t * m + p;
+    enum kvcap_status st = KVCAP_OK;
+    for (int h = 0; st == KVCAP_OK && h < H; h++) {
+        const struct kvcap_unit_maps *u = kvcap_artifact_unit(c->artifact, layer, h, seg->bucket);
+        kvcap_convert_to_f32(c->storage, (const char *)seg->v + (size_t)h * seg->cap * d * es,
+                             (size_t)n * d, vf);
+        st = kvcap_capsule_prefill_values(bk, m, rv, u->u, n, d, vf, c->storage,
+                                          (char *)kept->vt + (size_t)h * tiles * rv * d * es,
+                                          (char *)kept->mu + (size_t)h * d * es,
+                                          vf + (size_t)n * d);
+        int64_t at = kept->head_at ? kept->head_at[h] : (int64_t)h * kept->cap;
+        for (int j = 0; j < n; j++)
+            if (mark[(size_t)h * n + j])
+                kept->point[at++] = inv[j];
+    }
+    free(inv), free(vf);
+    free(kept->v);
+    kept->v = NULL;
+    return st;
+}
+
+/* Bytes of the value state of a span with values: basis, every layer and KV head. */
+static int64_t value_state_bytes(const struct kvcap_cache *c, const struct kvcap_segment *seg)
+{
+    int64_t total = 0;
+    const int64_t vec = (int64_t)c->g.head_dim * (int64_t)kvcap_dtype_size(c->storage);
+    for (int l = 0; l < c->g.n_layers; l++) {
+        const struct kvcap_unit_maps *u = kvcap_artifact_unit(c->artifact, l, 0, seg->bucket);
+        total += (int64_t)c->g.n_kv_heads * ((int64_t)(seg->n_tokens / u->m) * u->rv + 1) * vec;
+    }
+    return total;
+}
+
 static enum kvcap_status kvzip_finish(struct kvcap_cache *c, int seq, int span)
 {
     const int L = c->g.n_layers, H = c->g.n_kv_heads;
@@ -128,17 +197,38 @@ static enum kvcap_status kvzip_finish(struct kvcap_cache *c, int seq, int span)
         st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "kvzip: out of memory");
     for (int l = 0; st == KVCAP_OK && l < L && nc > 0; l++)
         st = score_layer(c, seq, l, span, lo, hi, score + (size_t)l * H * nc);
+    const struct kvcap_segment *seg0 = &kvcap_cache_seq_layer(c, seq, 0)->segs[span];
+    const int basis = seg0->bucket >= 0; /* values: basis, and the span has a bucket */
     if (st == KVCAP_OK) {
         /* every head keeps its protected tokens; the rest of the budget goes to the largest
          * scores of every layer and head together */
         const int64_t even = llround(cfg->retention * (double)n); /* a head's even share */
+        int64_t keys = even * (int64_t)units;                     /* rows kept, all heads */
+        if (basis) {
+            /* the bytes of `even` rows per head, less the value state, buy keys (a key and its
+             * point each) */
+            const int64_t vec = (int64_t)c->g.head_dim * (int64_t)kvcap_dtype_size(c->storage);
+            const int64_t bytes = 2 * keys * vec, values = value_state_bytes(c, seg0);
+            keys = (bytes - values) / (vec + (int64_t)sizeof(int32_t));
+            const int least = n - nc > 1 ? n - nc : 1; /* keys a head cannot go without */
+            if (keys < (int64_t)units * least)
+                st = kvcap_fail(KVCAP_ERR_INVALID_ARGUMENT,
+                                "kvzip: retention %g of the %d-token span is %.3g MB; its value "
+                                "state (values: basis, the artifact's value ranks) takes %.3g MB "
+                                "and leaves fewer than %d keys per KV head",
+                                cfg->retention, n, (double)bytes / 1e6, (double)values / 1e6,
+                                least);
+        }
         /* what the protected tokens leave (negative when they exceed it: the selection
          * clamps it to [0, units × nc], as it clamps the floor below) */
-        const int64_t budget = even * (int64_t)units - (int64_t)units * (n - nc);
+        const int64_t budget = keys - (int64_t)units * (n - nc);
         /* the safeguard: every head first keeps that share of its even share, protected
          * tokens included (in [-n, n]: the selection clamps it to [0, nc]) */
-        const int head_floor = (int)(llround(cfg->safeguard * (double)even) - (n - nc));
-        if ((int64_t)units * nc > INT_MAX)
+        const int head_floor =
+            (int)(llround(cfg->safeguard * ((double)keys / (double)units)) - (n - nc));
+        if (st != KVCAP_OK) {
+            /* refused above */
+        } else if ((int64_t)units * nc > INT_MAX)
             st = kvcap_fail(KVCAP_ERR_INVALID_ARGUMENT, "kvzip: %zu x %d scores are too many",
                             units, nc);
         else if (kvcap_kvzip_select(score, (int)units, nc, budget, head_floor, keep, sel) < 0)
@@ -153,6 +243,8 @@ static enum kvcap_status kvzip_finish(struct kvcap_cache *c, int seq, int span)
             memcpy(mh + lo, sel + ((size_t)l * H + h) * nc, (size_t)nc);
         }
         st = kvcap_segment_keep_marked(c, seg, mark, &kept[l]);
+        if (st == KVCAP_OK && basis)
+            st = value_state(c, l, seg, mark, &kept[l]);
     }
     st = kvcap_span_commit(c, seq, span, kept, st);
     free(score), free(keep), free(sel), free(mark), free(kept);

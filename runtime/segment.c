@@ -61,7 +61,7 @@ static enum kvcap_status copy_kept(const struct kvcap_cache *c, const struct kvc
             memcpy(k + (h * cap + (size_t)i) * row, (const char *)seg->k + from, row);
             memcpy(v + (h * cap + (size_t)i) * row, (const char *)seg->v + from, row);
         }
-    *out = (struct kvcap_kept_rows){k, v, n_keep, (int)cap, NULL};
+    *out = (struct kvcap_kept_rows){.k = k, .v = v, .n_keep = n_keep, .cap = (int)cap};
     return KVCAP_OK;
 }
 
@@ -108,7 +108,7 @@ enum kvcap_status kvcap_segment_keep_marked(const struct kvcap_cache *c,
                     memcpy(k + (size_t)i * row, (const char *)seg->k + from, row);
                     memcpy(v + (size_t)i * row, (const char *)seg->v + from, row);
                 }
-            *out = (struct kvcap_kept_rows){k, v, most, 0, at};
+            *out = (struct kvcap_kept_rows){.k = k, .v = v, .n_keep = most, .head_at = at};
             at = NULL;
         }
     }
@@ -125,6 +125,14 @@ void kvcap_segment_commit(struct kvcap_segment *seg, struct kvcap_kept_rows *kep
     seg->cap = kept->cap;
     seg->n_rows = kept->n_keep;
     seg->head_at = kept->head_at;
+    if (kept->point) {
+        free(seg->row_point), free(seg->vt), free(seg->mu);
+        seg->row_point = kept->point;
+        seg->vt = kept->vt;
+        seg->mu = kept->mu;
+        seg->tiles = kept->tiles;
+        seg->rv = kept->rv;
+    }
     *kept = (struct kvcap_kept_rows){0};
 }
 
@@ -149,6 +157,7 @@ void kvcap_kept_rows_free(struct kvcap_kept_rows *kept)
     if (!kept)
         return;
     free(kept->k), free(kept->v), free(kept->head_at);
+    free(kept->point), free(kept->vt), free(kept->mu);
     *kept = (struct kvcap_kept_rows){0};
 }
 
@@ -183,10 +192,11 @@ enum kvcap_status kvcap_segment_keep_top(const struct kvcap_cache *c,
 void kvcap_segment_release(const struct kvcap_cache *c, struct kvcap_segment *seg)
 {
     c->store->segment_free(seg);
-    free(seg->score), free(seg->head_at);
+    free(seg->score), free(seg->head_at), free(seg->row_point);
     seg->k = seg->v = seg->hs = seg->vt = seg->mu = NULL;
     seg->score = NULL;
     seg->head_at = NULL;
+    seg->row_point = NULL;
     seg->n_rows = seg->cap = 0;
 }
 
@@ -197,6 +207,11 @@ uint64_t kvcap_segment_bytes(const struct kvcap_cache *c, const struct kvcap_seg
     if (seg->policy == KVCAP_POLICY_KVCAPSULE && seg->hs) /* its state, and its exact tiles */
         return H * ((uint64_t)seg->tiles * (uint64_t)(seg->h + seg->rv) * d + d +
                     2 * (uint64_t)seg->cap * d) * es;
+    if (seg->row_point) { /* keys and their points; the value state */
+        uint64_t rows = seg->head_at ? (uint64_t)seg->head_at[H] : H * (uint64_t)seg->cap;
+        return rows * (d * es + sizeof(int32_t)) +
+               H * ((uint64_t)seg->tiles * seg->rv + 1) * d * es;
+    }
     if (seg->head_at) /* packed: exactly the rows kept */
         return 2 * (uint64_t)seg->head_at[H] * d * es;
     return H * 2 * (uint64_t)seg->cap * d * es; /* what is allocated, not only used */

@@ -238,6 +238,7 @@ static void assert_runtime_equal(const struct kvcap_runtime_config *a,
     assert_int_equal(a->kvzip.sinks, b->kvzip.sinks);
     assert_int_equal(a->kvzip.window, b->kvzip.window);
     assert_true(a->kvzip.safeguard == b->kvzip.safeguard);
+    assert_int_equal(a->kvzip.value_basis, b->kvzip.value_basis);
     assert_true(a->random.retention == b->random.retention);
     assert_int_equal(a->random.sinks, b->random.sinks);
     assert_int_equal(a->random.window, b->random.window);
@@ -531,6 +532,7 @@ static void test_runtime_forms(void **state)
     assert_int_equal(r.kvzip.sinks, 4);
     assert_int_equal(r.kvzip.window, 0); /* default kept */
     assert_true(r.kvzip.safeguard == 0.5);
+    assert_int_equal(r.kvzip.value_basis, 1);
     assert_true(r.random.retention == 0.5);
     assert_int_equal(r.random.seed, 17);
     assert_int_equal(r.expected.n_future, 256);
@@ -631,6 +633,7 @@ static const struct bad_case bad_cases[] = {
     {"runtime-window-range.yaml", "4:11", "streaming.window: 0 is outside 1..1073741824"},
     {"runtime-kvzip-retention.yaml", "2:20", "kvzip.retention: 0 is outside (0, 1]"},
     {"runtime-kvzip-safeguard.yaml", "2:36", "kvzip.safeguard: 1.5 is outside [0, 1]"},
+    {"runtime-kvzip-values.yaml", "2:33", "kvzip.values: 'pca' is not rows"},
     {"runtime-random-key.yaml", "2:26", "random.sead: unknown key (expected retention"},
 };
 

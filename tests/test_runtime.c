@@ -1237,10 +1237,13 @@ static void expect_rows(const struct kvcap_segment *seg, const struct kvcap_mode
     kvcap_segment_head_rows(seg, h, &at, &held); /* either layout: per head or packed */
     assert_int_equal(held, n);
     const float *k = (const float *)seg->k + at * d;
-    const float *v = (const float *)seg->v + at * d;
+    const float *v = xv ? (const float *)seg->v + at * d : NULL;
+    if (!xv) /* values not held as rows (kvzip with values: basis) */
+        assert_null(seg->v);
     for (int i = 0; i < n; i++) {
         assert_memory_equal(k + (size_t)i * d, xk + (size_t)keep[i] * d, sizeof(float) * d);
-        assert_memory_equal(v + (size_t)i * d, xv + (size_t)keep[i] * d, sizeof(float) * d);
+        if (xv)
+            assert_memory_equal(v + (size_t)i * d, xv + (size_t)keep[i] * d, sizeof(float) * d);
     }
 }
 
@@ -1468,17 +1471,27 @@ static void add_text_vision_text(struct kvcap_cache *c, const struct kvcap_model
  * sinks and window kept; heads keep different numbers of rows (packed), the bytes held are
  * exactly retention × the span's, and decode attention over the packed rows matches a naive
  * softmax over the rows the brute force keeps. With a safeguard, every head first keeps its
- * floor (the brute force's selection with that floor), which starves no head. */
-static void check_kvzip_in_cache(double safeguard)
+ * floor (the brute force's selection with that floor), which starves no head.
+ * With `values: basis` (basis != 0) the span's bytes are the budget: the value state of every
+ * layer and head (4 tiles of 4 x 5 points at rank 3, and μ) takes its share and the rest buys
+ * keys, 206 where rows buy 144; the keys kept are the brute force's with that budget, no value
+ * rows are held, and decode matches a naive softmax over values rebuilt in the test from the
+ * artifact's basis, Ṽ_t = U (V_t − μ), v̂ = Uᵀ Ṽ_t + μ. */
+static void check_kvzip_in_cache(double safeguard, int basis)
 {
     struct kvcap_model_geometry g = geometry(3, 6, 2, 64);
     const int L = g.n_layers, H = g.n_kv_heads, Hq = g.n_q_heads, G = Hq / H, d = g.head_dim;
     const int nh = 9, nv = 80, nt = 7, n_r = 23, sinks = 2, window = 3;
     const double retention = 0.3;
-    char yaml[160];
+    /* the span is 8 x 10: tiles of 4 x 5, four of them, 20 points each, rank 3 */
+    const struct test_bucket tb[1] = {{8, 10, 4, 5, 5, 4, 3}};
+    const int m = 20, tiles = 4, rv = 3;
+    struct kvcap_artifact *a = basis ? test_artifact(&g, tb, 1, 67, "kvzip-basis") : NULL;
+    char yaml[200];
     snprintf(yaml, sizeof yaml, "policies: {vision: kvzip, text: full}\n"
-             "kvzip: {retention: 0.3, sinks: 2, window: 3, safeguard: %g}\n", safeguard);
-    struct kvcap_cache *c = make_cache(&g, 1, KVCAP_DTYPE_F32, NULL, yaml);
+             "kvzip: {retention: 0.3, sinks: 2, window: 3, safeguard: %g, values: %s}\n",
+             safeguard, basis ? "basis" : "rows");
+    struct kvcap_cache *c = make_cache(&g, 1, KVCAP_DTYPE_F32, a, yaml);
     struct kvcap_rng r;
     kvcap_rng_seed(&r, 61);
     const int ns[3] = {nh, nv, nt};
@@ -1531,15 +1544,15 @@ static void check_kvzip_in_cache(double safeguard)
     assert_int_equal(kvcap_cache_end_prefill(c, 0), KVCAP_OK);
 
     /* brute force */
-    const int lo = sinks, hi = nv - window, nc = hi - lo, m = nh + nv + nt;
-    float *score = malloc(sizeof(float) * (size_t)L * H * nc), *full = malloc(sizeof(float) * m);
+    const int lo = sinks, hi = nv - window, nc = hi - lo, np = nh + nv + nt;
+    float *score = malloc(sizeof(float) * (size_t)L * H * nc), *full = malloc(sizeof(float) * np);
     for (int l = 0; l < L; l++)
         for (int h = 0; h < H; h++) {
             struct kvcap_rows ch[3];
             for (int s = 0; s < 3; s++)
                 ch[s] = (struct kvcap_rows){x[l][s] + (size_t)h * ns[s] * d, NULL,
                                             KVCAP_DTYPE_F32, (size_t)d, ns[s]};
-            memset(full, 0, sizeof(float) * m);
+            memset(full, 0, sizeof(float) * np);
             assert_int_equal(kvcap_kvzip_head_ref(rq[l] + (size_t)h * G * d, (size_t)Hq * d,
                                                   rl[l] + (size_t)h * G, (size_t)Hq, n_r, G, d,
                                                   1.0f / sqrtf((float)d), ch, 3, full),
@@ -1548,9 +1561,16 @@ static void check_kvzip_in_cache(double safeguard)
         }
     int keep_n[6];
     unsigned char *sel = malloc((size_t)L * H * nc);
-    int64_t budget = llround(retention * nv) * (int64_t)L * H - (int64_t)L * H * (nv - nc);
+    /* rows kept over all heads: retention of the tokens; with the basis, the span's bytes
+     * less the value state, at a key and its point per kept row */
+    const int64_t vec = (int64_t)d * sizeof(float);
+    const int64_t values = (int64_t)L * H * (tiles * rv + 1) * vec;
+    const int64_t keys = basis ? (2 * llround(retention * nv) * L * H * vec - values) / (vec + 4)
+                               : llround(retention * nv) * (int64_t)L * H;
+    assert_int_equal(keys, basis ? 206 : 144);
+    int64_t budget = keys - (int64_t)L * H * (nv - nc);
     /* the safeguard: each head's best up to that share of an even split, protected included */
-    const int head_floor = (int)llround(safeguard * llround(retention * nv)) - (nv - nc);
+    const int head_floor = (int)llround(safeguard * ((double)keys / (L * H))) - (nv - nc);
     assert_int_equal(kvcap_kvzip_select_ref(score, L * H, nc, budget,
                                             head_floor > 0 ? head_floor : 0, keep_n, sel),
                      budget);
@@ -1580,18 +1600,52 @@ static void check_kvzip_in_cache(double safeguard)
                     keep[k++] = j;
             kept_rows += k;
             expect_rows(seg, &g, h, x[l][1] + (size_t)h * nv * d,
-                        x[l][1] + (size_t)(H + h) * nv * d, keep, k);
+                        basis ? NULL : x[l][1] + (size_t)(H + h) * nv * d, keep, k);
         }
     }
-    assert_int_equal(kept_rows, llround(retention * nv) * (int64_t)L * H);
+    assert_int_equal(kept_rows, keys);
     struct kvcap_cache_stats st;
     assert_int_equal(kvcap_cache_stats(c, &st), KVCAP_OK);
     assert_int_equal(st.bytes_by_policy[KVCAP_POLICY_KVZIP],
-                     (uint64_t)kept_rows * 2 * d * sizeof(float));
+                     basis ? (uint64_t)kept_rows * (vec + 4) + (uint64_t)values
+                           : (uint64_t)kept_rows * 2 * d * sizeof(float));
+    assert_true(st.bytes_by_policy[KVCAP_POLICY_KVZIP] <= (uint64_t)(2 * 24 * L * H * vec));
+    /* the values decode reads: the span's rows, or (basis) every span value rebuilt in double
+     * from the artifact's basis: μ the mean over the span, Ṽ_t = U (V_t − μ), v̂ = Uᵀ Ṽ_t + μ
+     * (tiles of the 8 x 10 grid row-major, points row-major inside a 4 x 5 tile) */
+    float *vspan[3];
+    for (int l = 0; l < L; l++) {
+        vspan[l] = malloc(sizeof(float) * (size_t)H * nv * d);
+        memcpy(vspan[l], x[l][1] + (size_t)H * nv * d, sizeof(float) * (size_t)H * nv * d);
+        for (int h = 0; basis && h < H; h++) {
+            const float *vx = x[l][1] + (size_t)(H + h) * nv * d;
+            const float *u = kvcap_artifact_unit(a, l, h, 0)->u;
+            for (int e = 0; e < d; e++) {
+                double mu = 0, coef[4][3] = {{0}};
+                for (int j = 0; j < nv; j++)
+                    mu += vx[(size_t)j * d + e] / nv;
+                for (int j = 0; j < nv; j++) {
+                    const int row = j / 10, col = j % 10, t = row / 4 * 2 + col / 5;
+                    const int pt = row % 4 * 5 + col % 5;
+                    for (int q = 0; q < rv; q++)
+                        coef[t][q] += u[q * m + pt] * (vx[(size_t)j * d + e] - mu);
+                }
+                for (int j = 0; j < nv; j++) {
+                    const int row = j / 10, col = j % 10, t = row / 4 * 2 + col / 5;
+                    const int pt = row % 4 * 5 + col % 5;
+                    double v = mu;
+                    for (int q = 0; q < rv; q++)
+                        v += u[q * m + pt] * coef[t][q];
+                    vspan[l][((size_t)h * nv + j) * d + e] = (float)v;
+                }
+            }
+        }
+    }
 
     /* decode over the packed rows: head text + kept span rows + tail text, naive softmax */
     float *q = malloc(sizeof(float) * (size_t)Hq * d), *out = malloc(sizeof(float) * Hq * d);
-    float *kk = malloc(sizeof(float) * (size_t)m * d), *vv = malloc(sizeof(float) * (size_t)m * d);
+    float *kk = malloc(sizeof(float) * (size_t)np * d);
+    float *vv = malloc(sizeof(float) * (size_t)np * d);
     double o[64];
     for (int l = 0; l < L; l++) {
         fill(&r, q, (size_t)Hq * d, 1.0);
@@ -1604,7 +1658,9 @@ static void check_kvzip_in_cache(double safeguard)
                         continue;
                     memcpy(kk + (size_t)n * d, x[l][s] + ((size_t)h * ns[s] + j) * d,
                            sizeof(float) * d);
-                    memcpy(vv + (size_t)n * d, x[l][s] + ((size_t)(H + h) * ns[s] + j) * d,
+                    memcpy(vv + (size_t)n * d,
+                           s == 1 ? vspan[l] + ((size_t)h * nv + j) * d
+                                  : x[l][s] + ((size_t)(H + h) * ns[s] + j) * d,
                            sizeof(float) * d);
                     n++;
                 }
@@ -1620,16 +1676,60 @@ static void check_kvzip_in_cache(double safeguard)
     for (int l = 0; l < L; l++) {
         for (int s = 0; s < 3; s++)
             free(x[l][s]);
-        free(rq[l]), free(rl[l]);
+        free(rq[l]), free(rl[l]), free(vspan[l]);
     }
     kvcap_cache_free(c);
+    kvcap_artifact_free(a);
 }
 
 static void test_kvzip_in_cache(void **state)
 {
     (void)state;
-    check_kvzip_in_cache(0);   /* KVzip's rule: one budget shared by every layer and head */
-    check_kvzip_in_cache(0.7); /* kvcap's safeguard: every head first keeps 12 of its 75 */
+    check_kvzip_in_cache(0, 0);   /* KVzip's rule: one budget shared by every layer and head */
+    check_kvzip_in_cache(0.7, 0); /* kvcap's safeguard: every head first keeps 12 of its 75 */
+    check_kvzip_in_cache(0, 1);   /* kvcap's value basis: more keys for the same bytes */
+    check_kvzip_in_cache(0.7, 1);
+}
+
+/* kvzip's value basis is refused without an artifact (at create, naming the key) and, at the
+ * end of prefill, when the value state alone takes more than the budget (rank 10 in tiles of
+ * 20 points is half of the span's bytes, retention 0.2 a fifth). */
+static void test_kvzip_basis_refusals(void **state)
+{
+    (void)state;
+    struct kvcap_model_geometry g = geometry(2, 4, 2, 64);
+    struct kvcap_cache_params p;
+    kvcap_cache_default_params(&p);
+    p.model = g;
+    p.n_seqs = 1;
+    p.storage = KVCAP_DTYPE_F32;
+    p.config_yaml = "policies: {vision: kvzip, text: full}\nkvzip: {values: basis}\n";
+    struct kvcap_cache *c = NULL;
+    assert_int_equal(kvcap_cache_create(&p, &c), KVCAP_ERR_INVALID_ARGUMENT);
+    assert_null(c);
+    assert_non_null(strstr(kvcap_last_error(), "kvzip.values: basis"));
+
+    const struct test_bucket tb[1] = {{8, 10, 4, 5, 5, 4, 10}};
+    struct kvcap_artifact *a = test_artifact(&g, tb, 1, 71, "kvzip-basis-refused");
+    c = make_cache(&g, 1, KVCAP_DTYPE_F32, a,
+                   "policies: {vision: kvzip, text: full}\n"
+                   "kvzip: {retention: 0.2, values: basis}\n");
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 72);
+    const int ns[3] = {4, 80, 3};
+    float *x[2][3], q[4 * 2 * 64];
+    fill(&r, q, sizeof q / sizeof q[0], 1.0);
+    for (int l = 0; l < g.n_layers; l++) {
+        add_text_vision_text(c, &g, l, ns, 8, x[l], &r);
+        assert_int_equal(kvcap_cache_add_post_queries(c, 0, l, q, 2), KVCAP_OK);
+    }
+    assert_int_equal(kvcap_cache_end_prefill(c, 0), KVCAP_ERR_INVALID_ARGUMENT);
+    assert_non_null(strstr(kvcap_last_error(), "value state"));
+    for (int l = 0; l < g.n_layers; l++)
+        for (int s = 0; s < 3; s++)
+            free(x[l][s]);
+    kvcap_cache_free(c);
+    kvcap_artifact_free(a);
 }
 
 /* Expected attention in a cache: a text head, the span, a text tail; the engine hands every
@@ -2023,6 +2123,7 @@ int main(void)
         cmocka_unit_test(test_flashcache_in_cache),
         cmocka_unit_test(test_vlcache_in_cache),
         cmocka_unit_test(test_kvzip_in_cache),
+        cmocka_unit_test(test_kvzip_basis_refusals),
         cmocka_unit_test(test_kvzip_then_vlcache_refused),
         cmocka_unit_test(test_random_in_cache),
         cmocka_unit_test(test_expected_in_cache),
