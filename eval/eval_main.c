@@ -42,7 +42,7 @@
 #define DEFAULT_CALIB_DOCS "GPL-3,GPL-2,LGPL-2.1,LGPL-3,GFDL-1.3,MPL-1.1,GPL-1"
 #define DEFAULT_HELDOUT_DOCS "Apache-2.0,MPL-2.0,Artistic,CC0-1.0"
 #define MAX_DOCS 64
-#define MAX_ARTIFACTS 16
+#define MAX_ARTIFACTS 24
 #define MAX_RETENTIONS 8
 /* build_runs: full, then this many rows per retention, then one per --kvcapsule artifact */
 #define RUNS_PER_RETENTION 10
@@ -122,6 +122,11 @@ static void usage(FILE *out)
             "                           is converted at a lower ratio (repeatable)\n"
             "      --exact-tiles N      run: tiles each --kvcapsule-exact run keeps exact\n"
             "                           (default 1)\n"
+            "      --kvzip-basis V:R:FILE\n"
+            "                           run: kvzip keeping its values in FILE's value\n"
+            "                           basis (row 'kvzip+basis V', kvzip.values: basis): the\n"
+            "                           span's bytes are R of full's, the value state takes its\n"
+            "                           share and keys the rest (repeatable)\n"
             "      --retentions LIST    run: retentions for the other policies (default\n"
             "                           0.2,0.4,0.6; also the retention of each curve point)\n"
             "      --prompts N          run: held-out prompts (default 8)\n"
@@ -144,11 +149,18 @@ static void usage(FILE *out)
 }
 
 /* ---- Options --------------------------------------------------------------------------- */
+/* What a run does with an artifact: KVCapsule (--kvcapsule), KVCapsule with kvcap's exact
+ * tiles (--kvcapsule-exact, kvcapsule.exact_tiles), or KVzip keeping its values in the
+ * artifact's value basis (--kvzip-basis, kvzip.values: basis). */
+enum artifact_use { USE_KVCAPSULE, USE_EXACT, USE_KVZIP_BASIS };
+static const char *const k_artifact_option[] = {"--kvcapsule", "--kvcapsule-exact",
+                                                "--kvzip-basis"};
+
 struct artifact_arg {
     char variant[32];
     double retention;
     const char *path;
-    int exact; /* --kvcapsule-exact: run with kvcap's exact tiles (kvcapsule.exact_tiles) */
+    enum artifact_use use;
 };
 
 enum track { TRACK_TEXT, TRACK_IMAGE };
@@ -192,9 +204,9 @@ static int parse_retentions(const char *arg, struct options *o)
     return o->n_retentions ? 0 : cli_usage_error("--retentions: empty list");
 }
 
-static int parse_artifact(const char *arg, int exact, struct options *o)
+static int parse_artifact(const char *arg, enum artifact_use use, struct options *o)
 {
-    const char *opt = exact ? "--kvcapsule-exact" : "--kvcapsule";
+    const char *opt = k_artifact_option[use];
     const char *c1 = strchr(arg, ':'), *c2 = c1 ? strchr(c1 + 1, ':') : NULL;
     if (!c1 || !c2 || c1 == arg || (size_t)(c1 - arg) >= sizeof o->artifacts[0].variant ||
         !c2[1] || o->n_artifacts == MAX_ARTIFACTS)
@@ -207,7 +219,7 @@ static int parse_artifact(const char *arg, int exact, struct options *o)
     if (end != c2 || !(a->retention > 0.0 && a->retention <= 1.0))
         return cli_usage_error("%s: '%s': retention must be in (0, 1]", opt, arg);
     a->path = c2 + 1;
-    a->exact = exact;
+    a->use = use;
     o->n_artifacts++;
     return 0;
 }
@@ -234,7 +246,7 @@ static int parse_options(int argc, char **argv, struct options *o)
     o->record = !strcmp(argv[1], "record");
     enum { O_SPAN = 256, O_HEAD, O_TAIL, O_DECODE, O_MAXCH, O_ART, O_RET, O_PROMPTS, O_GEN,
            O_STORAGE, O_THREADS, O_COMMAND, O_CALIB_DOCS, O_CONT, O_FID, O_TASK, O_TRACK,
-           O_FEATURES, O_COMPARE, O_ART_EXACT, O_EXACT_TILES, O_PHOTOS };
+           O_FEATURES, O_COMPARE, O_ART_EXACT, O_EXACT_TILES, O_PHOTOS, O_KVZIP_BASIS };
     static const struct option longopts[] = {
         {"model", required_argument, 0, 'm'},   {"corpus", required_argument, 0, 'C'},
         {"docs", required_argument, 0, 'D'},    {"out", required_argument, 0, 'o'},
@@ -256,6 +268,7 @@ static int parse_options(int argc, char **argv, struct options *o)
         {"features", required_argument, 0, O_FEATURES},
         {"compare", required_argument, 0, O_COMPARE},
         {"kvcapsule-exact", required_argument, 0, O_ART_EXACT},
+        {"kvzip-basis", required_argument, 0, O_KVZIP_BASIS},
         {"exact-tiles", required_argument, 0, O_EXACT_TILES},
         {"photos", required_argument, 0, O_PHOTOS},
         {"quiet", no_argument, 0, 'q'},         {"version", no_argument, 0, 'V'},
@@ -273,8 +286,9 @@ static int parse_options(int argc, char **argv, struct options *o)
         case O_TAIL: rc = cli_parse_int(optarg, "--tail", 1, 1024, &o->tail); break;
         case O_DECODE: rc = cli_parse_int(optarg, "--decode", 0, 4096, &o->decode); break;
         case O_MAXCH: rc = cli_parse_int(optarg, "--max-chunks", 1, 1 << 20, &o->max_chunks); break;
-        case O_ART: rc = parse_artifact(optarg, 0, o); break;
-        case O_ART_EXACT: rc = parse_artifact(optarg, 1, o); break;
+        case O_ART: rc = parse_artifact(optarg, USE_KVCAPSULE, o); break;
+        case O_ART_EXACT: rc = parse_artifact(optarg, USE_EXACT, o); break;
+        case O_KVZIP_BASIS: rc = parse_artifact(optarg, USE_KVZIP_BASIS, o); break;
         case O_EXACT_TILES:
             rc = cli_parse_int(optarg, "--exact-tiles", 1, 1 << 20, &o->exact_tiles);
             break;
@@ -325,7 +339,7 @@ static int parse_options(int argc, char **argv, struct options *o)
         return cli_usage_error("--out is required");
     int exact_runs = 0;
     for (int a = 0; a < o->n_artifacts; a++)
-        exact_runs += o->artifacts[a].exact;
+        exact_runs += o->artifacts[a].use == USE_EXACT;
     if (o->exact_tiles > 0 && exact_runs == 0)
         return cli_usage_error("--exact-tiles: no --kvcapsule-exact run to apply it to");
     if (!o->docs)
@@ -968,13 +982,23 @@ static int build_runs(const struct options *o, struct kvcap_artifact **arts, str
     for (int a = 0; a < o->n_artifacts; a++) {
         const struct artifact_arg *aa = &o->artifacts[a];
         char label[48];
-        snprintf(label, sizeof label, "kvcapsule %s%s", aa->variant, aa->exact ? "+exact" : "");
-        add_run(runs, &n, "kvcapsule", label, aa->retention,
-                "policies: {vision: kvcapsule, text: full, generated: full}\nfallback: none\n"
-                "kvcapsule: {exact_tiles: %d}\n",
-                aa->exact ? (o->exact_tiles > 0 ? o->exact_tiles : 1) : 0); /* default 1 */
+        if (aa->use == USE_KVZIP_BASIS) { /* KVzip's keys, the values in the artifact's basis */
+            snprintf(label, sizeof label, "kvzip+basis %s", aa->variant);
+            add_run(runs, &n, "kvzip", label, aa->retention,
+                    "policies: {vision: kvzip, text: full, generated: full}\nfallback: none\n"
+                    "kvzip: {retention: %.6f, values: basis}\n", aa->retention);
+            runs[n - 1].post = POST_REPLAY;
+            runs[n - 1].extension = 1;
+        } else {
+            const int exact = aa->use == USE_EXACT;
+            snprintf(label, sizeof label, "kvcapsule %s%s", aa->variant, exact ? "+exact" : "");
+            add_run(runs, &n, "kvcapsule", label, aa->retention,
+                    "policies: {vision: kvcapsule, text: full, generated: full}\nfallback: none\n"
+                    "kvcapsule: {exact_tiles: %d}\n",
+                    exact ? (o->exact_tiles > 0 ? o->exact_tiles : 1) : 0); /* default 1 */
+            runs[n - 1].extension = exact || strcmp(aa->variant, "dense") != 0;
+        }
         runs[n - 1].art = arts[a];
-        runs[n - 1].extension = aa->exact || strcmp(aa->variant, "dense") != 0;
     }
     return n;
 }
@@ -1594,10 +1618,10 @@ static void add_masks(cJSON *root, const struct options *o, int rows, const char
     /* One panel per variant, at the retention closest to 0.4. */
     for (int a = 0; a < o->n_artifacts; a++) {
         int best = a;
-        if (o->artifacts[a].exact) /* the same maps as its variant's panel */
+        if (o->artifacts[a].use != USE_KVCAPSULE) /* the same maps as its variant's panel */
             continue;
         for (int b = 0; b < o->n_artifacts; b++)
-            if (!o->artifacts[b].exact &&
+            if (o->artifacts[b].use == USE_KVCAPSULE &&
                 !strcmp(o->artifacts[b].variant, o->artifacts[a].variant) &&
                 fabs(o->artifacts[b].retention - 0.4) < fabs(o->artifacts[best].retention - 0.4))
                 best = b;
@@ -1946,7 +1970,10 @@ static enum kvcap_status write_metrics(const struct options *o, const struct mod
         "lower ratio that makes the span's bytes the same. kvzip+safeguard is KVzip's scoring "
         "and shared budget with Ada-KV's safeguard (arXiv 2407.11550): every KV head first "
         "keeps its best tokens up to half an even split, then the rest is shared; the same "
-        "bytes as kvzip.",
+        "bytes as kvzip. kvzip+basis V (kvcap's) chooses keys as kvzip does but "
+        "holds the span's values as KVCapsule's value state (each tile's coefficients in "
+        "artifact V's value basis, and the mean) instead of a value row per kept key, and "
+        "spends the bytes this saves on more keys: the same bytes again.",
         "Task: a key-value line (\"The code of the tiger is 4821.\") sits inside 256 tokens "
         "of held-out text in the span, the tail asks for it; the answer is read from 6 greedy "
         "tokens and must match exactly. The line sits at 8 depths of the span, 8 queries "
@@ -2183,8 +2210,7 @@ static int check_outputs(const struct options *o)
     in[n++] = (struct cli_path){"--model", o->model};
     in[n++] = (struct cli_path){"--corpus", o->corpus};
     for (int i = 0; i < o->n_artifacts; i++)
-        in[n++] = (struct cli_path){o->artifacts[i].exact ? "--kvcapsule-exact" : "--kvcapsule",
-                                    o->artifacts[i].path};
+        in[n++] = (struct cli_path){k_artifact_option[o->artifacts[i].use], o->artifacts[i].path};
     if (o->features)
         in[n++] = (struct cli_path){"--features", o->features};
     for (int i = 0; i < o->n_compare; i++)

@@ -143,6 +143,15 @@ image_track() {
   for r in $retentions; do
     convert "$dir" tiled "$dir/tiled.kvcs" "$(tile_uniform "$r")" "$(tile_uniform "$r")" "$r"
   done
+  # kvzip+basis: KVzip's keys with the values in the tiled value basis at half the retention
+  # (its value state is then a quarter of the span's bytes; the keys buy the rest). Only the
+  # basis is used: the key maps are converted alike to keep the file small.
+  for r in $retentions; do
+    x=$(awk "BEGIN {print $r / 2}")
+    "$bin/kvcap-convert" "$dir/tiled.kvcs" --out "$dir/kvzip-basis-$r.kvcap" \
+      --keys "$(tile_uniform "$x")" --values "$(tile_uniform "$x")" >/dev/null
+    artifacts+=(--kvzip-basis "tiled:$r:$dir/kvzip-basis-$r.kvcap")
+  done
   echo "== image track: evaluate every policy x retention against full on held-out photos"
   local compare=()
   [ -f "$out/text/metrics.json" ] && compare=(--compare "$out/text/metrics.json")

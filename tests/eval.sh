@@ -154,11 +154,17 @@ if [ -f "$features" ]; then
     print "list:" s }')
   "$bin/kvcap-convert" "$work/itiled.kvcs" --out "$work/iexact.kvcap" --keys "$r036" \
     --values "$r036" >/dev/null 2>&1 || fail "image convert (exact tiles)"
+  # kvzip+basis: the values in the tiled basis at 0.2, a quarter of the span's bytes at 0.4
+  r02=$(awk 'BEGIN { for (l = 0; l < 30; l++) {
+    a = int((l + 1) * 0.2 * 16 + 1e-9) - int(l * 0.2 * 16 + 1e-9); s = s (l ? "," : "") a / 16 }
+    print "list:" s }')
+  "$bin/kvcap-convert" "$work/itiled.kvcs" --out "$work/ibasis.kvcap" --keys "$r02" \
+    --values "$r02" >/dev/null 2>&1 || fail "image convert (kvzip's value basis)"
   "$eval_bin" run -q --track image --features "$features" --model "$model" --corpus "$corpus" \
     --docs Apache-2.0 --tail 8 --prompts 2 --generate 8 --continuation 8 --fidelity-steps 4 \
     --retentions 0.4 --kvcapsule "tiled:0.4:$work/itiled.kvcap" \
     --kvcapsule "tiled-dct:0.4:$work/idct.kvcap" --kvcapsule-exact "tiled:0.4:$work/iexact.kvcap" \
-    --compare "$work/out/metrics.json" \
+    --kvzip-basis "tiled:0.4:$work/ibasis.kvcap" --compare "$work/out/metrics.json" \
     --out "$work/iout" >/dev/null || fail "image run"
   python3 - "$work/iout/metrics.json" <<'PY' || fail "image metrics.json content"
 import json, sys
@@ -171,6 +177,10 @@ assert {"kvcapsule-tiled@0.40", "kvcapsule-tiled-dct@0.40", "kvcapsule-tiled+exa
         "vlcache@0.40"} <= set(runs), list(runs)
 # the exact tile's rows are counted: the lower-ratio artifact plus one exact tile holds 0.4
 assert runs["kvcapsule-tiled+exact@0.40"]["extension"], runs["kvcapsule-tiled+exact@0.40"]
+# kvzip's value basis: kvcap's variant, its value state and keys together hold 0.4 (checked
+# below with every row) and it ran the reconstruction pass (a prefill cost like kvzip's)
+b = runs["kvzip+basis-tiled@0.40"]
+assert b["extension"] and b["policy"] == "kvzip" and b["prefill_cost"] > 0, b
 full = runs["full"]
 assert full["kl"] == 0.0 and all(abs(c - 1.0) < 1e-6 for c in full["attn_cosine"]), full
 for r in m["runs"]:
