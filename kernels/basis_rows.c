@@ -49,7 +49,7 @@ static enum kvcap_status basis_check(const struct kvcap_basis_rows *r, const flo
     return KVCAP_OK;
 }
 
-/* ---- The oracle: every kept row's value built, then plain attention, in double ------------ */
+/* ---- The oracle: every kept row's value rebuilt, then the plain rows' oracle -------------- */
 
 enum kvcap_status kvcap_attend_basis_rows_ref(const struct kvcap_basis_rows *r, const float *q,
                                               int nq, int d, float scale,
@@ -59,56 +59,32 @@ enum kvcap_status kvcap_attend_basis_rows_ref(const struct kvcap_basis_rows *r, 
     KVCAP_TRY(basis_check(r, q, nq, d, bytes, &nothing));
     if (nothing)
         return KVCAP_OK;
-    double *vhat = malloc(sizeof(double) * (size_t)r->n * d), *o = malloc(sizeof(double) * d);
-    float *of = malloc(sizeof(float) * (size_t)d);
-    if (!vhat || !o || !of) {
-        free(vhat), free(o), free(of);
+    /* the keys as f32 (exact for every storage dtype), each v̂_j summed in double */
+    float *k = malloc(sizeof(float) * (size_t)r->n * d);
+    float *v = malloc(sizeof(float) * (size_t)r->n * d);
+    if (!k || !v) {
+        free(k), free(v);
         return kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "attend_basis_rows_ref: out of memory for %d "
                           "rows", r->n);
     }
     for (int j = 0; j < r->n; j++) { /* v̂_j = Σ_r U[r][p_j] Ṽ_{t_j}[r] + μ */
         const int t = r->point[j] / r->m, p = r->point[j] % r->m;
         for (int c = 0; c < d; c++) {
-            double v = kvcap_load_elem(r->dtype, r->mu, (size_t)c);
+            k[(size_t)j * d + c] =
+                (float)kvcap_load_elem(r->dtype, r->k, (size_t)j * r->row_stride + c);
+            double x = kvcap_load_elem(r->dtype, r->mu, (size_t)c);
             for (int a = 0; a < r->rv; a++)
-                v += (double)r->u[(size_t)a * r->m + p] *
+                x += (double)r->u[(size_t)a * r->m + p] *
                      kvcap_load_elem(r->dtype, r->vt, ((size_t)t * r->rv + a) * d + c);
-            vhat[(size_t)j * d + c] = v;
+            v[(size_t)j * d + c] = (float)x;
         }
     }
-    for (int qi = 0; qi < nq; qi++) {
-        const float *qv = q + (size_t)qi * d;
-        double mx = -INFINITY;
-        for (int j = 0; j < r->n; j++) {
-            double s = 0;
-            for (int c = 0; c < d; c++)
-                s += (double)qv[c] * kvcap_load_elem(r->dtype, r->k, (size_t)j * r->row_stride + c);
-            mx = s * scale > mx ? s * scale : mx;
-        }
-        const float fmx = (float)mx; /* the max the partial carries: weights exp(s − fmx) */
-        double sum = 0;
-        for (int c = 0; c < d; c++)
-            o[c] = 0;
-        for (int j = 0; j < r->n; j++) {
-            double s = 0;
-            for (int c = 0; c < d; c++)
-                s += (double)qv[c] * kvcap_load_elem(r->dtype, r->k, (size_t)j * r->row_stride + c);
-            const double p = exp(s * scale - (double)fmx);
-            sum += p;
-            for (int c = 0; c < d; c++)
-                o[c] += p * vhat[(size_t)j * d + c];
-        }
-        for (int c = 0; c < d; c++)
-            of[c] = (float)o[c];
-        float fsum = (float)sum;
-        struct kvcap_partial from = {(float *)&fmx, &fsum, of};
-        struct kvcap_partial into = {acc.mx + qi, acc.sum + qi, acc.o + (size_t)qi * d};
-        kvcap_partial_merge(into, from, 1, d);
-    }
-    free(vhat), free(o), free(of);
-    if (bytes)
+    const struct kvcap_rows rows = {k, v, KVCAP_DTYPE_F32, (size_t)d, r->n};
+    const enum kvcap_status st = kvcap_attend_rows_ref(&rows, q, nq, d, scale, acc, NULL);
+    free(k), free(v);
+    if (st == KVCAP_OK && bytes)
         *bytes = basis_bytes(r, d);
-    return KVCAP_OK;
+    return st;
 }
 
 /* ---- The fast form: scores by sgemm, coefficients per tile, Ṽᵀc by sgemm ---------------- */

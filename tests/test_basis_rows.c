@@ -18,8 +18,8 @@
 #include "common/rng.h"
 #include "tests/test_numeric.h"
 
-/* The oracle (double) vs a softmax materialised in the test (double): only the final f32
- * roundings differ. */
+/* The oracle (values rebuilt in double, rounded to f32, then the plain rows' oracle in double)
+ * vs a softmax over values kept in double in the test: one f32 rounding of each value. */
 #define REF_REL_TOL 1e-6
 /* The fast form accumulates scores, weights and coefficients in f32 (sgemms, expf): a few f32
  * ulps times sqrt(terms), ~1e-6 for these sizes. */
