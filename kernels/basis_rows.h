@@ -30,8 +30,9 @@ struct kvcap_basis_rows {
 
 /* Attention of nq queries (q: [nq][d] f32, contiguous) over `rows`, folded into `acc`; *bytes
  * (may be NULL): the bytes read (keys, points, Ṽ, μ and the basis). The oracle rebuilds each
- * v̂_j (summed in double) and runs kvcap_attend_rows_ref over the keys and those rows. KVCAP_ERR_INVALID_ARGUMENT for NULL pointers, a point out of range or a
- * dtype that is not a storage one; KVCAP_ERR_OUT_OF_MEMORY (the oracle's working memory).
+ * v̂_j (summed in double) and runs kvcap_attend_rows_ref over the keys and those rows.
+ * KVCAP_ERR_INVALID_ARGUMENT for NULL pointers, a point out of range or a dtype that is not a
+ * storage one; KVCAP_ERR_OUT_OF_MEMORY (the oracle's working memory).
  * Nothing is folded on an error; no rows or no queries is KVCAP_OK with 0 bytes. */
 enum kvcap_status kvcap_attend_basis_rows_ref(const struct kvcap_basis_rows *rows, const float *q,
                                               int nq, int d, float scale,
