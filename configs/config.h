@@ -176,6 +176,9 @@ struct kvcap_kvzip_config {
     int sinks, window; /* default 0 */
     double safeguard;  /* [0, 1], default 0: KVzip's rule */
     int value_basis;   /* `values: basis` (1) or `rows` (0, default: KVzip's) */
+    int exact_values;  /* with values: basis, per layer and KV head, the kept tokens whose values
+                        * the basis reconstructs worst that keep their value exactly (an image's
+                        * attention-sink patches), counted in the budget; default 0 */
 };
 
 /* random: each KV head of each layer keeps `retention` of the span's tokens (sinks and window

@@ -28,7 +28,7 @@ void kvcap_runtime_config_default(struct kvcap_runtime_config *cfg)
     cfg->streaming = (struct kvcap_streaming_config){.sinks = 4, .window = 1024};
     cfg->kvzip =
         (struct kvcap_kvzip_config){.retention = 0.4, .sinks = 0, .window = 0, .safeguard = 0,
-                                    .value_basis = 0};
+                                    .value_basis = 0, .exact_values = 0};
     cfg->random = (struct kvcap_random_config){.retention = 0.4, .sinks = 0, .window = 0,
                                                .seed = 0};
     cfg->expected = (struct kvcap_expected_config){
@@ -81,7 +81,7 @@ static enum kvcap_status parse_runtime(struct kvcap_yaml *c, yaml_node_t *root, 
                                               "window_pages", NULL};
     static const char *const streaming_keys[] = {"sinks", "window", NULL};
     static const char *const kvzip_keys[] = {"retention", "sinks", "window", "safeguard",
-                                             "values",    NULL};
+                                             "values",    "exact_values", NULL};
     static const char *const random_keys[] = {"retention", "sinks", "window", "seed", NULL};
     static const char *const expected_keys[] = {"retention", "n_future", "query_sinks", "sinks",
                                                 "window", NULL};
@@ -196,6 +196,7 @@ static enum kvcap_status parse_runtime(struct kvcap_yaml *c, yaml_node_t *root, 
                                           s);
             p->value_basis = strcmp(s, "basis") == 0;
         }
+        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "exact_values", 0, 1 << 20, &p->exact_values));
     }
     if ((n = kvcap_yaml_lookup(c, root, "random"))) {
         struct kvcap_random_config *p = &cfg->random;

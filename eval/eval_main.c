@@ -923,6 +923,9 @@ enum { FREEKV_PAGE = 8 };
 /* kvzip+safeguard: every head first keeps its best tokens up to half an even split. Chosen on
  * the calibration documents (README). */
 #define KVZIP_SAFEGUARD 0.5
+/* kvzip+basis: the kept tokens per layer and KV head whose values the basis reconstructs worst
+ * keep exact value rows. Chosen on the calibration photos (README). */
+#define KVZIP_BASIS_EXACT 4
 
 /* The policies × retentions of one evaluation. The papers' methods are the headline rows
  * (flashcache as its section 3.2 with gamma 0.2, vlcache with its recent-window rule and no
@@ -986,7 +989,8 @@ static int build_runs(const struct options *o, struct kvcap_artifact **arts, str
             snprintf(label, sizeof label, "kvzip+basis %s", aa->variant);
             add_run(runs, &n, "kvzip", label, aa->retention,
                     "policies: {vision: kvzip, text: full, generated: full}\nfallback: none\n"
-                    "kvzip: {retention: %.6f, values: basis}\n", aa->retention);
+                    "kvzip: {retention: %.6f, values: basis, exact_values: %d}\n",
+                    aa->retention, KVZIP_BASIS_EXACT);
             runs[n - 1].post = POST_REPLAY;
             runs[n - 1].extension = 1;
         } else {
@@ -1973,7 +1977,8 @@ static enum kvcap_status write_metrics(const struct options *o, const struct mod
         "bytes as kvzip. kvzip+basis V (kvcap's) chooses keys as kvzip does but "
         "holds the span's values as KVCapsule's value state (each tile's coefficients in "
         "artifact V's value basis, and the mean) instead of a value row per kept key, and "
-        "spends the bytes this saves on more keys: the same bytes again.",
+        "spends the bytes this saves on more keys; the 4 kept tokens per layer and KV head "
+        "whose values the basis reconstructs worst keep exact values: the same bytes again.",
         "Task: a key-value line (\"The code of the tiger is 4821.\") sits inside 256 tokens "
         "of held-out text in the span, the tail asks for it; the answer is read from 6 greedy "
         "tokens and must match exactly. The line sits at 8 depths of the span, 8 queries "

@@ -16,7 +16,7 @@ static uint64_t basis_bytes(const struct kvcap_basis_rows *r, int d)
 {
     uint64_t es = kvcap_dtype_size(r->dtype);
     return (uint64_t)r->n * ((uint64_t)d * es + sizeof(int32_t)) +
-           ((uint64_t)r->tiles * r->rv + 1) * (uint64_t)d * es +
+           ((uint64_t)r->tiles * r->rv + 1 + (uint64_t)r->n_vx) * (uint64_t)d * es +
            (uint64_t)r->rv * r->m * sizeof(float);
 }
 
@@ -32,20 +32,22 @@ static enum kvcap_status basis_check(const struct kvcap_basis_rows *r, const flo
     *nothing = r->n == 0 || nq == 0;
     if (*nothing)
         return KVCAP_OK;
-    KVCAP_RETURN_IF(!r->k || !r->point || !r->u || !r->vt || !r->mu ||
-                        !kvcap_dtype_is_storage(r->dtype) || r->m < 1 || r->rv < 0 ||
+    KVCAP_RETURN_IF(!r->k || !r->point || !r->u || !r->vt || !r->mu || r->n_vx < 0 ||
+                        (r->n_vx > 0 && !r->vx) || !kvcap_dtype_is_storage(r->dtype) ||
+                        r->m < 1 || r->rv < 0 ||
                         r->tiles < 1 || (int64_t)r->tiles * r->m > INT_MAX,
                     KVCAP_ERR_INVALID_ARGUMENT,
                     "attend_basis_rows: %s",
                     !kvcap_dtype_is_storage(r->dtype) ? "rows are not F32, F16 or BF16"
-                    : r->m < 1 || r->rv < 0 || r->tiles < 1 ? "basis sizes out of range"
+                    : r->m < 1 || r->rv < 0 || r->tiles < 1 || r->n_vx < 0
+                        ? "basis sizes out of range"
                     : (int64_t)r->tiles * r->m > INT_MAX ? "too many points"
                                                         : "NULL keys, points, basis or state");
     for (int j = 0; j < r->n; j++)
-        KVCAP_RETURN_IF(r->point[j] < 0 || r->point[j] >= r->tiles * r->m,
+        KVCAP_RETURN_IF(r->point[j] < -r->n_vx || r->point[j] >= r->tiles * r->m,
                         KVCAP_ERR_INVALID_ARGUMENT,
-                        "attend_basis_rows: row %d's point %d is outside [0, %d)", j,
-                        (int)r->point[j], r->tiles * r->m);
+                        "attend_basis_rows: row %d's point %d is outside [%d, %d)", j,
+                        (int)r->point[j], -r->n_vx, r->tiles * r->m);
     return KVCAP_OK;
 }
 
@@ -67,11 +69,15 @@ enum kvcap_status kvcap_attend_basis_rows_ref(const struct kvcap_basis_rows *r, 
         return kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "attend_basis_rows_ref: out of memory for %d "
                           "rows", r->n);
     }
-    for (int j = 0; j < r->n; j++) { /* v̂_j = Σ_r U[r][p_j] Ṽ_{t_j}[r] + μ */
-        const int t = r->point[j] / r->m, p = r->point[j] % r->m;
+    for (int j = 0; j < r->n; j++) { /* v̂_j = Σ_r U[r][p_j] Ṽ_{t_j}[r] + μ, or vx exactly */
+        const int t = r->point[j] / r->m, p = r->point[j] % r->m, x_at = -1 - r->point[j];
         for (int c = 0; c < d; c++) {
             k[(size_t)j * d + c] =
                 (float)kvcap_load_elem(r->dtype, r->k, (size_t)j * r->row_stride + c);
+            if (r->point[j] < 0) {
+                v[(size_t)j * d + c] = (float)kvcap_load_elem(r->dtype, r->vx, (size_t)x_at * d + c);
+                continue;
+            }
             double x = kvcap_load_elem(r->dtype, r->mu, (size_t)c);
             for (int a = 0; a < r->rv; a++)
                 x += (double)r->u[(size_t)a * r->m + p] *
@@ -89,12 +95,13 @@ enum kvcap_status kvcap_attend_basis_rows_ref(const struct kvcap_basis_rows *r, 
 
 /* ---- The fast form: scores by sgemm, coefficients per tile, Ṽᵀc by sgemm ---------------- */
 
-size_t kvcap_attend_basis_rows_scratch_floats(int n, int tiles, int rv, int nq, int d)
+size_t kvcap_attend_basis_rows_scratch_floats(int n, int tiles, int rv, int n_vx, int nq, int d)
 {
-    const size_t tr = (size_t)tiles * (size_t)rv;
-    /* key block, scores, coefficients, Ṽ and μ in f32, outputs, max and sum */
+    const size_t tr = (size_t)tiles * (size_t)rv, nx = n_vx > 0 ? (size_t)n_vx : 0;
+    /* key block, scores, coefficients, Ṽ and μ in f32, outputs, max and two sums, the exact
+     * values' weights and the exact values in f32 */
     return (size_t)KEY_BLOCK * d + (size_t)nq * n + (size_t)nq * tr + tr * d + (size_t)d +
-           (size_t)nq * d + 2 * (size_t)nq;
+           (size_t)nq * d + 3 * (size_t)nq + (size_t)nq * nx + nx * d;
 }
 
 enum kvcap_status kvcap_attend_basis_rows(const struct kvcap_basis_rows *r, const float *q,
@@ -107,13 +114,14 @@ enum kvcap_status kvcap_attend_basis_rows(const struct kvcap_basis_rows *r, cons
         return KVCAP_OK;
     const int tr = r->tiles * r->rv, n = r->n;
     KVCAP_RETURN_IF(!scratch || scratch_floats < kvcap_attend_basis_rows_scratch_floats(
-                                                     n, r->tiles, r->rv, nq, d),
+                                                     n, r->tiles, r->rv, r->n_vx, nq, d),
                     KVCAP_ERR_INVALID_ARGUMENT, "attend_basis_rows: scratch of %zu floats is "
                     "too small", scratch_floats);
     const size_t es = kvcap_dtype_size(r->dtype);
     float *kf = scratch, *sc = kf + (size_t)KEY_BLOCK * d, *coef = sc + (size_t)nq * n;
     float *vtf = coef + (size_t)nq * tr, *muf = vtf + (size_t)tr * d, *o = muf + d;
-    float *mx = o + (size_t)nq * d, *sum = mx + nq;
+    float *mx = o + (size_t)nq * d, *sum = mx + nq, *bsum = sum + nq; /* bsum: basis rows' */
+    float *w = bsum + nq, *vxf = w + (size_t)nq * r->n_vx; /* exact values: weights, rows */
     for (int j0 = 0; j0 < n; j0 += KEY_BLOCK) { /* sc[q][j] = scale · q · k_j */
         const int nr = n - j0 < KEY_BLOCK ? n - j0 : KEY_BLOCK;
         for (int i = 0; i < nr; i++)
@@ -123,18 +131,25 @@ enum kvcap_status kvcap_attend_basis_rows(const struct kvcap_basis_rows *r, cons
                     sc + j0, n);
     }
     memset(coef, 0, sizeof(float) * (size_t)nq * tr);
+    memset(w, 0, sizeof(float) * (size_t)nq * r->n_vx);
     for (int qi = 0; qi < nq; qi++) { /* p = exp(s − mx); c_t[r] += p_j U[r][p_j] */
         float *s = sc + (size_t)qi * n, *cq = coef + (size_t)qi * tr, m = -INFINITY, total = 0;
+        float basis_total = 0;
         for (int j = 0; j < n; j++)
             m = s[j] > m ? s[j] : m;
         for (int j = 0; j < n; j++) {
             const float p = expf(s[j] - m);
-            const int t = r->point[j] / r->m, pt = r->point[j] % r->m;
             total += p;
+            if (r->point[j] < 0) { /* an exact value */
+                w[(size_t)qi * r->n_vx + (-1 - r->point[j])] += p;
+                continue;
+            }
+            const int t = r->point[j] / r->m, pt = r->point[j] % r->m;
+            basis_total += p;
             for (int a = 0; a < r->rv; a++)
                 cq[t * r->rv + a] += p * r->u[(size_t)a * r->m + pt];
         }
-        mx[qi] = m, sum[qi] = total;
+        mx[qi] = m, sum[qi] = total, bsum[qi] = basis_total;
     }
     kvcap_load_f32(r->dtype, r->vt, (size_t)tr * d, vtf);
     kvcap_load_f32(r->dtype, r->mu, (size_t)d, muf);
@@ -143,9 +158,14 @@ enum kvcap_status kvcap_attend_basis_rows(const struct kvcap_basis_rows *r, cons
                     0.0f, o, d);
     else
         memset(o, 0, sizeof(float) * (size_t)nq * d);
+    if (r->n_vx > 0) {
+        kvcap_load_f32(r->dtype, r->vx, (size_t)r->n_vx * d, vxf);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, nq, d, r->n_vx, 1.0f, w, r->n_vx,
+                    vxf, d, 1.0f, o, d);
+    }
     for (int qi = 0; qi < nq; qi++) {
         for (int c = 0; c < d; c++)
-            o[(size_t)qi * d + c] += sum[qi] * muf[c];
+            o[(size_t)qi * d + c] += bsum[qi] * muf[c];
         struct kvcap_partial from = {mx + qi, sum + qi, o + (size_t)qi * d};
         struct kvcap_partial into = {acc.mx + qi, acc.sum + qi, acc.o + (size_t)qi * d};
         kvcap_partial_merge(into, from, 1, d);

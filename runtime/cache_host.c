@@ -250,7 +250,7 @@ static enum kvcap_status prepare_scratch(struct kvcap_cache *c, int layer)
             if (!seg->row_point)
                 continue;
             size_t need = kvcap_attend_basis_rows_scratch_floats(seg->n_rows, seg->tiles,
-                                                                 seg->rv, G, d);
+                                                                 seg->rv, seg->n_vx, G, d);
             work = need > work ? need : work;
         }
     }
@@ -314,7 +314,9 @@ static enum kvcap_status attend_part(struct kvcap_cache *c, int layer, int h, in
                     (const char *)seg->k + at, c->storage, (size_t)d, hi - lo,
                     seg->row_point + first + lo, u->m, seg->rv, seg->tiles, u->u,
                     (const char *)seg->vt + (size_t)h * seg->tiles * seg->rv * d * es,
-                    (const char *)seg->mu + (size_t)h * d * es};
+                    (const char *)seg->mu + (size_t)h * d * es,
+                    seg->n_vx ? (const char *)seg->vx + (size_t)h * seg->n_vx * d * es : NULL,
+                    seg->n_vx};
                 KVCAP_TRY(kvcap_attend_basis_rows(&rows, qs, G, d, scale, acc, sc->work,
                                                   sc->work_cap, &got));
             } else {

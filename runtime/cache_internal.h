@@ -128,10 +128,10 @@ struct kvcap_kept_rows {
     void *k, *v;      /* [kv_heads][cap][head_dim], storage dtype; packed when head_at is set */
     int n_keep, cap;  /* packed: n_keep the most rows a head keeps, cap unused */
     int64_t *head_at; /* NULL, or the packed layout's kv_heads + 1 row offsets */
-    /* Values in a value basis instead of v (NULL then): kvcap_segment.row_point, vt, mu */
+    /* Values in a value basis instead of v (NULL then): kvcap_segment.row_point, vt, mu, vx */
     int32_t *point;
-    void *vt, *mu;
-    int tiles, rv;
+    void *vt, *mu, *vx;
+    int tiles, rv, n_vx;
 };
 
 /* Eviction by score, the step FlashCache and VL-Cache share: each head h keeps the protected

@@ -39,6 +39,10 @@ struct kvcap_segment {
      * the value state vt and mu (as KVCapsule's, through the unit's basis U), and row_point
      * (laid out like the rows) holds each kept row's place in it, tile · m + point. */
     int32_t *row_point;
+    /* and, with kvzip.exact_values, per KV head n_vx exact values [kv_heads][n_vx][d] (storage
+     * dtype) of the rows whose point is −1 − x */
+    void *vx;
+    int n_vx;
     int dev; /* 1 + the CUDA device holding k, v, hs, vt, mu (the device store); 0: host memory */
 };
 

@@ -14,7 +14,8 @@
  * chosen keys, only KVCapsule's value state per layer and KV head (Ṽ and μ through the bucket's
  * value basis, kernels/basis_rows.h): the budget is then the span's bytes, retention × full's,
  * of which the value state takes its fixed share and the keys (each with its point in the
- * basis) the rest. */
+ * basis) the rest. With `exact_values` E, the E kept tokens of each layer and KV head whose
+ * values the state reconstructs worst keep their value rows too (counted in the state). */
 #include <limits.h>
 #include <math.h>
 #include <stdlib.h>
@@ -25,6 +26,7 @@
 #include "common/internal.h"
 #include "kernels/capsule_prefill.h"
 #include "kernels/kvzip.h"
+#include "kernels/select.h"
 
 struct layer_job {
     const struct kvcap_cache *c;
@@ -119,7 +121,9 @@ static enum kvcap_status score_layer(struct kvcap_cache *c, int seq, int layer, 
 /* The value state of a kvzip span with values: basis at `layer`, beside the keys `kept` (built
  * from `mark` [heads][n], token order): per KV head μ and Ṽ_t = U (V_t − 1μᵀ) of every tile
  * (kvcap_capsule_prefill_values) from the segment's value rows, and each kept row's point
- * t · m + p; kept->v is freed. */
+ * t · m + p; with kvzip.exact_values = E, the E kept tokens whose values the stored state
+ * reconstructs worst (squared error) keep their value rows instead, point −1 − x for slot x of
+ * vx (unused slots, when a head keeps fewer rows, are zero). kept->v is freed. */
 static enum kvcap_status value_state(const struct kvcap_cache *c, int layer,
                                      const struct kvcap_segment *seg, const unsigned char *mark,
                                      struct kvcap_kept_rows *kept)
@@ -127,39 +131,69 @@ static enum kvcap_status value_state(const struct kvcap_cache *c, int layer,
     const struct kvcap_bucket *bk = &c->artifact->buckets[seg->bucket];
     const struct kvcap_unit_maps *u0 = kvcap_artifact_unit(c->artifact, layer, 0, seg->bucket);
     const int H = c->g.n_kv_heads, d = c->g.head_dim, n = seg->n_tokens, m = u0->m;
-    const int tiles = n / m, rv = u0->rv;
-    const size_t es = kvcap_dtype_size(c->storage);
+    const int tiles = n / m, rv = u0->rv, E = c->cfg.kvzip.exact_values;
+    const size_t es = kvcap_dtype_size(c->storage), tr = (size_t)tiles * rv;
     const size_t rows = kept->head_at ? (size_t)kept->head_at[H] : (size_t)H * kept->cap;
-    int32_t *inv = malloc(sizeof(int32_t) * (size_t)n); /* token -> its point t · m + p */
-    float *vf = malloc(sizeof(float) *
-                       ((size_t)n * d + kvcap_capsule_prefill_values_scratch_floats(m, rv, d)));
+    /* token -> its point t · m + p; then per head its kept tokens, their errors, the chosen */
+    int32_t *inv = malloc(sizeof(int32_t) * (size_t)n);
+    int *tok = malloc(sizeof(int) * 3 * (size_t)n);
+    float *vf = malloc(sizeof(float) * ((size_t)n * d + tr * d + d + (size_t)n +
+                                        kvcap_capsule_prefill_values_scratch_floats(m, rv, d)));
     kept->point = malloc(sizeof(int32_t) * (rows > 0 ? rows : 1));
-    kept->vt = malloc((size_t)H * tiles * rv * d * es + 1);
+    kept->vt = malloc((size_t)H * tr * d * es + 1);
     kept->mu = malloc((size_t)H * d * es);
-    if (!inv || !vf || !kept->point || !kept->vt || !kept->mu) {
-        free(inv), free(vf); /* kept's own are freed with it */
+    kept->vx = E > 0 ? calloc((size_t)H * E * d, es) : NULL;
+    if (!inv || !tok || !vf || !kept->point || !kept->vt || !kept->mu || (E > 0 && !kept->vx)) {
+        free(inv), free(tok), free(vf); /* kept's own are freed with it */
         return kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY,
                           "kvzip: out of memory for the value state of layer %d", layer);
     }
-    kept->tiles = tiles, kept->rv = rv;
+    kept->tiles = tiles, kept->rv = rv, kept->n_vx = E;
+    float *vtf = vf + (size_t)n * d, *muf = vtf + tr * d, *err = muf + d, *work = err + n;
+    int *chosen = tok + n, *topk_work = chosen + n;
     for (int t = 0; t < tiles; t++)
         for (int p = 0; p < m; p++)
             inv[kvcap_bucket_token(bk, t, p)] = t * m + p;
     enum kvcap_status st = KVCAP_OK;
     for (int h = 0; st == KVCAP_OK && h < H; h++) {
         const struct kvcap_unit_maps *u = kvcap_artifact_unit(c->artifact, layer, h, seg->bucket);
+        char *vt = (char *)kept->vt + (size_t)h * tr * d * es, *mu = (char *)kept->mu + h * d * es;
         kvcap_convert_to_f32(c->storage, (const char *)seg->v + (size_t)h * seg->cap * d * es,
                              (size_t)n * d, vf);
-        st = kvcap_capsule_prefill_values(bk, m, rv, u->u, n, d, vf, c->storage,
-                                          (char *)kept->vt + (size_t)h * tiles * rv * d * es,
-                                          (char *)kept->mu + (size_t)h * d * es,
-                                          vf + (size_t)n * d);
-        int64_t at = kept->head_at ? kept->head_at[h] : (int64_t)h * kept->cap;
+        st = kvcap_capsule_prefill_values(bk, m, rv, u->u, n, d, vf, c->storage, vt, mu, work);
+        int n_kept = 0;
         for (int j = 0; j < n; j++)
             if (mark[(size_t)h * n + j])
-                kept->point[at++] = inv[j];
+                tok[n_kept++] = j;
+        int n_exact = 0; /* the kept tokens the stored state reconstructs worst */
+        if (st == KVCAP_OK && E > 0) {
+            kvcap_convert_to_f32(c->storage, vt, tr * d, vtf);
+            kvcap_convert_to_f32(c->storage, mu, (size_t)d, muf);
+            for (int i = 0; i < n_kept; i++) {
+                const int pt = inv[tok[i]], t = pt / m, p = pt % m;
+                double e2 = 0;
+                for (int ch = 0; ch < d; ch++) {
+                    double x = muf[ch] - vf[(size_t)tok[i] * d + ch];
+                    for (int a = 0; a < rv; a++)
+                        x += (double)u->u[(size_t)a * m + p] * vtf[((size_t)t * rv + a) * d + ch];
+                    e2 += x * x;
+                }
+                err[i] = (float)e2;
+            }
+            n_exact = kvcap_topk_indices(err, n_kept, E, chosen, topk_work);
+        }
+        int64_t at = kept->head_at ? kept->head_at[h] : (int64_t)h * kept->cap;
+        for (int i = 0, x = 0; i < n_kept; i++) {
+            if (x < n_exact && chosen[x] == i) { /* ascending: a merge walk */
+                memcpy((char *)kept->vx + ((size_t)h * E + x) * d * es,
+                       (const char *)seg->v + ((size_t)h * seg->cap + tok[i]) * d * es, d * es);
+                kept->point[at++] = -1 - x++;
+            } else {
+                kept->point[at++] = inv[tok[i]];
+            }
+        }
     }
-    free(inv), free(vf);
+    free(inv), free(tok), free(vf);
     free(kept->v);
     kept->v = NULL;
     return st;
@@ -172,7 +206,8 @@ static int64_t value_state_bytes(const struct kvcap_cache *c, const struct kvcap
     const int64_t vec = (int64_t)c->g.head_dim * (int64_t)kvcap_dtype_size(c->storage);
     for (int l = 0; l < c->g.n_layers; l++) {
         const struct kvcap_unit_maps *u = kvcap_artifact_unit(c->artifact, l, 0, seg->bucket);
-        total += (int64_t)c->g.n_kv_heads * ((int64_t)(seg->n_tokens / u->m) * u->rv + 1) * vec;
+        total += (int64_t)c->g.n_kv_heads *
+                 ((int64_t)(seg->n_tokens / u->m) * u->rv + 1 + c->cfg.kvzip.exact_values) * vec;
     }
     return total;
 }

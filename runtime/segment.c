@@ -132,6 +132,9 @@ void kvcap_segment_commit(struct kvcap_segment *seg, struct kvcap_kept_rows *kep
         seg->mu = kept->mu;
         seg->tiles = kept->tiles;
         seg->rv = kept->rv;
+        free(seg->vx);
+        seg->vx = kept->vx;
+        seg->n_vx = kept->n_vx;
     }
     *kept = (struct kvcap_kept_rows){0};
 }
@@ -157,7 +160,7 @@ void kvcap_kept_rows_free(struct kvcap_kept_rows *kept)
     if (!kept)
         return;
     free(kept->k), free(kept->v), free(kept->head_at);
-    free(kept->point), free(kept->vt), free(kept->mu);
+    free(kept->point), free(kept->vt), free(kept->mu), free(kept->vx);
     *kept = (struct kvcap_kept_rows){0};
 }
 
@@ -192,11 +195,13 @@ enum kvcap_status kvcap_segment_keep_top(const struct kvcap_cache *c,
 void kvcap_segment_release(const struct kvcap_cache *c, struct kvcap_segment *seg)
 {
     c->store->segment_free(seg);
-    free(seg->score), free(seg->head_at), free(seg->row_point);
+    free(seg->score), free(seg->head_at), free(seg->row_point), free(seg->vx);
     seg->k = seg->v = seg->hs = seg->vt = seg->mu = NULL;
     seg->score = NULL;
     seg->head_at = NULL;
     seg->row_point = NULL;
+    seg->vx = NULL;
+    seg->n_vx = 0;
     seg->n_rows = seg->cap = 0;
 }
 
@@ -210,7 +215,7 @@ uint64_t kvcap_segment_bytes(const struct kvcap_cache *c, const struct kvcap_seg
     if (seg->row_point) { /* keys and their points; the value state */
         uint64_t rows = seg->head_at ? (uint64_t)seg->head_at[H] : H * (uint64_t)seg->cap;
         return rows * (d * es + sizeof(int32_t)) +
-               H * ((uint64_t)seg->tiles * seg->rv + 1) * d * es;
+               H * ((uint64_t)seg->tiles * seg->rv + 1 + (uint64_t)seg->n_vx) * d * es;
     }
     if (seg->head_at) /* packed: exactly the rows kept */
         return 2 * (uint64_t)seg->head_at[H] * d * es;

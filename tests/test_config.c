@@ -239,6 +239,7 @@ static void assert_runtime_equal(const struct kvcap_runtime_config *a,
     assert_int_equal(a->kvzip.window, b->kvzip.window);
     assert_true(a->kvzip.safeguard == b->kvzip.safeguard);
     assert_int_equal(a->kvzip.value_basis, b->kvzip.value_basis);
+    assert_int_equal(a->kvzip.exact_values, b->kvzip.exact_values);
     assert_true(a->random.retention == b->random.retention);
     assert_int_equal(a->random.sinks, b->random.sinks);
     assert_int_equal(a->random.window, b->random.window);
@@ -533,6 +534,7 @@ static void test_runtime_forms(void **state)
     assert_int_equal(r.kvzip.window, 0); /* default kept */
     assert_true(r.kvzip.safeguard == 0.5);
     assert_int_equal(r.kvzip.value_basis, 1);
+    assert_int_equal(r.kvzip.exact_values, 3);
     assert_true(r.random.retention == 0.5);
     assert_int_equal(r.random.seed, 17);
     assert_int_equal(r.expected.n_future, 256);

@@ -1476,8 +1476,10 @@ static void add_text_vision_text(struct kvcap_cache *c, const struct kvcap_model
  * layer and head (4 tiles of 4 x 5 points at rank 3, and μ) takes its share and the rest buys
  * keys, 206 where rows buy 144; the keys kept are the brute force's with that budget, no value
  * rows are held, and decode matches a naive softmax over values rebuilt in the test from the
- * artifact's basis, Ṽ_t = U (V_t − μ), v̂ = Uᵀ Ṽ_t + μ. */
-static void check_kvzip_in_cache(double safeguard, int basis)
+ * artifact's basis, Ṽ_t = U (V_t − μ), v̂ = Uᵀ Ṽ_t + μ. With exact_values (exact > 0) each
+ * layer and head also holds the exact values of the `exact` kept tokens whose v̂ is farthest
+ * from v, which the budget pays for. */
+static void check_kvzip_in_cache(double safeguard, int basis, int exact)
 {
     struct kvcap_model_geometry g = geometry(3, 6, 2, 64);
     const int L = g.n_layers, H = g.n_kv_heads, Hq = g.n_q_heads, G = Hq / H, d = g.head_dim;
@@ -1489,8 +1491,9 @@ static void check_kvzip_in_cache(double safeguard, int basis)
     struct kvcap_artifact *a = basis ? test_artifact(&g, tb, 1, 67, "kvzip-basis") : NULL;
     char yaml[200];
     snprintf(yaml, sizeof yaml, "policies: {vision: kvzip, text: full}\n"
-             "kvzip: {retention: 0.3, sinks: 2, window: 3, safeguard: %g, values: %s}\n",
-             safeguard, basis ? "basis" : "rows");
+             "kvzip: {retention: 0.3, sinks: 2, window: 3, safeguard: %g, values: %s, "
+             "exact_values: %d}\n",
+             safeguard, basis ? "basis" : "rows", exact);
     struct kvcap_cache *c = make_cache(&g, 1, KVCAP_DTYPE_F32, a, yaml);
     struct kvcap_rng r;
     kvcap_rng_seed(&r, 61);
@@ -1564,10 +1567,10 @@ static void check_kvzip_in_cache(double safeguard, int basis)
     /* rows kept over all heads: retention of the tokens; with the basis, the span's bytes
      * less the value state, at a key and its point per kept row */
     const int64_t vec = (int64_t)d * sizeof(float);
-    const int64_t values = (int64_t)L * H * (tiles * rv + 1) * vec;
+    const int64_t values = (int64_t)L * H * (tiles * rv + 1 + exact) * vec;
     const int64_t keys = basis ? (2 * llround(retention * nv) * L * H * vec - values) / (vec + 4)
                                : llround(retention * nv) * (int64_t)L * H;
-    assert_int_equal(keys, basis ? 206 : 144);
+    assert_int_equal(keys, !basis ? 144 : exact ? 194 : 206);
     int64_t budget = keys - (int64_t)L * H * (nv - nc);
     /* the safeguard: each head's best up to that share of an even split, protected included */
     const int head_floor = (int)llround(safeguard * ((double)keys / (L * H))) - (nv - nc);
@@ -1639,6 +1642,25 @@ static void check_kvzip_in_cache(double safeguard, int basis)
                     vspan[l][((size_t)h * nv + j) * d + e] = (float)v;
                 }
             }
+            /* exact values: the kept tokens whose v̂ is farthest from v, ties to the lower */
+            float err[80];
+            for (int j = 0; j < nv; j++) {
+                const int kept = j < lo || j >= hi || sel[((size_t)l * H + h) * nc + (j - lo)];
+                double e2 = 0;
+                for (int e = 0; e < d; e++) {
+                    double dv = vspan[l][((size_t)h * nv + j) * d + e] - vx[(size_t)j * d + e];
+                    e2 += dv * dv;
+                }
+                err[j] = kept ? (float)e2 : -1.0f;
+            }
+            for (int i = 0; i < exact; i++) {
+                int worst = 0;
+                for (int j = 1; j < nv; j++)
+                    worst = err[j] > err[worst] ? j : worst;
+                memcpy(vspan[l] + ((size_t)h * nv + worst) * d, vx + (size_t)worst * d,
+                       sizeof(float) * d);
+                err[worst] = -1.0f;
+            }
         }
     }
 
@@ -1685,10 +1707,11 @@ static void check_kvzip_in_cache(double safeguard, int basis)
 static void test_kvzip_in_cache(void **state)
 {
     (void)state;
-    check_kvzip_in_cache(0, 0);   /* KVzip's rule: one budget shared by every layer and head */
-    check_kvzip_in_cache(0.7, 0); /* kvcap's safeguard: every head first keeps 12 of its 75 */
-    check_kvzip_in_cache(0, 1);   /* kvcap's value basis: more keys for the same bytes */
-    check_kvzip_in_cache(0.7, 1);
+    check_kvzip_in_cache(0, 0, 0);   /* KVzip's rule: one budget shared by every layer and head */
+    check_kvzip_in_cache(0.7, 0, 0); /* kvcap's safeguard: every head first keeps 12 of its 75 */
+    check_kvzip_in_cache(0, 1, 0);   /* kvcap's value basis: more keys for the same bytes */
+    check_kvzip_in_cache(0.7, 1, 0);
+    check_kvzip_in_cache(0, 1, 2);   /* and two exact values per layer and head */
 }
 
 /* kvzip's value basis is refused without an artifact (at create, naming the key) and, at the
