@@ -75,7 +75,8 @@ enum kvcap_status kvcap_attend_basis_rows_ref(const struct kvcap_basis_rows *r, 
             k[(size_t)j * d + c] =
                 (float)kvcap_load_elem(r->dtype, r->k, (size_t)j * r->row_stride + c);
             if (r->point[j] < 0) {
-                v[(size_t)j * d + c] = (float)kvcap_load_elem(r->dtype, r->vx, (size_t)x_at * d + c);
+                v[(size_t)j * d + c] =
+                    (float)kvcap_load_elem(r->dtype, r->vx, (size_t)x_at * d + c);
                 continue;
             }
             double x = kvcap_load_elem(r->dtype, r->mu, (size_t)c);

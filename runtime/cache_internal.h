@@ -146,10 +146,12 @@ enum kvcap_status kvcap_segment_keep_top(const struct kvcap_cache *c,
 
 /* Eviction by mark: each head h keeps the rows j of seg with mark[h * seg->n_rows + j] != 0, in
  * token order, packed (kvcap_kept_rows.head_at) when the heads keep different numbers of rows;
- * `seg` (plain rows, not packed) is not changed. */
+ * with keys_only their keys alone (out->v NULL: the caller holds the values otherwise). `seg`
+ * (plain rows, not packed) is not changed. */
 enum kvcap_status kvcap_segment_keep_marked(const struct kvcap_cache *c,
                                             const struct kvcap_segment *seg,
-                                            const unsigned char *mark, struct kvcap_kept_rows *out);
+                                            const unsigned char *mark, int keys_only,
+                                            struct kvcap_kept_rows *out);
 
 /* Replaces seg's rows (and, when kept has them, its value state) by `kept` (taking ownership)
  * and frees the evicted ones for real. */

@@ -123,7 +123,7 @@ static enum kvcap_status score_layer(struct kvcap_cache *c, int seq, int layer, 
  * (kvcap_capsule_prefill_values) from the segment's value rows, and each kept row's point
  * t · m + p; with kvzip.exact_values = E, the E kept tokens whose values the stored state
  * reconstructs worst (squared error) keep their value rows instead, point −1 − x for slot x of
- * vx (unused slots, when a head keeps fewer rows, are zero). kept->v is freed. */
+ * vx (unused slots, when a head keeps fewer rows, are zero). `kept` holds keys only. */
 static enum kvcap_status value_state(const struct kvcap_cache *c, int layer,
                                      const struct kvcap_segment *seg, const unsigned char *mark,
                                      struct kvcap_kept_rows *kept)
@@ -194,8 +194,6 @@ static enum kvcap_status value_state(const struct kvcap_cache *c, int layer,
         }
     }
     free(inv), free(tok), free(vf);
-    free(kept->v);
-    kept->v = NULL;
     return st;
 }
 
@@ -277,7 +275,7 @@ static enum kvcap_status kvzip_finish(struct kvcap_cache *c, int seq, int span)
             memset(mh, 1, (size_t)n);
             memcpy(mh + lo, sel + ((size_t)l * H + h) * nc, (size_t)nc);
         }
-        st = kvcap_segment_keep_marked(c, seg, mark, &kept[l]);
+        st = kvcap_segment_keep_marked(c, seg, mark, basis, &kept[l]);
         if (st == KVCAP_OK && basis)
             st = value_state(c, l, seg, mark, &kept[l]);
     }

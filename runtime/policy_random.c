@@ -52,7 +52,7 @@ static enum kvcap_status random_prefill(struct kvcap_cache *c, int seq, int laye
         }
     }
     if (st == KVCAP_OK)
-        st = kvcap_segment_keep_marked(c, seg, mark, &kept);
+        st = kvcap_segment_keep_marked(c, seg, mark, 0, &kept);
     if (st == KVCAP_OK)
         kvcap_segment_commit(seg, &kept);
     kvcap_kept_rows_free(&kept);

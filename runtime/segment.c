@@ -43,15 +43,16 @@ enum kvcap_status kvcap_segment_fill(struct kvcap_cache *c, struct kvcap_segment
 }
 
 /* Copies, for each head h, the rows keep[h][0..n_keep) (ascending) of seg into a new allocation
- * of exactly n_keep rows. keep: [kv_heads][n_keep]. */
+ * of exactly n_keep rows (keys only, out->v NULL, when keys_only). keep: [kv_heads][n_keep]. */
 static enum kvcap_status copy_kept(const struct kvcap_cache *c, const struct kvcap_segment *seg,
-                                   const int *keep, int n_keep, struct kvcap_kept_rows *out)
+                                   const int *keep, int n_keep, int keys_only,
+                                   struct kvcap_kept_rows *out)
 {
     size_t d = (size_t)c->g.head_dim, H = (size_t)c->g.n_kv_heads;
     size_t es = kvcap_dtype_size(c->storage), row = d * es;
     size_t cap = n_keep > 0 ? (size_t)n_keep : 1;
-    char *k = malloc(H * cap * row), *v = malloc(H * cap * row);
-    if (!k || !v) {
+    char *k = malloc(H * cap * row), *v = keys_only ? NULL : malloc(H * cap * row);
+    if (!k || (!keys_only && !v)) {
         free(k), free(v);
         return kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "cache: out of memory compacting a span");
     }
@@ -59,7 +60,8 @@ static enum kvcap_status copy_kept(const struct kvcap_cache *c, const struct kvc
         for (int i = 0; i < n_keep; i++) {
             size_t from = (h * (size_t)seg->cap + (size_t)keep[h * (size_t)n_keep + i]) * row;
             memcpy(k + (h * cap + (size_t)i) * row, (const char *)seg->k + from, row);
-            memcpy(v + (h * cap + (size_t)i) * row, (const char *)seg->v + from, row);
+            if (v)
+                memcpy(v + (h * cap + (size_t)i) * row, (const char *)seg->v + from, row);
         }
     *out = (struct kvcap_kept_rows){.k = k, .v = v, .n_keep = n_keep, .cap = (int)cap};
     return KVCAP_OK;
@@ -67,7 +69,8 @@ static enum kvcap_status copy_kept(const struct kvcap_cache *c, const struct kvc
 
 enum kvcap_status kvcap_segment_keep_marked(const struct kvcap_cache *c,
                                             const struct kvcap_segment *seg,
-                                            const unsigned char *mark, struct kvcap_kept_rows *out)
+                                            const unsigned char *mark, int keys_only,
+                                            struct kvcap_kept_rows *out)
 {
     const int H = c->g.n_kv_heads, n = seg->n_rows;
     int64_t *at = malloc(sizeof(int64_t) * (size_t)(H + 1));
@@ -91,14 +94,14 @@ enum kvcap_status kvcap_segment_keep_marked(const struct kvcap_cache *c,
             if (mark[(size_t)h * n + j])
                 keep[i++] = j;
     if (st == KVCAP_OK && !ragged) {
-        st = copy_kept(c, seg, keep, most, out);
+        st = copy_kept(c, seg, keep, most, keys_only, out);
         free(at);
         at = NULL;
     } else if (st == KVCAP_OK) {
         size_t row = (size_t)c->g.head_dim * kvcap_dtype_size(c->storage);
         size_t total = at[H] > 0 ? (size_t)at[H] : 1;
-        char *k = malloc(total * row), *v = malloc(total * row);
-        if (!k || !v) {
+        char *k = malloc(total * row), *v = keys_only ? NULL : malloc(total * row);
+        if (!k || (!keys_only && !v)) {
             free(k), free(v);
             st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "cache: out of memory compacting a span");
         } else {
@@ -106,7 +109,8 @@ enum kvcap_status kvcap_segment_keep_marked(const struct kvcap_cache *c,
                 for (int64_t i = at[h]; i < at[h + 1]; i++) {
                     size_t from = ((size_t)h * seg->cap + (size_t)keep[i]) * row;
                     memcpy(k + (size_t)i * row, (const char *)seg->k + from, row);
-                    memcpy(v + (size_t)i * row, (const char *)seg->v + from, row);
+                    if (v)
+                        memcpy(v + (size_t)i * row, (const char *)seg->v + from, row);
                 }
             *out = (struct kvcap_kept_rows){.k = k, .v = v, .n_keep = most, .head_at = at};
             at = NULL;
@@ -187,7 +191,7 @@ enum kvcap_status kvcap_segment_keep_top(const struct kvcap_cache *c,
         for (int j = hi; j < n; j++)
             kh[at++] = j;
     }
-    enum kvcap_status st = copy_kept(c, seg, keep, kept, out);
+    enum kvcap_status st = copy_kept(c, seg, keep, kept, 0, out);
     free(keep);
     return st;
 }
