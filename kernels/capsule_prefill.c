@@ -1,6 +1,7 @@
 /* capsule_prefill.c — KVCapsule at prefill for one KV head (capsule_prefill.h): the readable
  * oracle first (plain loops in double, the spec), then the fast form (an sgemm per tile). */
 #include <cblas.h>
+#include <lapacke.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -187,6 +188,82 @@ enum kvcap_status kvcap_capsule_prefill_values(const struct kvcap_bucket *bucket
         kvcap_convert_from_f32(storage, out, (size_t)rv * d, (char *)vt + (size_t)t * rv * d * es);
     }
     kvcap_convert_from_f32(storage, muf, (size_t)d, mu);
+    return KVCAP_OK;
+}
+
+size_t kvcap_capsule_fit_values_scratch_doubles(int m, int rv, int d)
+{
+    (void)m;
+    return rv < 0 || d < 1 ? 0 : (size_t)rv * rv + (size_t)rv * d + (size_t)d;
+}
+
+enum kvcap_status kvcap_capsule_fit_values(const struct kvcap_bucket *bucket, int m, int rv,
+                                           const float *u, int n, int d, const float *v,
+                                           const unsigned char *fit, enum kvcap_dtype storage,
+                                           void *vt, void *mu, double *scratch)
+{
+    const char *fn = "kvcap_capsule_fit_values";
+    KVCAP_RETURN_IF(!bucket || !u || !v || !fit || !vt || !mu || !scratch,
+                    KVCAP_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
+    KVCAP_RETURN_IF(m < 1 || rv < 0 || rv > m || d < 1 || n < m || n % m != 0 ||
+                        (int64_t)bucket->rows * bucket->cols != n ||
+                        (bucket->structure == KVCAP_STRUCTURE_TILED
+                             ? bucket->tile_rows * bucket->tile_cols
+                             : n) != m,
+                    KVCAP_ERR_INVALID_ARGUMENT,
+                    "%s: a basis of rank %d over %d points for %d tokens of head_dim %d on a "
+                    "%dx%d grid",
+                    fn, rv, m, n, d, bucket->rows, bucket->cols);
+    KVCAP_RETURN_IF(!kvcap_dtype_is_storage(storage), KVCAP_ERR_INVALID_ARGUMENT,
+                    "%s: storage %s is not F32, F16 or BF16", fn, kvcap_dtype_name(storage));
+    const int tiles = n / m;
+    const size_t es = kvcap_dtype_size(storage);
+    double *a = scratch, *x = a + (size_t)rv * rv, *mud = x + (size_t)rv * d;
+    int count = 0;
+    memset(mud, 0, sizeof(double) * (size_t)d);
+    for (int j = 0; j < n; j++)
+        if (fit[j]) {
+            count++;
+            for (int ch = 0; ch < d; ch++)
+                mud[ch] += v[(size_t)j * d + ch];
+        }
+    for (int ch = 0; ch < d; ch++)
+        mud[ch] = count ? mud[ch] / count : 0.0;
+    for (int t = 0; t < tiles && rv > 0; t++) {
+        /* normal equations: a = Σ_p u_p u_pᵀ + λI, x = Σ_p u_p (v_p − μ)ᵀ over the tile's points
+         * in F; then a x = b in place */
+        memset(a, 0, sizeof(double) * (size_t)rv * rv);
+        memset(x, 0, sizeof(double) * (size_t)rv * d);
+        for (int r = 0; r < rv; r++)
+            a[(size_t)r * rv + r] = KVCAP_FIT_RIDGE;
+        int points = 0;
+        for (int p = 0; p < m; p++) {
+            const int64_t j = kvcap_bucket_token(bucket, t, p);
+            if (!fit[j])
+                continue;
+            points++;
+            const float *row = v + (size_t)j * d;
+            for (int r = 0; r < rv; r++) {
+                const double ur = u[(size_t)r * m + p];
+                for (int s = 0; s < rv; s++)
+                    a[(size_t)r * rv + s] += ur * u[(size_t)s * m + p];
+                for (int ch = 0; ch < d; ch++)
+                    x[(size_t)r * d + ch] += ur * (row[ch] - mud[ch]);
+            }
+        }
+        if (points > 0 && LAPACKE_dposv(LAPACK_ROW_MAJOR, 'U', rv, d, a, rv, x, d) != 0)
+            return kvcap_fail(KVCAP_ERR_NUMERIC, "%s: the normal equations of tile %d are not "
+                              "positive definite (non-finite values?)", fn, t);
+        char *dst = (char *)vt + (size_t)t * rv * d * es;
+        for (size_t i = 0; i < (size_t)rv * d; i++) { /* x is 0 for a tile with no point in F */
+            float f = (float)x[i];
+            kvcap_convert_from_f32(storage, &f, 1, dst + i * es);
+        }
+    }
+    for (int ch = 0; ch < d; ch++) {
+        float f = (float)mud[ch];
+        kvcap_convert_from_f32(storage, &f, 1, (char *)mu + (size_t)ch * es);
+    }
     return KVCAP_OK;
 }
 

@@ -60,6 +60,26 @@ enum kvcap_status kvcap_capsule_prefill_values(const struct kvcap_bucket *bucket
                                                float *scratch);
 size_t kvcap_capsule_prefill_values_scratch_floats(int m, int rv, int d);
 
+/* The value state fitted to a subset of the tokens (kvzip's value basis, runtime/policy_kvzip.c:
+ * decode reads a value only through a kept key, so only the kept tokens' values matter). With
+ * F the tokens where fit[j] != 0 ([n], token order): μ = the mean of v over F (0 if F is
+ * empty), and per tile t, with P its points in F,
+ *   Ṽ_t = argmin_X Σ_{p∈P} ‖v_p − μ − Σ_r U[r][p] X[r]‖² + λ ‖X‖²,   λ = KVCAP_FIT_RIDGE,
+ * solved as (U_P U_Pᵀ + λI) X = U_P (V_P − 1μᵀ) in double. With every token in F this is
+ * kvcap_capsule_prefill_values' projection (U's rows are orthonormal) up to the factor
+ * 1/(1 + λ); a tile with at most rv points in F reconstructs them almost exactly, and a token
+ * outside F, an outlier included, moves nothing. Same sizes, storage and outputs as
+ * kvcap_capsule_prefill_values; scratch: kvcap_capsule_fit_values_scratch_doubles() doubles.
+ * KVCAP_ERR_INVALID_ARGUMENT as there; KVCAP_ERR_NUMERIC if a solve fails (it cannot for
+ * finite input: the system is positive definite; vt may then hold some tiles). Nothing is
+ * written on an invalid argument. */
+#define KVCAP_FIT_RIDGE 1e-6
+enum kvcap_status kvcap_capsule_fit_values(const struct kvcap_bucket *bucket, int m, int rv,
+                                           const float *u, int n, int d, const float *v,
+                                           const unsigned char *fit, enum kvcap_dtype storage,
+                                           void *vt, void *mu, double *scratch);
+size_t kvcap_capsule_fit_values_scratch_doubles(int m, int rv, int d);
+
 /* How badly KVCapsule reconstructs each tile of one KV head of a span (kvcap's exact tiles): for
  * tile t, the largest over its points p of
  *   ‖k̂'_p − k'_p‖² / k2 + ‖v̂_p − v_p‖² / v2,

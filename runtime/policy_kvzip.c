@@ -12,7 +12,7 @@
  * keeps its largest scores up to that share of an even split, then the rest is shared.
  * With `values: basis` (kvcap's variant) a span with a bucket in the artifact keeps, besides the
  * chosen keys, only KVCapsule's value state per layer and KV head (Ṽ and μ through the bucket's
- * value basis, kernels/basis_rows.h): the budget is then the span's bytes, retention × full's,
+ * value basis, fitted to the kept tokens' values alone, kernels/basis_rows.h): the budget is then the span's bytes, retention × full's,
  * of which the value state takes its fixed share and the keys (each with its point in the
  * basis) the rest. With `exact_values` E, the E kept tokens of each layer and KV head whose
  * values the state reconstructs worst keep their value rows too (counted in the state). */
@@ -119,11 +119,13 @@ static enum kvcap_status score_layer(struct kvcap_cache *c, int seq, int layer, 
 }
 
 /* The value state of a kvzip span with values: basis at `layer`, beside the keys `kept` (built
- * from `mark` [heads][n], token order): per KV head μ and Ṽ_t = U (V_t − 1μᵀ) of every tile
- * (kvcap_capsule_prefill_values) from the segment's value rows, and each kept row's point
- * t · m + p; with kvzip.exact_values = E, the E kept tokens whose values the stored state
- * reconstructs worst (squared error) keep their value rows instead, point −1 − x for slot x of
- * vx (unused slots, when a head keeps fewer rows, are zero). `kept` holds keys only. */
+ * from `mark` [heads][n], token order): per KV head μ and each tile's Ṽ_t fitted to the values
+ * of the head's kept tokens alone (kvcap_capsule_fit_values: decode reads no other), and each
+ * kept row's point t · m + p; with kvzip.exact_values = E, the E kept tokens whose values that
+ * state reconstructs worst (squared error) keep their value rows instead, point −1 − x for
+ * slot x of vx (unused slots, when a head keeps fewer rows, are zero), and the state is fitted
+ * again without them, so that an outlier (an attention-sink patch) does not pull its tile's
+ * other tokens. `kept` holds keys only. */
 static enum kvcap_status value_state(const struct kvcap_cache *c, int layer,
                                      const struct kvcap_segment *seg, const unsigned char *mark,
                                      struct kvcap_kept_rows *kept)
@@ -137,19 +139,21 @@ static enum kvcap_status value_state(const struct kvcap_cache *c, int layer,
     /* token -> its point t · m + p; then per head its kept tokens, their errors, the chosen */
     int32_t *inv = malloc(sizeof(int32_t) * (size_t)n);
     int *tok = malloc(sizeof(int) * 3 * (size_t)n);
-    float *vf = malloc(sizeof(float) * ((size_t)n * d + tr * d + d + (size_t)n +
-                                        kvcap_capsule_prefill_values_scratch_floats(m, rv, d)));
+    unsigned char *fit = malloc((size_t)n);
+    float *vf = malloc(sizeof(float) * ((size_t)n * d + tr * d + d + (size_t)n));
+    double *work = malloc(sizeof(double) * kvcap_capsule_fit_values_scratch_doubles(m, rv, d));
     kept->point = malloc(sizeof(int32_t) * (rows > 0 ? rows : 1));
     kept->vt = malloc((size_t)H * tr * d * es + 1);
     kept->mu = malloc((size_t)H * d * es);
     kept->vx = E > 0 ? calloc((size_t)H * E * d, es) : NULL;
-    if (!inv || !tok || !vf || !kept->point || !kept->vt || !kept->mu || (E > 0 && !kept->vx)) {
-        free(inv), free(tok), free(vf); /* kept's own are freed with it */
+    if (!inv || !tok || !fit || !vf || !work || !kept->point || !kept->vt || !kept->mu ||
+        (E > 0 && !kept->vx)) {
+        free(inv), free(tok), free(fit), free(vf), free(work); /* kept's own are freed with it */
         return kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY,
                           "kvzip: out of memory for the value state of layer %d", layer);
     }
     kept->tiles = tiles, kept->rv = rv, kept->n_vx = E;
-    float *vtf = vf + (size_t)n * d, *muf = vtf + tr * d, *err = muf + d, *work = err + n;
+    float *vtf = vf + (size_t)n * d, *muf = vtf + tr * d, *err = muf + d;
     int *chosen = tok + n, *topk_work = chosen + n;
     for (int t = 0; t < tiles; t++)
         for (int p = 0; p < m; p++)
@@ -160,11 +164,11 @@ static enum kvcap_status value_state(const struct kvcap_cache *c, int layer,
         char *vt = (char *)kept->vt + (size_t)h * tr * d * es, *mu = (char *)kept->mu + h * d * es;
         kvcap_convert_to_f32(c->storage, (const char *)seg->v + (size_t)h * seg->cap * d * es,
                              (size_t)n * d, vf);
-        st = kvcap_capsule_prefill_values(bk, m, rv, u->u, n, d, vf, c->storage, vt, mu, work);
         int n_kept = 0;
         for (int j = 0; j < n; j++)
-            if (mark[(size_t)h * n + j])
+            if ((fit[j] = mark[(size_t)h * n + j]) != 0)
                 tok[n_kept++] = j;
+        st = kvcap_capsule_fit_values(bk, m, rv, u->u, n, d, vf, fit, c->storage, vt, mu, work);
         int n_exact = 0; /* the kept tokens the stored state reconstructs worst */
         if (st == KVCAP_OK && E > 0) {
             kvcap_convert_to_f32(c->storage, vt, tr * d, vtf);
@@ -181,6 +185,11 @@ static enum kvcap_status value_state(const struct kvcap_cache *c, int layer,
                 err[i] = (float)e2;
             }
             n_exact = kvcap_topk_indices(err, n_kept, E, chosen, topk_work);
+            for (int x = 0; x < n_exact; x++)
+                fit[tok[chosen[x]]] = 0;
+            if (n_exact > 0)
+                st = kvcap_capsule_fit_values(bk, m, rv, u->u, n, d, vf, fit, c->storage, vt,
+                                              mu, work);
         }
         int64_t at = kept->head_at ? kept->head_at[h] : (int64_t)h * kept->cap;
         for (int i = 0, x = 0; i < n_kept; i++) {
@@ -193,7 +202,7 @@ static enum kvcap_status value_state(const struct kvcap_cache *c, int layer,
             }
         }
     }
-    free(inv), free(tok), free(vf);
+    free(inv), free(tok), free(fit), free(vf), free(work);
     return st;
 }
 

@@ -3,7 +3,8 @@
  * tiled buckets, RoPE off, either pairing, a partial rotary dimension and M-RoPE, offsets from
  * 0 to 4000, GELU and linear φ, every storage dtype — and named errors that write nothing. Then
  * the reconstruction error per tile (kvcap's exact tiles): fast against the oracle, exactly 0
- * where the maps reconstruct a tile exactly, and the value a planted outlier token must give. */
+ * where the maps reconstruct a tile exactly, and the value a planted outlier token must give.
+ * Last, kvzip's value basis fitted to the kept tokens alone. */
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -403,6 +404,100 @@ static void test_tile_error_errors(void **state)
     state_free(&st);
 }
 
+/* kvzip's value basis fitted to the kept tokens (kvcap_capsule_fit_values), with an orthonormal
+ * basis U: every token in F gives kvcap_capsule_prefill_values' projection (up to the ridge's
+ * 1/(1 + λ)); a token outside F, made an outlier, changes nothing; a tile with at most rv
+ * points in F reconstructs them (the least squares interpolate); an empty F gives zeros. */
+#define FIT_F32_TOL 1e-5  /* f32 inputs, double sums over 16 points: the projection's own f32 */
+#define FIT_INTERP_TOL 1e-4 /* v ~1: the ridge moves an interpolated value by ~λ·|v| = 1e-6 */
+static void test_fit_values(void **state)
+{
+    (void)state;
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 53);
+    enum { ROWS = 8, COLS = 8, M = 16, N = ROWS * COLS, T = N / M, D = 8, RV = 3 };
+    struct kvcap_bucket b = {ROWS, COLS, KVCAP_STRUCTURE_TILED, 4, 4};
+    float u[RV * M], v[N * D];
+    fill_random(&r, u, RV * M, 0.0, 1.0);
+    for (int a = 0; a < RV; a++) { /* Gram-Schmidt: orthonormal rows */
+        for (int c = 0; c < a; c++) {
+            double dot = 0;
+            for (int p = 0; p < M; p++)
+                dot += (double)u[a * M + p] * u[c * M + p];
+            for (int p = 0; p < M; p++)
+                u[a * M + p] -= (float)(dot * u[c * M + p]);
+        }
+        double norm = 0;
+        for (int p = 0; p < M; p++)
+            norm += (double)u[a * M + p] * u[a * M + p];
+        for (int p = 0; p < M; p++)
+            u[a * M + p] = (float)(u[a * M + p] / sqrt(norm));
+    }
+    fill_random(&r, v, N * D, 0.5, 1.0);
+    unsigned char fit[N];
+    memset(fit, 1, sizeof fit);
+    float vt[T * RV * D], mu[D], vt0[T * RV * D], mu0[D], fscratch[(M + RV + 1) * D];
+    double scratch[RV * RV + RV * D + D];
+    assert_int_equal(kvcap_capsule_fit_values_scratch_doubles(M, RV, D),
+                     sizeof scratch / sizeof scratch[0]);
+    expect_ok(kvcap_capsule_prefill_values(&b, M, RV, u, N, D, v, KVCAP_DTYPE_F32, vt0, mu0,
+                                           fscratch));
+    expect_ok(kvcap_capsule_fit_values(&b, M, RV, u, N, D, v, fit, KVCAP_DTYPE_F32, vt, mu,
+                                       scratch));
+    assert_close(vt, vt0, T * RV * D, FIT_F32_TOL, "every token fitted: the projection");
+    assert_close(mu, mu0, D, FIT_F32_TOL, "every token fitted: the span's mean");
+
+    /* F: tile 0 keeps 2 points (<= rv), the others all but their point 3; token (tile 1,
+     * point 3) becomes an outlier */
+    for (int t = 0; t < T; t++)
+        for (int p = 0; p < M; p++)
+            fit[kvcap_bucket_token(&b, t, p)] = t == 0 ? p == 4 || p == 9 : p != 3;
+    expect_ok(kvcap_capsule_fit_values(&b, M, RV, u, N, D, v, fit, KVCAP_DTYPE_F32, vt0, mu0,
+                                       scratch));
+    const size_t out = kvcap_bucket_token(&b, 1, 3);
+    for (int c = 0; c < D; c++)
+        v[out * D + c] = 1000.0f * (float)(c + 1);
+    expect_ok(kvcap_capsule_fit_values(&b, M, RV, u, N, D, v, fit, KVCAP_DTYPE_F32, vt, mu,
+                                       scratch));
+    assert_memory_equal(vt, vt0, sizeof vt);
+    assert_memory_equal(mu, mu0, sizeof mu);
+    double count = 0, mean[D] = {0};
+    for (int j = 0; j < N; j++)
+        for (int c = 0; fit[j] && c < D; c++)
+            mean[c] += v[j * D + c], count += c == 0;
+    for (int c = 0; c < D; c++)
+        assert_true(fabs(mu[c] - mean[c] / count) <= FIT_F32_TOL);
+    for (int p = 0; p < M; p++) {
+        const size_t j = kvcap_bucket_token(&b, 0, p);
+        for (int c = 0; fit[j] && c < D; c++) {
+            double x = mu[c];
+            for (int a = 0; a < RV; a++)
+                x += (double)u[a * M + p] * vt[a * D + c];
+            if (!(fabs(x - v[j * D + c]) <= FIT_INTERP_TOL))
+                fail_msg("tile 0 point %d channel %d: %g rebuilt, %g stored", p, c, x,
+                         (double)v[j * D + c]);
+        }
+    }
+
+    memset(fit, 0, sizeof fit);
+    expect_ok(kvcap_capsule_fit_values(&b, M, RV, u, N, D, v, fit, KVCAP_DTYPE_F32, vt, mu,
+                                       scratch));
+    for (int i = 0; i < T * RV * D; i++)
+        assert_true(vt[i] == 0.0f);
+    for (int c = 0; c < D; c++)
+        assert_true(mu[c] == 0.0f);
+
+    memset(vt0, 0x7f, sizeof vt0);
+    expect_error(kvcap_capsule_fit_values(&b, M, RV, u, N, D, v, NULL, KVCAP_DTYPE_F32, vt0, mu,
+                                          scratch),
+                 KVCAP_ERR_INVALID_ARGUMENT, "NULL", NULL);
+    expect_error(kvcap_capsule_fit_values(&b, M, M + 1, u, N, D, v, fit, KVCAP_DTYPE_F32, vt0,
+                                          mu, scratch),
+                 KVCAP_ERR_INVALID_ARGUMENT, "rank 17 over 16 points", "8x8 grid");
+    for (size_t i = 0; i < sizeof vt0; i++)
+        assert_int_equal(((unsigned char *)vt0)[i], 0x7f);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -411,6 +506,7 @@ int main(void)
         cmocka_unit_test(test_tile_error_fast_matches_ref),
         cmocka_unit_test(test_tile_error_finds_outlier),
         cmocka_unit_test(test_tile_error_errors),
+        cmocka_unit_test(test_fit_values),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

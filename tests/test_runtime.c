@@ -1465,6 +1465,60 @@ static void add_text_vision_text(struct kvcap_cache *c, const struct kvcap_model
     }
 }
 
+/* check_kvzip_in_cache's value state, in double: the span's values vx [80][d] on an 8 x 10 grid
+ * of 4 x 5 tiles (tiles and their points row-major), fitted to the tokens with in_fit[j] through
+ * the basis u [rv][m]: μ their mean and per tile the ridge least squares
+ * (U_F U_Fᵀ + λI) c = U_F (V_F − μ), solved by Gaussian elimination; v̂ = Uᵀ c + μ into out. */
+static void fit_basis_values(const float *u, int m, int rv, const float *vx, int d,
+                             const int *in_fit, float *out)
+{
+    const int nv = 80;
+    for (int e = 0; e < d; e++) {
+        double mu = 0;
+        int count = 0;
+        for (int j = 0; j < nv; j++)
+            if (in_fit[j])
+                mu += vx[(size_t)j * d + e], count++;
+        mu = count ? mu / count : 0;
+        double coef[4][4] = {{0}};
+        for (int t = 0; t < 4; t++) {
+            double A[4][5] = {{0}}; /* [rv][rv | b] */
+            for (int q = 0; q < rv; q++)
+                A[q][q] = 1e-6;
+            for (int j = 0; j < nv; j++) {
+                const int row = j / 10, col = j % 10, pt = row % 4 * 5 + col % 5;
+                if (row / 4 * 2 + col / 5 != t || !in_fit[j])
+                    continue;
+                for (int q = 0; q < rv; q++) {
+                    for (int s = 0; s < rv; s++)
+                        A[q][s] += (double)u[q * m + pt] * u[s * m + pt];
+                    A[q][rv] += u[q * m + pt] * (vx[(size_t)j * d + e] - mu);
+                }
+            }
+            for (int q = 0; q < rv; q++) /* elimination without pivoting: A is SPD */
+                for (int s = q + 1; s < rv; s++) {
+                    double f = A[s][q] / A[q][q];
+                    for (int c = q; c <= rv; c++)
+                        A[s][c] -= f * A[q][c];
+                }
+            for (int q = rv - 1; q >= 0; q--) {
+                double x = A[q][rv];
+                for (int s = q + 1; s < rv; s++)
+                    x -= A[q][s] * coef[t][s];
+                coef[t][q] = x / A[q][q];
+            }
+        }
+        for (int j = 0; j < nv; j++) {
+            const int row = j / 10, col = j % 10, t = row / 4 * 2 + col / 5;
+            const int pt = row % 4 * 5 + col % 5;
+            double v = mu;
+            for (int q = 0; q < rv; q++)
+                v += u[q * m + pt] * coef[t][q];
+            out[(size_t)j * d + e] = (float)v;
+        }
+    }
+}
+
 /* KVzip in a cache: a text head (full), the kvzip span, a text tail (full), and n_r
  * reconstruction queries per layer. The rows kept must be the brute force's: the oracle's
  * scores over the whole prompt, one budget over every layer and head (the readable selection),
@@ -1614,8 +1668,10 @@ static void check_kvzip_in_cache(double safeguard, int basis, int exact)
                            : (uint64_t)kept_rows * 2 * d * sizeof(float));
     assert_true(st.bytes_by_policy[KVCAP_POLICY_KVZIP] <= (uint64_t)(2 * 24 * L * H * vec));
     /* the values decode reads: the span's rows, or (basis) every span value rebuilt in double
-     * from the artifact's basis: μ the mean over the span, Ṽ_t = U (V_t − μ), v̂ = Uᵀ Ṽ_t + μ
-     * (tiles of the 8 x 10 grid row-major, points row-major inside a 4 x 5 tile) */
+     * from the artifact's basis fitted to the head's kept tokens F: μ their mean, per tile
+     * Ṽ_t = (U_F U_Fᵀ + λI)⁻¹ U_F (V_F − μ), v̂ = Uᵀ Ṽ_t + μ (tiles of the 8 x 10 grid
+     * row-major, points row-major inside a 4 x 5 tile); with exact values, the kept tokens whose
+     * v̂ is farthest from v (ties to the lower) leave F, the fit is made again and they keep v */
     float *vspan[3];
     for (int l = 0; l < L; l++) {
         vspan[l] = malloc(sizeof(float) * (size_t)H * nv * d);
@@ -1623,44 +1679,34 @@ static void check_kvzip_in_cache(double safeguard, int basis, int exact)
         for (int h = 0; basis && h < H; h++) {
             const float *vx = x[l][1] + (size_t)(H + h) * nv * d;
             const float *u = kvcap_artifact_unit(a, l, h, 0)->u;
-            for (int e = 0; e < d; e++) {
-                double mu = 0, coef[4][3] = {{0}};
-                for (int j = 0; j < nv; j++)
-                    mu += vx[(size_t)j * d + e] / nv;
+            int in_fit[80], worst[8];
+            for (int j = 0; j < nv; j++)
+                in_fit[j] = j < lo || j >= hi || sel[((size_t)l * H + h) * nc + (j - lo)];
+            for (int pass = 0; pass < (exact ? 2 : 1); pass++) {
+                fit_basis_values(u, m, rv, vx, d, in_fit, vspan[l] + (size_t)h * nv * d);
+                if (pass == 1 || !exact)
+                    break;
+                float err[80];
                 for (int j = 0; j < nv; j++) {
-                    const int row = j / 10, col = j % 10, t = row / 4 * 2 + col / 5;
-                    const int pt = row % 4 * 5 + col % 5;
-                    for (int q = 0; q < rv; q++)
-                        coef[t][q] += u[q * m + pt] * (vx[(size_t)j * d + e] - mu);
+                    double e2 = 0;
+                    for (int e = 0; e < d; e++) {
+                        double dv = vspan[l][((size_t)h * nv + j) * d + e] - vx[(size_t)j * d + e];
+                        e2 += dv * dv;
+                    }
+                    err[j] = in_fit[j] ? (float)e2 : -1.0f;
                 }
-                for (int j = 0; j < nv; j++) {
-                    const int row = j / 10, col = j % 10, t = row / 4 * 2 + col / 5;
-                    const int pt = row % 4 * 5 + col % 5;
-                    double v = mu;
-                    for (int q = 0; q < rv; q++)
-                        v += u[q * m + pt] * coef[t][q];
-                    vspan[l][((size_t)h * nv + j) * d + e] = (float)v;
+                for (int i = 0; i < exact; i++) {
+                    worst[i] = 0;
+                    for (int j = 1; j < nv; j++)
+                        worst[i] = err[j] > err[worst[i]] ? j : worst[i];
+                    err[worst[i]] = -1.0f;
                 }
+                for (int i = 0; i < exact; i++)
+                    in_fit[worst[i]] = 0;
             }
-            /* exact values: the kept tokens whose v̂ is farthest from v, ties to the lower */
-            float err[80];
-            for (int j = 0; j < nv; j++) {
-                const int kept = j < lo || j >= hi || sel[((size_t)l * H + h) * nc + (j - lo)];
-                double e2 = 0;
-                for (int e = 0; e < d; e++) {
-                    double dv = vspan[l][((size_t)h * nv + j) * d + e] - vx[(size_t)j * d + e];
-                    e2 += dv * dv;
-                }
-                err[j] = kept ? (float)e2 : -1.0f;
-            }
-            for (int i = 0; i < exact; i++) {
-                int worst = 0;
-                for (int j = 1; j < nv; j++)
-                    worst = err[j] > err[worst] ? j : worst;
-                memcpy(vspan[l] + ((size_t)h * nv + worst) * d, vx + (size_t)worst * d,
+            for (int i = 0; i < exact; i++)
+                memcpy(vspan[l] + ((size_t)h * nv + worst[i]) * d, vx + (size_t)worst[i] * d,
                        sizeof(float) * d);
-                err[worst] = -1.0f;
-            }
         }
     }
 
