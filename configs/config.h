@@ -145,6 +145,8 @@ struct kvcap_vlcache_config {
                           * default 0 */
     int window;          /* last tokens of the span always kept (kvcap's extension),
                           * default 0 */
+    int uniform_layers;  /* `layer_budgets: uniform` (1, kvcap's variant): every layer keeps
+                          * alpha of the span; `sparsity` (0, default): Algorithm 1's budgets */
 };
 
 /* FreeKV (DESIGN §7). budget >= (sink_pages + window_pages + 1) * page_size. */

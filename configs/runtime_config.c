@@ -22,7 +22,7 @@ void kvcap_runtime_config_default(struct kvcap_runtime_config *cfg)
         .gamma = 0.2, .retention = 0.4, .min_tokens = 0, .sinks = 0, .window = 0};
     cfg->vlcache = (struct kvcap_vlcache_config){
         .p = 0.01, .budget = 0.4, .min_fraction = 0.01, .recent_fraction = 0.1, .sinks = 0,
-        .window = 0};
+        .window = 0, .uniform_layers = 0};
     cfg->freekv = (struct kvcap_freekv_config){
         .page_size = 32, .budget = 2048, .tau = 0.9, .sink_pages = 1, .window_pages = 2};
     cfg->streaming = (struct kvcap_streaming_config){.sinks = 4, .window = 1024};
@@ -76,7 +76,7 @@ static enum kvcap_status parse_runtime(struct kvcap_yaml *c, yaml_node_t *root, 
     static const char *const flash_keys[] = {"gamma", "retention", "min_tokens", "sinks",
                                              "window", NULL};
     static const char *const vl_keys[] = {"p",     "budget", "min_fraction", "recent_fraction",
-                                          "sinks", "window", NULL};
+                                          "sinks", "window", "layer_budgets", NULL};
     static const char *const freekv_keys[] = {"page_size", "budget", "tau", "sink_pages",
                                               "window_pages", NULL};
     static const char *const streaming_keys[] = {"sinks", "window", NULL};
@@ -147,6 +147,17 @@ static enum kvcap_status parse_runtime(struct kvcap_yaml *c, yaml_node_t *root, 
                                         &p->recent_fraction));
         KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "sinks", 0, 1 << 30, &p->sinks));
         KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "window", 0, 1 << 30, &p->window));
+        yaml_node_t *lb = kvcap_yaml_lookup(c, n, "layer_budgets");
+        if (lb) {
+            const char *s = lb->type == YAML_SCALAR_NODE ? kvcap_yaml_scalar(lb) : "";
+            if (strcmp(s, "sparsity") != 0 && strcmp(s, "uniform") != 0)
+                return kvcap_yaml_fail_at(c, lb->start_mark,
+                                          "vlcache.layer_budgets: '%s' is not sparsity (the "
+                                          "paper's Algorithm 1) or uniform (budget in every "
+                                          "layer)",
+                                          s);
+            p->uniform_layers = strcmp(s, "uniform") == 0;
+        }
     }
     if ((n = kvcap_yaml_lookup(c, root, "freekv"))) {
         struct kvcap_freekv_config *p = &cfg->freekv;

@@ -45,7 +45,7 @@
 #define MAX_ARTIFACTS 24
 #define MAX_RETENTIONS 8
 /* build_runs: full, then this many rows per retention, then one per --kvcapsule artifact */
-#define RUNS_PER_RETENTION 10
+#define RUNS_PER_RETENTION 11
 #define MAX_RUNS (1 + MAX_RETENTIONS * RUNS_PER_RETENTION + MAX_ARTIFACTS)
 /* The retrieval task: depths of the asked line in the span, greedy tokens of an answer. */
 enum { TASK_DEPTHS = 8, TASK_ANSWER_TOKENS = 6, TASK_NEEDLES = 1 };
@@ -73,7 +73,8 @@ static void usage(FILE *out)
             "        vlcache, freekv, kvzip (with its context-reconstruction pass) and\n"
             "        expected_attention as their papers define them, random eviction as the\n"
             "        floor and kvcap's variants (flashcache+protect, vlcache+protect,\n"
-            "        kvzip+safeguard), at each retention, batched in one decode loop.\n"
+            "        vlcache+uniform, kvzip+safeguard), at each retention, batched in one\n"
+            "        decode loop.\n"
             "        VL-Cache's nominal budget is searched so that it holds the target share\n"
             "        of the span (its Algorithm 1 under-fills). Metrics:\n"
             "        a key-value retrieval task inside the span (exact match vs the truth and vs\n"
@@ -855,6 +856,7 @@ struct run {
     int extension;                    /* kvcap's own variant, not a paper's method */
     int match_vlcache;                /* find vlcache.budget so that the realised retention
                                        * is the target's (Algorithm 1 under-fills) */
+    const char *vlcache_extra;        /* kvcap's variant's vlcache keys (+protect, +uniform) */
     const struct kvcap_artifact *art;
     int freekv_tokens;                /* span tokens FreeKV attends per KV head and step */
     enum post_queries post;           /* the queries its cache takes after the prompt */
@@ -905,18 +907,25 @@ static void add_run(struct run *runs, int *n, const char *policy, const char *la
     va_end(ap);
 }
 
-/* The runtime YAML of a VL-Cache run at nominal budget alpha. */
+/* The runtime YAML of a VL-Cache run at nominal budget alpha, with its variant's keys. */
 static void vlcache_yaml(struct run *r, double alpha)
 {
-    if (r->extension)
-        snprintf(r->yaml, sizeof r->yaml,
-                 "policies: {vision: vlcache, text: full, generated: full}\n"
-                 "vlcache: {budget: %.6f, recent_fraction: 0.1, sinks: 4, window: 16}\n", alpha);
-    else
-        snprintf(r->yaml, sizeof r->yaml,
-                 "policies: {vision: vlcache, text: full, generated: full}\n"
-                 "vlcache: {budget: %.6f}\n", alpha);
+    snprintf(r->yaml, sizeof r->yaml,
+             "policies: {vision: vlcache, text: full, generated: full}\n"
+             "vlcache: {budget: %.6f%s}\n",
+             alpha, r->vlcache_extra ? r->vlcache_extra : "");
     r->nominal = alpha;
+}
+
+/* A VL-Cache row at retention r: `extra`, kvcap's variant's keys, or NULL for the paper's. */
+static void add_vlcache(struct run *runs, int *n, const char *label, double r,
+                        const char *extra)
+{
+    add_run(runs, n, "vlcache", label, r, "%s", "");
+    runs[*n - 1].extension = extra != NULL;
+    runs[*n - 1].match_vlcache = 1;
+    runs[*n - 1].vlcache_extra = extra;
+    vlcache_yaml(&runs[*n - 1], r);
 }
 
 enum { FREEKV_PAGE = 8 };
@@ -930,7 +939,8 @@ enum { FREEKV_PAGE = 8 };
 /* The policies × retentions of one evaluation. The papers' methods are the headline rows
  * (flashcache as its section 3.2 with gamma 0.2, vlcache with its recent-window rule and no
  * sinks); kvcap's extensions are labelled as such (+protect: sinks, a window and a floor
- * inside the span; tiled/pyramid KVCapsule maps, exact tiles). FreeKV attends the pages
+ * inside the span; vlcache+uniform: every layer keeps the budget; tiled/pyramid KVCapsule
+ * maps, exact tiles). FreeKV attends the pages
  * nearest the target (pages of 8: one sink page, two window pages, the rest chosen). */
 static int build_runs(const struct options *o, struct kvcap_artifact **arts, struct run *runs)
 {
@@ -949,12 +959,10 @@ static int build_runs(const struct options *o, struct kvcap_artifact **arts, str
                 "policies: {vision: flashcache, text: full, generated: full}\n"
                 "flashcache: {retention: %.6f, min_tokens: 8, sinks: 4, window: 16}\n", r);
         runs[n - 1].extension = 1;
-        add_run(runs, &n, "vlcache", "vlcache", r, "%s", "");
-        runs[n - 1].match_vlcache = 1;
-        vlcache_yaml(&runs[n - 1], r);
-        add_run(runs, &n, "vlcache", "vlcache+protect", r, "%s", "");
-        runs[n - 1].extension = runs[n - 1].match_vlcache = 1;
-        vlcache_yaml(&runs[n - 1], r);
+        add_vlcache(runs, &n, "vlcache", r, NULL);
+        add_vlcache(runs, &n, "vlcache+protect", r,
+                    ", recent_fraction: 0.1, sinks: 4, window: 16");
+        add_vlcache(runs, &n, "vlcache+uniform", r, ", layer_budgets: uniform");
         int pages = (int)lround((double)keep / FREEKV_PAGE);
         pages = pages < 4 ? 4 : pages;
         add_run(runs, &n, "freekv", "freekv", r,
@@ -1968,6 +1976,8 @@ static enum kvcap_status write_metrics(const struct options *o, const struct mod
         "layers and KV heads); random evicts uniformly per KV head, the floor every method "
         "must clear. Rows marked as kvcap's extensions are not the papers': +protect keeps 4 "
         "sinks, a 16-token window and (flashcache) an 8-token floor per layer inside the span; "
+        "vlcache+uniform chooses tokens by VL-Cache's scores but gives every layer the same "
+        "budget instead of Algorithm 1's, which follows each layer's attention sparsity; "
         "KVCapsule's tiled maps and pyramid schedule are kvcap's, as is "
         "tiled+exact: each span and KV head keeps the tile KVCapsule reconstructs worst (its "
         "worst token's key and value error) as exact rows, the other tiles compressed at the "

@@ -5,7 +5,9 @@
  * keeps its top tokens plus the protected ones. As in the paper (its section 5), the protected
  * ones are a recent window of `recent_fraction` of the layer's budget at the end of the prompt
  * (only the part that falls inside the span costs span tokens) and the post-vision tokens;
- * sinks and a window at the end of the span are kvcap's extension (`vlcache+protect`). The
+ * sinks and a window at the end of the span are kvcap's extension (`vlcache+protect`), and so
+ * are `layer_budgets: uniform`, every layer keeping the global budget α (the scores still
+ * choose the tokens; `vlcache+uniform`). The
  * post-vision tokens are the last τ tokens of the prompt; the prompt is every span of the
  * sequence held as rows when prefill ends, in order (KVCapsule and FreeKV spans hold none).
  * The budget counts every kept token of the span, so bytes held ≈ β × full per layer. */
@@ -149,6 +151,10 @@ static enum kvcap_status vlcache_finish(struct kvcap_cache *c, int seq, int span
         double *beta = gamma + L;
         st = kvcap_vlcache_budgets(gamma, L, c->cfg.vlcache.budget, c->cfg.vlcache.min_fraction,
                                    beta);
+        for (int l = 0; c->cfg.vlcache.uniform_layers && l < L; l++) /* kvcap's variant */
+            beta[l] = c->cfg.vlcache.budget < c->cfg.vlcache.min_fraction
+                          ? c->cfg.vlcache.min_fraction
+                          : c->cfg.vlcache.budget;
         for (int l = 0; st == KVCAP_OK && l < L; l++) {
             const struct kvcap_segment *seg = &kvcap_cache_seq_layer(c, seq, l)->segs[span];
             /* protected: sinks, then at the end of the span its window, the post-vision tokens

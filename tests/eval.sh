@@ -81,7 +81,7 @@ want = {"full", "streaming", "flashcache", "vlcache", "freekv", "kvzip", "random
         "expected_attention", "kvcapsule"}
 assert policies == want, policies
 labels = {r["label"] for r in m["runs"]}
-assert {"flashcache+protect", "vlcache+protect", "kvzip+safeguard"} <= labels, labels
+assert {"flashcache+protect", "vlcache+protect", "vlcache+uniform", "kvzip+safeguard"} <= labels, labels
 full = runs["full"]
 assert full["kl"] == 0.0 and full["realised_retention"] == 1.0, full
 # The retrieval task: full answers most queries (it is the ceiling the task is read against).
@@ -100,7 +100,8 @@ for r in m["runs"]:
     assert 0.0 <= r["token_agreement"] <= 1.0, r
     assert r["kl"] >= 0.0 and 0.0 <= r["task"]["accuracy"] <= 1.0, r["id"]
     assert r["extension"] == (r["label"] in ("flashcache+protect", "vlcache+protect",
-                                             "kvzip+safeguard", "kvcapsule tiled")), r["id"]
+                                             "vlcache+uniform", "kvzip+safeguard",
+                                             "kvcapsule tiled")), r["id"]
     # Equal budgets: every compressed row holds its target share of the span (VL-Cache's
     # nominal budget is searched for it; FreeKV attends whole pages of 8 of the 256 tokens).
     if r["policy"] != "full":

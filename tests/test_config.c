@@ -227,6 +227,7 @@ static void assert_runtime_equal(const struct kvcap_runtime_config *a,
     assert_true(a->vlcache.recent_fraction == b->vlcache.recent_fraction);
     assert_int_equal(a->vlcache.sinks, b->vlcache.sinks);
     assert_int_equal(a->vlcache.window, b->vlcache.window);
+    assert_int_equal(a->vlcache.uniform_layers, b->vlcache.uniform_layers);
     assert_int_equal(a->freekv.page_size, b->freekv.page_size);
     assert_int_equal(a->freekv.budget, b->freekv.budget);
     assert_true(a->freekv.tau == b->freekv.tau);
@@ -271,7 +272,7 @@ static void test_shipped_runtime(void **state)
     assert_int_equal(d.flashcache.sinks + d.flashcache.window + d.flashcache.min_tokens, 0);
     assert_true(d.vlcache.p == 0.01);
     assert_true(d.vlcache.recent_fraction == 0.1);
-    assert_int_equal(d.vlcache.sinks + d.vlcache.window, 0);
+    assert_int_equal(d.vlcache.sinks + d.vlcache.window + d.vlcache.uniform_layers, 0);
     assert_int_equal(d.freekv.page_size, 32);
     assert_int_equal(d.freekv.budget, 2048);
     assert_true(d.freekv.tau == 0.9);
@@ -522,6 +523,7 @@ static void test_runtime_forms(void **state)
     assert_true(r.vlcache.p == 0.02);
     assert_true(r.vlcache.budget == 0.3);
     assert_true(r.vlcache.min_fraction == 0.01); /* default kept */
+    assert_int_equal(r.vlcache.uniform_layers, 1);
     assert_int_equal(r.freekv.page_size, 16);
     assert_int_equal(r.freekv.budget, 512);
     assert_true(r.freekv.tau == 0.8);
@@ -636,6 +638,7 @@ static const struct bad_case bad_cases[] = {
     {"runtime-kvzip-retention.yaml", "2:20", "kvzip.retention: 0 is outside (0, 1]"},
     {"runtime-kvzip-safeguard.yaml", "2:36", "kvzip.safeguard: 1.5 is outside [0, 1]"},
     {"runtime-kvzip-values.yaml", "2:33", "kvzip.values: 'pca' is not rows"},
+    {"runtime-vlcache-layer-budgets.yaml", "2:39", "vlcache.layer_budgets: 'even' is not sparsity"},
     {"runtime-random-key.yaml", "2:26", "random.sead: unknown key (expected retention"},
 };
 

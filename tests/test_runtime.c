@@ -1345,8 +1345,11 @@ static void test_flashcache_in_cache(void **state)
 /* VL-Cache in a cache: a vision span, then nt text tokens (the last tau of them post-vision).
  * Kept per layer: `sinks` first tokens, the top of the rest by column sums, and at the end of
  * the span the larger of `window` and the part of the prompt's recent window (recent_fraction
- * of the layer's budget, counted from the end of the prompt) that reaches into the span. */
-static void check_vlcache_in_cache(int nt, int sinks, int window, double recent_fraction)
+ * of the layer's budget, counted from the end of the prompt) that reaches into the span. With
+ * `uniform` (layer_budgets: uniform, kvcap's variant) every layer's budget is alpha instead of
+ * Algorithm 1's. */
+static void check_vlcache_in_cache(int nt, int sinks, int window, double recent_fraction,
+                                   int uniform)
 {
     struct kvcap_model_geometry g = geometry(3, 6, 2, 64);
     int L = g.n_layers, H = g.n_kv_heads, Hq = g.n_q_heads, G = Hq / H, d = g.head_dim;
@@ -1356,7 +1359,8 @@ static void check_vlcache_in_cache(int nt, int sinks, int window, double recent_
     snprintf(yaml, sizeof yaml,
              "policies: {vision: vlcache, text: full}\n"
              "vlcache: {p: 0.02, budget: 0.3, min_fraction: 0.05, sinks: %d, window: %d, "
-             "recent_fraction: %g}\n", sinks, window, recent_fraction);
+             "recent_fraction: %g, layer_budgets: %s}\n",
+             sinks, window, recent_fraction, uniform ? "uniform" : "sparsity");
     struct kvcap_cache *c = make_cache(&g, 1, KVCAP_DTYPE_F32, NULL, yaml);
     struct kvcap_rng r;
     kvcap_rng_seed(&r, 22);
@@ -1404,6 +1408,9 @@ static void check_vlcache_in_cache(int nt, int sinks, int window, double recent_
     }
     assert_int_equal(kvcap_vlcache_budgets(gam, L, alpha, 0.05, beta), KVCAP_OK);
     assert_true(gam[0] != gam[2]);
+    assert_true(fabs(beta[0] - beta[2]) * nv >= 1); /* the two rules keep different counts */
+    for (int l = 0; uniform && l < L; l++)
+        beta[l] = alpha;
     for (int l = 0; l < L; l++) {
         const struct kvcap_segment *seg = &kvcap_cache_seq_layer(c, 0, l)->segs[0];
         int total = (int)llround(beta[l] * nv), keep[128];
@@ -1438,9 +1445,10 @@ static void check_vlcache_in_cache(int nt, int sinks, int window, double recent_
 static void test_vlcache_in_cache(void **state)
 {
     (void)state;
-    check_vlcache_in_cache(20, 2, 3, 0.1); /* protected: sinks and a window (the extension) */
-    check_vlcache_in_cache(6, 0, 0, 0.5);  /* the paper's rule: the recent window reaches back
-                                            * through the text into the span, no sinks */
+    check_vlcache_in_cache(20, 2, 3, 0.1, 0); /* protected: sinks and a window (the extension) */
+    check_vlcache_in_cache(6, 0, 0, 0.5, 0);  /* the paper's rule: the recent window reaches
+                                               * back through the text into the span, no sinks */
+    check_vlcache_in_cache(6, 0, 0, 0.5, 1);  /* kvcap's uniform layer budgets */
 }
 
 

@@ -57,6 +57,7 @@ static void check_defaults(const struct kvcap_runtime_config *c)
                c->vlcache.min_fraction == d.vlcache.min_fraction &&
                c->vlcache.recent_fraction == d.vlcache.recent_fraction &&
                c->vlcache.sinks == d.vlcache.sinks && c->vlcache.window == d.vlcache.window &&
+               c->vlcache.uniform_layers == d.vlcache.uniform_layers &&
                c->freekv.page_size == d.freekv.page_size && c->freekv.budget == d.freekv.budget &&
                c->freekv.tau == d.freekv.tau && c->freekv.sink_pages == d.freekv.sink_pages &&
                c->freekv.window_pages == d.freekv.window_pages &&
