@@ -43,6 +43,23 @@ void kvcap_runtime_config_free(struct kvcap_runtime_config *cfg)
 }
 
 /* ---- Runtime config ---------------------------------------------------------------------- */
+/* An optional key of `map` (`field`.`key`) naming one of two choices: *out = 0 for `no`, 1 for
+ * `yes`; anything else is an error naming both, with what each means. */
+static enum kvcap_status get_choice(struct kvcap_yaml *c, yaml_node_t *map, const char *field,
+                                    const char *key, const char *no, const char *no_means,
+                                    const char *yes, const char *yes_means, int *out)
+{
+    yaml_node_t *v = kvcap_yaml_lookup(c, map, key);
+    if (!v)
+        return KVCAP_OK;
+    const char *s = v->type == YAML_SCALAR_NODE ? kvcap_yaml_scalar(v) : "";
+    if (strcmp(s, no) != 0 && strcmp(s, yes) != 0)
+        return kvcap_yaml_fail_at(c, v->start_mark, "%s.%s: '%s' is not %s (%s) or %s (%s)",
+                                  field, key, s, no, no_means, yes, yes_means);
+    *out = strcmp(s, yes) == 0;
+    return KVCAP_OK;
+}
+
 static enum kvcap_status parse_artifact(struct kvcap_yaml *c, yaml_node_t *n, char *out)
 {
     if (kvcap_yaml_is_null(n)) {
@@ -147,17 +164,8 @@ static enum kvcap_status parse_runtime(struct kvcap_yaml *c, yaml_node_t *root, 
                                         &p->recent_fraction));
         KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "sinks", 0, 1 << 30, &p->sinks));
         KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "window", 0, 1 << 30, &p->window));
-        yaml_node_t *lb = kvcap_yaml_lookup(c, n, "layer_budgets");
-        if (lb) {
-            const char *s = lb->type == YAML_SCALAR_NODE ? kvcap_yaml_scalar(lb) : "";
-            if (strcmp(s, "sparsity") != 0 && strcmp(s, "uniform") != 0)
-                return kvcap_yaml_fail_at(c, lb->start_mark,
-                                          "vlcache.layer_budgets: '%s' is not sparsity (the "
-                                          "paper's Algorithm 1) or uniform (budget in every "
-                                          "layer)",
-                                          s);
-            p->uniform_layers = strcmp(s, "uniform") == 0;
-        }
+        KVCAP_TRY(get_choice(c, n, f, "layer_budgets", "sparsity", "the paper's Algorithm 1",
+                             "uniform", "budget in every layer", &p->uniform_layers));
     }
     if ((n = kvcap_yaml_lookup(c, root, "freekv"))) {
         struct kvcap_freekv_config *p = &cfg->freekv;
@@ -197,16 +205,8 @@ static enum kvcap_status parse_runtime(struct kvcap_yaml *c, yaml_node_t *root, 
         KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "window", 0, 1 << 30, &p->window));
         KVCAP_TRY(kvcap_yaml_get_double(c, n, f, "safeguard",
                                         (struct kvcap_yaml_range){0.0, 1.0, 0, 0}, &p->safeguard));
-        yaml_node_t *vals = kvcap_yaml_lookup(c, n, "values");
-        if (vals) {
-            const char *s = vals->type == YAML_SCALAR_NODE ? kvcap_yaml_scalar(vals) : "";
-            if (strcmp(s, "rows") != 0 && strcmp(s, "basis") != 0)
-                return kvcap_yaml_fail_at(c, vals->start_mark,
-                                          "kvzip.values: '%s' is not rows (a row per kept "
-                                          "token) or basis (the artifact's value bases)",
-                                          s);
-            p->value_basis = strcmp(s, "basis") == 0;
-        }
+        KVCAP_TRY(get_choice(c, n, f, "values", "rows", "a row per kept token", "basis",
+                             "the artifact's value bases", &p->value_basis));
         KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "exact_values", 0, 1 << 20, &p->exact_values));
     }
     if ((n = kvcap_yaml_lookup(c, root, "random"))) {

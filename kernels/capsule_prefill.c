@@ -148,25 +148,36 @@ size_t kvcap_capsule_prefill_values_scratch_floats(int m, int rv, int d)
     return m < 1 || rv < 0 || d < 1 ? 0 : ((size_t)m + (size_t)rv + 1) * (size_t)d;
 }
 
-enum kvcap_status kvcap_capsule_prefill_values(const struct kvcap_bucket *bucket, int m, int rv,
-                                               const float *u, int n, int d, const float *v,
-                                               enum kvcap_dtype storage, void *vt, void *mu,
-                                               float *scratch)
+/* The argument check of the value state's two forms: a basis of rank rv over m points that fits
+ * the bucket's tiles, a storage dtype, no NULL. */
+static enum kvcap_status check_values(const char *fn, const struct kvcap_bucket *bucket, int m,
+                                      int rv, const float *u, int n, int d, const float *v,
+                                      enum kvcap_dtype storage, const void *vt, const void *mu,
+                                      const void *scratch)
 {
     KVCAP_RETURN_IF(!bucket || !u || !v || !vt || !mu || !scratch, KVCAP_ERR_INVALID_ARGUMENT,
-                    "kvcap_capsule_prefill_values: NULL argument");
+                    "%s: NULL argument", fn);
     KVCAP_RETURN_IF(m < 1 || rv < 0 || rv > m || d < 1 || n < m || n % m != 0 ||
                         (int64_t)bucket->rows * bucket->cols != n ||
                         (bucket->structure == KVCAP_STRUCTURE_TILED
                              ? bucket->tile_rows * bucket->tile_cols
                              : n) != m,
                     KVCAP_ERR_INVALID_ARGUMENT,
-                    "kvcap_capsule_prefill_values: a basis of rank %d over %d points for %d "
-                    "tokens of head_dim %d on a %dx%d grid",
-                    rv, m, n, d, bucket->rows, bucket->cols);
+                    "%s: a basis of rank %d over %d points for %d tokens of head_dim %d on a "
+                    "%dx%d grid",
+                    fn, rv, m, n, d, bucket->rows, bucket->cols);
     KVCAP_RETURN_IF(!kvcap_dtype_is_storage(storage), KVCAP_ERR_INVALID_ARGUMENT,
-                    "kvcap_capsule_prefill_values: storage %s is not F32, F16 or BF16",
-                    kvcap_dtype_name(storage));
+                    "%s: storage %s is not F32, F16 or BF16", fn, kvcap_dtype_name(storage));
+    return KVCAP_OK;
+}
+
+enum kvcap_status kvcap_capsule_prefill_values(const struct kvcap_bucket *bucket, int m, int rv,
+                                               const float *u, int n, int d, const float *v,
+                                               enum kvcap_dtype storage, void *vt, void *mu,
+                                               float *scratch)
+{
+    KVCAP_TRY(check_values("kvcap_capsule_prefill_values", bucket, m, rv, u, n, d, v, storage,
+                           vt, mu, scratch));
     const int tiles = n / m;
     const size_t es = kvcap_dtype_size(storage);
     float *tile = scratch, *out = tile + (size_t)m * d, *muf = out + (size_t)rv * d;
@@ -202,20 +213,9 @@ enum kvcap_status kvcap_capsule_fit_values(const struct kvcap_bucket *bucket, in
                                            const unsigned char *fit, enum kvcap_dtype storage,
                                            void *vt, void *mu, double *scratch)
 {
-    const char *fn = "kvcap_capsule_fit_values";
-    KVCAP_RETURN_IF(!bucket || !u || !v || !fit || !vt || !mu || !scratch,
-                    KVCAP_ERR_INVALID_ARGUMENT, "%s: NULL argument", fn);
-    KVCAP_RETURN_IF(m < 1 || rv < 0 || rv > m || d < 1 || n < m || n % m != 0 ||
-                        (int64_t)bucket->rows * bucket->cols != n ||
-                        (bucket->structure == KVCAP_STRUCTURE_TILED
-                             ? bucket->tile_rows * bucket->tile_cols
-                             : n) != m,
-                    KVCAP_ERR_INVALID_ARGUMENT,
-                    "%s: a basis of rank %d over %d points for %d tokens of head_dim %d on a "
-                    "%dx%d grid",
-                    fn, rv, m, n, d, bucket->rows, bucket->cols);
-    KVCAP_RETURN_IF(!kvcap_dtype_is_storage(storage), KVCAP_ERR_INVALID_ARGUMENT,
-                    "%s: storage %s is not F32, F16 or BF16", fn, kvcap_dtype_name(storage));
+    KVCAP_TRY(check_values("kvcap_capsule_fit_values", bucket, m, rv, u, n, d, v, storage, vt,
+                           mu, scratch));
+    KVCAP_RETURN_IF(!fit, KVCAP_ERR_INVALID_ARGUMENT, "kvcap_capsule_fit_values: NULL argument");
     const int tiles = n / m;
     const size_t es = kvcap_dtype_size(storage);
     double *a = scratch, *x = a + (size_t)rv * rv, *mud = x + (size_t)rv * d;
@@ -252,8 +252,8 @@ enum kvcap_status kvcap_capsule_fit_values(const struct kvcap_bucket *bucket, in
             }
         }
         if (points > 0 && LAPACKE_dposv(LAPACK_ROW_MAJOR, 'U', rv, d, a, rv, x, d) != 0)
-            return kvcap_fail(KVCAP_ERR_NUMERIC, "%s: the normal equations of tile %d are not "
-                              "positive definite (non-finite values?)", fn, t);
+            return kvcap_fail(KVCAP_ERR_NUMERIC, "kvcap_capsule_fit_values: the normal equations "
+                              "of tile %d are not positive definite (non-finite values?)", t);
         char *dst = (char *)vt + (size_t)t * rv * d * es;
         for (size_t i = 0; i < (size_t)rv * d; i++) { /* x is 0 for a tile with no point in F */
             float f = (float)x[i];

@@ -12,10 +12,11 @@
  * keeps its largest scores up to that share of an even split, then the rest is shared.
  * With `values: basis` (kvcap's variant) a span with a bucket in the artifact keeps, besides the
  * chosen keys, only KVCapsule's value state per layer and KV head (Ṽ and μ through the bucket's
- * value basis, fitted to the kept tokens' values alone, kernels/basis_rows.h): the budget is then the span's bytes, retention × full's,
- * of which the value state takes its fixed share and the keys (each with its point in the
- * basis) the rest. With `exact_values` E, the E kept tokens of each layer and KV head whose
- * values the state reconstructs worst keep their value rows too (counted in the state). */
+ * value basis, fitted to the kept tokens' values alone, kernels/basis_rows.h): the budget is
+ * then the span's bytes, retention × full's, of which the value state takes its fixed share and
+ * the keys (each with its point in the basis) the rest. With `exact_values` E, the E kept
+ * tokens of each layer and KV head whose values the state reconstructs worst keep their value
+ * rows too (counted in the state) and leave the fit. */
 #include <limits.h>
 #include <math.h>
 #include <stdlib.h>
