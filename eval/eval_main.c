@@ -940,8 +940,8 @@ enum { FREEKV_PAGE = 8 };
  * (flashcache as its section 3.2 with gamma 0.2, vlcache with its recent-window rule and no
  * sinks); kvcap's extensions are labelled as such (+protect: sinks, a window and a floor
  * inside the span; vlcache+uniform: every layer keeps the budget; tiled/pyramid KVCapsule
- * maps, exact tiles). FreeKV attends the pages
- * nearest the target (pages of 8: one sink page, two window pages, the rest chosen). */
+ * maps, exact tiles). FreeKV attends the pages nearest the target (pages of 8: one sink page,
+ * two window pages, the rest chosen). */
 static int build_runs(const struct options *o, struct kvcap_artifact **arts, struct run *runs)
 {
     int n = 0;

@@ -7,9 +7,9 @@
  * (only the part that falls inside the span costs span tokens) and the post-vision tokens;
  * sinks and a window at the end of the span are kvcap's extension (`vlcache+protect`), and so
  * are `layer_budgets: uniform`, every layer keeping the global budget α (the scores still
- * choose the tokens; `vlcache+uniform`). The
- * post-vision tokens are the last τ tokens of the prompt; the prompt is every span of the
- * sequence held as rows when prefill ends, in order (KVCapsule and FreeKV spans hold none).
+ * choose the tokens; `vlcache+uniform`). The post-vision tokens are the last τ tokens of the
+ * prompt; the prompt is every span of the sequence held as rows when prefill ends, in order
+ * (KVCapsule and FreeKV spans hold none).
  * The budget counts every kept token of the span, so bytes held ≈ β × full per layer. */
 #include <math.h>
 #include <stdlib.h>
