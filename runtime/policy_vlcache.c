@@ -149,17 +149,16 @@ static enum kvcap_status vlcache_finish(struct kvcap_cache *c, int seq, int span
         st = score_layer(c, seq, l, span, &gamma[l], &post[l], &after[l]);
     if (st == KVCAP_OK) {
         double *beta = gamma + L;
-        st = kvcap_vlcache_budgets(gamma, L, c->cfg.vlcache.budget, c->cfg.vlcache.min_fraction,
-                                   beta);
-        for (int l = 0; c->cfg.vlcache.uniform_layers && l < L; l++) /* kvcap's variant */
-            beta[l] = c->cfg.vlcache.budget < c->cfg.vlcache.min_fraction
-                          ? c->cfg.vlcache.min_fraction
-                          : c->cfg.vlcache.budget;
+        const struct kvcap_vlcache_config *vc = &c->cfg.vlcache;
+        if (vc->uniform_layers) /* kvcap's variant: alpha in every layer */
+            for (int l = 0; l < L; l++)
+                beta[l] = vc->budget < vc->min_fraction ? vc->min_fraction : vc->budget;
+        else
+            st = kvcap_vlcache_budgets(gamma, L, vc->budget, vc->min_fraction, beta);
         for (int l = 0; st == KVCAP_OK && l < L; l++) {
             const struct kvcap_segment *seg = &kvcap_cache_seq_layer(c, seq, l)->segs[span];
             /* protected: sinks, then at the end of the span its window, the post-vision tokens
              * and the part of the prompt's recent window that reaches into the span */
-            const struct kvcap_vlcache_config *vc = &c->cfg.vlcache;
             const int keep = (int)llround(beta[l] * n);
             const int recent = (int)ceil(vc->recent_fraction * keep - 1e-9) - after[l];
             int sinks = vc->sinks < n ? vc->sinks : n;
