@@ -4,6 +4,9 @@ the C reference engine:
    the full policy equal transformers' own cache token for token, logits within LOGIT_TOL;
    with a compressing policy (FlashCache on an image-like span) the tokens and the
    teacher-forced NLL equal the C engine's (kvcap-eval generate) on the same ids and config;
+ - KVzip keeping its values in KVCapsule's value basis, with an artifact recorded through
+   kvcap.hf, calibrated and converted here: the same tokens and NLL as the C engine on the same
+   artifact, at the budget, and not plain KVzip's answer;
  - tiny random-weight Qwen2-VL and Idefics3 built here (no download): spans, grids and M-RoPE
    offsets detected from a synthetic image, full through kvcap equals transformers, and record
    -> kvcap-calibrate -> kvcap-convert -> generate with kvcapsule at retention 1 equals full;
@@ -42,6 +45,10 @@ NLL_TOL = 2e-4
 # few 1e-5 apart (relative), where the engines' float rounding of the pass's queries decides a
 # few of 1440 places: measured |dNLL| 1.4e-3 nats/token over 24 tokens (tokens equal for 8).
 KVZIP_NLL_TOL = 5e-3
+# The same with the values in KVCapsule's basis: a flipped key at the cut also moves its tile's
+# least-squares fit and the choice of exact values: measured 5.8e-3 over 24 tokens (tokens
+# equal for 11), against 7.6e-2 between it and plain KVzip at the same budget.
+KVZIP_BASIS_NLL_TOL = 1.5e-2
 # Tiny random models at retention 1 (the KVCapsule maps reconstruct exactly up to float
 # rounding through the PCA basis and key maps): relative to the largest logit; measured ~1e-5.
 TINY_REL_TOL = 1e-3
@@ -163,6 +170,66 @@ def test_kvzip_matches_the_c_engine(smollm, tmp_path):
     with pytest.raises(kvcap.Error, match="tokenizer"):
         kvcap.hf.KvcapCache(model, policies=policies, spans=cache.spans,
                             input_ids=inputs["input_ids"])
+
+
+def test_kvzip_value_basis_matches_the_c_engine(smollm, tmp_path):
+    """KVzip keeping the span's values in KVCapsule's value basis (kvzip: {values: basis}) with
+    an artifact made here from SmolLM2's own K/V: record through kvcap.hf on other windows of
+    the license, kvcap-calibrate (an 8x8 bucket of 4x4 tiles), kvcap-convert at rank 4 of 16.
+    The same artifact and config through transformers and through the C engine give the same
+    tokens and NLL; the cache holds the budget, and the basis really replaced the value rows
+    (the answer moves against plain KVzip at the same budget)."""
+    model, tok = smollm
+    model.set_attn_implementation(kvcap.hf.ATTENTION)
+    text = tok(Path("/usr/share/common-licenses/Apache-2.0").read_text(),
+               return_tensors="pt")["input_ids"]
+    record_dir = tmp_path / "record"
+    spans = [Span("text", 0, 16, (0, 0), 0), Span("vision", 16, 64, (8, 8), 16),
+             Span("text", 80, 40, (0, 0), 80)]
+    for w in range(1, 7):  # windows after the prompt's (tokens 0-119)
+        ids = text[:, 120 * w:120 * (w + 1)]
+        cache = kvcap.hf.KvcapCache(model, policies={"vision": "full"}, spans=spans,
+                                    storage="f32", record_dir=record_dir)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache,
+                  use_cache=True)
+        cache.record_flush()
+        cache.close()
+    g = kvcap.hf.geometry_from_config(model.config)
+    config = tmp_path / "calib.yaml"
+    config.write_text(
+        f"model:\n  name: SmolLM2-135M-Instruct\n  layers: {g.layers}\n"
+        f"  q_heads: {g.q_heads}\n  kv_heads: {g.kv_heads}\n  head_dim: {g.head_dim}\n"
+        f"  rope: {{type: rope, pairing: half, theta: {g.theta}}}\n"
+        "buckets:\n  - {rows: 8, cols: 8, structure: tiled, tile: [4, 4]}\n"
+        "schedule:\n  keys: {kind: uniform, ratio: 0.25}\n  values: {kind: uniform, ratio: 0.25}\n"
+        "keys: {method: closed_form, activation: linear, hidden: 0, ridge: 1.0e-3}\n"
+        "validation: {fraction: 0.2, seed: 7}\nstorage: f32\n")
+    tool("kvcap-calibrate")
+    state = kvcap.tools.calibrate(record_dir, tmp_path / "state.kvcs", config=config,
+                                  device="cpu")
+    artifact = kvcap.tools.convert(state, tmp_path / "basis.kvcap", keys="uniform:0.25",
+                                   values="uniform:0.25", fallback="full")
+    policies = {"vision": "kvzip", "text": "full", "generated": "full"}
+    prefix = kvcap.hf.reconstruction_prefix(tok)
+    inputs = license_prompt(tok, 120)
+    sections = {"kvzip": {"retention": 0.25, "values": "basis", "exact_values": 2}}
+    full, got, nll, agree, c, cache, n = against_the_c_engine(
+        smollm, tmp_path, policies, sections, 24, "--replay",
+        ",".join(map(str, prefix)), "-a", str(artifact),
+        input_ids=inputs["input_ids"], tokenizer=tok, artifact=artifact)
+    assert got[:8].tolist() == c["generated"][:8]
+    assert abs(nll - c["continuation_nll"]) <= KVZIP_BASIS_NLL_TOL
+    assert abs(agree - c["continuation_agreement"]) <= 0.1
+    s = cache.stats()  # a quarter of the span's bytes: keys, the value state and exact values
+    span_bytes = 64 / n * s["bytes_by_kind"]["text"] * n / (n - 64)
+    assert s["bytes_by_policy"]["kvzip"] == pytest.approx(0.25 * span_bytes, rel=0.02)
+    # plain KVzip at the same budget holds another cache: its NLL is elsewhere
+    rows = kvcap.hf.KvcapCache(model, policies=policies, sections={"kvzip": {"retention": 0.25}},
+                               spans=cache.spans, storage="f32", input_ids=inputs["input_ids"],
+                               tokenizer=tok)
+    nll_rows, _ = kvcap.hf.continuation_nll(model, inputs, full, rows)
+    assert abs(nll - nll_rows) > 2 * KVZIP_BASIS_NLL_TOL
 
 
 def test_expected_attention_matches_the_c_engine(smollm, tmp_path):
