@@ -192,6 +192,18 @@ int main(int argc, char **argv)
             "kvcap-convert: wrote %s (%s): mean retention keys %.3f, values %.3f; key maps %s\n",
             o.out, cli_bytes(report.artifact_bytes, size, sizeof size), report.mean_r_keys,
             report.mean_r_values, report.keys_refit ? "refitted in closed form" : "as calibrated");
+    for (int b = 0; b < report.n_buckets; b++) {
+        const struct kvcap_bucket *bk = &report.buckets[b];
+        char tiles[48] = "";
+        if (bk->structure == KVCAP_STRUCTURE_TILED)
+            snprintf(tiles, sizeof tiles, ", tiles %dx%d", bk->tile_rows, bk->tile_cols);
+        if (report.value_kept[b] == report.value_kept[b]) /* not NaN: the bucket had data */
+            fprintf(stderr,
+                    "  value basis, bucket %d (%dx%d%s): keeps %.0f %% of the calibration values' "
+                    "variance (random directions: %.0f %%)\n",
+                    b, bk->rows, bk->cols, tiles, 100 * report.value_kept[b],
+                    100 * report.value_chance[b]);
+    }
 done:
     free(key_list);
     free(value_list);

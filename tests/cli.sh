@@ -121,6 +121,19 @@ expect cal_skip 1 "buckets\[0\] (16x16 dense): no training span" "$calibrate" --
 expect conv_run 0 "wrote $work/a.kvcap" "$convert" "$work/s.kvcs" --out "$work/a.kvcap" --keys uniform:0.25 --storage bf16
 expect conv_inspect 0 "storage BF16, activation linear" "$convert" -i "$work/a.kvcap"
 expect conv_inspect_r 0 "keys       mean r 0.250" "$convert" -i "$work/a.kvcap"
+# What the value basis keeps of the values, next to random directions: the synthetic spans'
+# values are rank 8 plus a little noise, so the basis keeps nearly all, without a warning;
+# values that are noise alone leave a basis no structure (the DCT's, fitted to nothing, keeps
+# what chance does), and kvcap-convert warns, but converts.
+grep -q "value basis, bucket 1 (16x16, tiles 4x4): keeps 9[0-9] % .*(random directions: 38 %)" \
+  "$work/conv_run.out" || fail "conv_run: no value-basis line: $(cat "$work/conv_run.out")"
+grep -q "warning" "$work/conv_run.out" && fail "conv_run: warned on low-rank values"
+"$synth" --out "$work/noise" --spans 6 --grid 16x16 --seed 5 --noise 100 -q >/dev/null 2>&1 &&
+  "$calibrate" -q --data "$work/noise" --out "$work/noise.kvcs" >/dev/null 2>&1 ||
+  fail "noise: kvcap-synth or kvcap-calibrate failed"
+expect conv_noise 0 "warning: bucket 1 (16x16): the value basis keeps 3[0-9] % .* random directions 38 %: these spans hold little for it" \
+  "$convert" "$work/noise.kvcs" --out "$work/noise.kvcap" --value-basis dct
+[ -s "$work/noise.kvcap" ] || fail "conv_noise: the warning stopped the conversion"
 
 # An output naming an input (any spelling: ./, a symlink, a hard link) or a file inside an input
 # folder is refused before any work, and the input stays as it was; so are two outputs naming
