@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
@@ -54,11 +55,16 @@ def find(tool: str) -> str:
 def run(tool: str, *args: PathLike, timeout: Optional[float] = None
         ) -> "subprocess.CompletedProcess[str]":
     """Runs `tool` with `args`; its output comes back in the result, a failure raises
-    :class:`ToolError` with what it printed on stderr."""
+    :class:`ToolError` with what it printed on stderr, and each warning it printed is issued
+    as a Python warning (UserWarning)."""
     r = subprocess.run([find(tool), *map(os.fspath, args)], capture_output=True, text=True,
                        timeout=timeout)
     if r.returncode != 0:
         raise ToolError(tool, r.returncode, r.stderr)
+    tag = f"{tool}: warning: "
+    for line in r.stderr.splitlines():
+        if line.startswith(tag):
+            warnings.warn(f"{tool}: {line[len(tag):]}", stacklevel=3)
     return r
 
 
@@ -81,14 +87,17 @@ def calibrate(data: Union[PathLike, Sequence[PathLike]], out: PathLike, *,
 
 def convert(states: Union[PathLike, Sequence[PathLike]], out: PathLike, *,
             keys: Optional[str] = None, values: Optional[str] = None,
-            storage: Optional[str] = None, fallback: Optional[str] = None) -> Path:
+            storage: Optional[str] = None, fallback: Optional[str] = None,
+            value_basis: Optional[str] = None) -> Path:
     """kvcap-convert: calibration states to the artifact `out`; ``keys`` and ``values`` are
     retention schedules ("uniform:0.4", "pyramid:0.6:0.2", "list:..."), ``storage`` f32, f16
-    or bf16, ``fallback`` the policy for grids without a bucket."""
+    or bf16, ``fallback`` the policy for grids without a bucket, ``value_basis`` "calibrated"
+    (default) or "dct". A value basis that keeps little more of the calibration values than
+    random directions would is warned of (UserWarning)."""
     items = [states] if isinstance(states, (str, os.PathLike)) else list(states)
     args: list = [*items, "--out", out]
     for flag, value in (("--keys", keys), ("--values", values), ("--storage", storage),
-                        ("--fallback", fallback)):
+                        ("--fallback", fallback), ("--value-basis", value_basis)):
         if value is not None:
             args += [flag, value]
     run("kvcap-convert", *args)

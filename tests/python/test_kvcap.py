@@ -2,10 +2,12 @@
 attention through the cache equals attention computed here in float64 (NumPy), for strided and
 float16 inputs and across prefill + generated tokens; statistics; and bad input — wrong dtype,
 shape, device, closed objects, an artifact of another model — raises kvcap.Error naming the
-problem and leaves the cache usable."""
+problem and leaves the cache usable; kvcap.tools passes a tool's warnings on as Python
+warnings."""
 
 import math
 import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -194,3 +196,21 @@ def test_torch_tensors_in_place_when_torch_is_present():
     with pytest.raises(kvcap.Error, match="shape"):
         cache.add_span(0, 0, k[:, :, :-1], k[:, :, :-1])
     assert rel(cache.attend(0, q), want) <= ATTN_REL_TOL  # still usable
+
+
+def test_convert_warns_of_a_value_basis_without_structure(tmp_path):
+    """kvcap.tools.convert issues kvcap-convert's warnings as Python warnings: on the tiny test
+    state the 2x2 grid's DCT basis keeps none of the values' variance at rank 2 of 4 (random
+    directions keep half), the calibrated basis all of it."""
+    import kvcap.tools
+    try:
+        kvcap.tools.find("kvcap-convert")
+    except kvcap.Error as e:
+        pytest.skip(e.message)
+    state = ROOT / "tests/data/schema/good_calib.safetensors"
+    with pytest.warns(UserWarning, match=r"keeps 0 % .* random directions 50 %: these spans"):
+        kvcap.tools.convert(state, tmp_path / "dct.kvcap", value_basis="dct")
+    assert (tmp_path / "dct.kvcap").is_file()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kvcap.tools.convert(state, tmp_path / "pca.kvcap")
