@@ -96,9 +96,38 @@ static double basis_share(const double *G, int m, const float *basis, int rv)
     return kept / trace;
 }
 
+/* What each bucket's value basis (units: the artifact's, [layers][kv_heads][buckets]) keeps of
+ * the calibration values, next to chance, into report (NaN for a bucket without data). */
+static void measure_value_bases(const struct kvcap_calib_state *s,
+                                const struct kvcap_unit_maps *units,
+                                struct kvcap_convert_report *report)
+{
+    const size_t n = (size_t)s->model.n_layers * s->model.n_kv_heads * s->n_buckets;
+    int counted[KVCAP_MAX_BUCKETS] = {0};
+    report->n_buckets = s->n_buckets;
+    memcpy(report->buckets, s->buckets, sizeof s->buckets);
+    for (size_t i = 0; i < n; i++) {
+        const int b = (int)(i % s->n_buckets);
+        const double kept = basis_share(s->units[i].v_gram, units[i].m, units[i].u, units[i].rv);
+        if (kept < 0)
+            continue;
+        report->value_kept[b] += kept;
+        report->value_chance[b] += (double)units[i].rv / units[i].m;
+        counted[b]++;
+    }
+    for (int b = 0; b < s->n_buckets; b++)
+        if (counted[b]) {
+            report->value_kept[b] /= counted[b];
+            report->value_chance[b] /= counted[b];
+        } else {
+            report->value_kept[b] = report->value_chance[b] = NAN;
+        }
+}
+
 /* The state's fitted maps as the artifact writer's units (views, nothing copied): the value
  * basis is the first R_v eigenvectors, which are the first rows of v_eigvec (or, with
- * dct_values, the first R_v rows of the grid's DCT basis). */
+ * dct_values, the first R_v rows of the grid's DCT basis). Measures what the value bases keep
+ * into report. */
 static enum kvcap_status write_artifact(struct kvcap_calib_state *s,
                                         const struct kvcap_convert_options *o,
                                         enum kvcap_dtype storage, const char *path,
@@ -129,26 +158,8 @@ static enum kvcap_status write_artifact(struct kvcap_calib_state *s,
                                             k->gelu, k->mask, k->w1, k->b1, k->w2, k->b2,
                                             o->dct_values ? dct[i % s->n_buckets] : u->v_eigvec};
     }
-    /* What each bucket's value basis keeps of the calibration values, next to chance. */
-    int counted[KVCAP_MAX_BUCKETS] = {0};
-    report->n_buckets = s->n_buckets;
-    memcpy(report->buckets, s->buckets, sizeof s->buckets);
-    for (size_t i = 0; st == KVCAP_OK && i < n; i++) {
-        const int b = (int)(i % s->n_buckets);
-        const double kept = basis_share(s->units[i].v_gram, units[i].m, units[i].u, units[i].rv);
-        if (kept < 0)
-            continue;
-        report->value_kept[b] += kept;
-        report->value_chance[b] += (double)units[i].rv / units[i].m;
-        counted[b]++;
-    }
-    for (int b = 0; b < s->n_buckets; b++)
-        if (counted[b]) {
-            report->value_kept[b] /= counted[b];
-            report->value_chance[b] /= counted[b];
-        } else {
-            report->value_kept[b] = report->value_chance[b] = NAN;
-        }
+    if (st == KVCAP_OK)
+        measure_value_bases(s, units, report);
     char tool[48];
     snprintf(tool, sizeof tool, "kvcap-convert %s", kvcap_version());
     cJSON_AddStringToObject(prov, "tool", tool);

@@ -2,6 +2,7 @@
  * and validates any kvcap file. */
 #include <errno.h>
 #include <getopt.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -202,7 +203,7 @@ int main(int argc, char **argv)
         char tiles[48] = "";
         if (bk->structure == KVCAP_STRUCTURE_TILED)
             snprintf(tiles, sizeof tiles, ", tiles %dx%d", bk->tile_rows, bk->tile_cols);
-        if (report.value_kept[b] == report.value_kept[b]) /* not NaN: the bucket had data */
+        if (!isnan(report.value_kept[b])) /* the bucket had data */
             fprintf(stderr,
                     "  value basis, bucket %d (%dx%d%s): keeps %.0f %% of the calibration values' "
                     "variance (random directions: %.0f %%)\n",
