@@ -195,21 +195,7 @@ def test_kvzip_value_basis_matches_the_c_engine(smollm, tmp_path):
                   use_cache=True)
         cache.record_flush()
         cache.close()
-    g = kvcap.hf.geometry_from_config(model.config)
-    config = tmp_path / "calib.yaml"
-    config.write_text(
-        f"model:\n  name: SmolLM2-135M-Instruct\n  layers: {g.layers}\n"
-        f"  q_heads: {g.q_heads}\n  kv_heads: {g.kv_heads}\n  head_dim: {g.head_dim}\n"
-        f"  rope: {{type: rope, pairing: half, theta: {g.theta}}}\n"
-        "buckets:\n  - {rows: 8, cols: 8, structure: tiled, tile: [4, 4]}\n"
-        "schedule:\n  keys: {kind: uniform, ratio: 0.25}\n  values: {kind: uniform, ratio: 0.25}\n"
-        "keys: {method: closed_form, activation: linear, hidden: 0, ridge: 1.0e-3}\n"
-        "validation: {fraction: 0.2, seed: 7}\nstorage: f32\n")
-    tool("kvcap-calibrate")
-    state = kvcap.tools.calibrate(record_dir, tmp_path / "state.kvcs", config=config,
-                                  device="cpu")
-    artifact = kvcap.tools.convert(state, tmp_path / "basis.kvcap", keys="uniform:0.25",
-                                   values="uniform:0.25", fallback="full")
+    artifact = calibrate(tmp_path, model, record_dir, 8, 8, tile=(4, 4), ratio=0.25)
     policies = {"vision": "kvzip", "text": "full", "generated": "full"}
     prefix = kvcap.hf.reconstruction_prefix(tok)
     inputs = license_prompt(tok, 120)
@@ -313,26 +299,29 @@ def record(model, prompt, record_dir, n, tokens):
     return sorted(record_dir.glob("*.safetensors"))
 
 
-def calibrate(tmp, model, record_dir, rows, cols):
-    """kvcap-calibrate on the recorded shards at retention 1, then kvcap-convert (through
-    kvcap.tools)."""
+def calibrate(tmp, model, record_dir, rows, cols, tile=None, ratio=1.0):
+    """kvcap-calibrate on the recorded shards (one rows x cols bucket: dense, or tiled with
+    ``tile`` = (rows, cols)) at retention ``ratio``, then kvcap-convert (through kvcap.tools)."""
     g = kvcap.hf.geometry_from_config(model.config)
     rope = f"{{type: {g.rope}, pairing: half, theta: {g.theta}" + (
         f", sections: [{', '.join(map(str, g.sections))}]}}" if g.sections else "}")
+    bucket = (f"structure: tiled, tile: [{tile[0]}, {tile[1]}]" if tile else "structure: dense")
     config = tmp / "calib.yaml"
     config.write_text(
         f"model:\n  name: tiny\n  layers: {g.layers}\n  q_heads: {g.q_heads}\n"
         f"  kv_heads: {g.kv_heads}\n  head_dim: {g.head_dim}\n  rope: {rope}\n"
-        f"buckets:\n  - {{rows: {rows}, cols: {cols}, structure: dense}}\n"
-        "schedule:\n  keys: {kind: uniform, ratio: 1.0}\n  values: {kind: uniform, ratio: 1.0}\n"
+        f"buckets:\n  - {{rows: {rows}, cols: {cols}, {bucket}}}\n"
+        f"schedule:\n  keys: {{kind: uniform, ratio: {ratio}}}\n"
+        f"  values: {{kind: uniform, ratio: {ratio}}}\n"
         "keys: {method: closed_form, activation: linear, hidden: 0, ridge: 1.0e-6}\n"
         "validation: {fraction: 0.2, seed: 7}\nstorage: f32\n")
     tool("kvcap-calibrate")
     state = kvcap.tools.calibrate(record_dir, tmp / "state.kvcs", config=config, device="cpu")
-    artifact = kvcap.tools.convert(state, tmp / "tiny.kvcap", keys="uniform:1.0",
-                                   values="uniform:1.0", fallback="full")
+    artifact = kvcap.tools.convert(state, tmp / "tiny.kvcap", keys=f"uniform:{ratio}",
+                                   values=f"uniform:{ratio}", fallback="full")
     report = kvcap.tools.inspect(artifact)
-    assert "kind       artifact" in report and "4x4 dense" in report
+    layout = f"{rows}x{cols} tiled {tile[0]}x{tile[1]}" if tile else f"{rows}x{cols} dense"
+    assert "kind       artifact" in report and layout in report
     return artifact
 
 
