@@ -1690,10 +1690,8 @@ static void check_kvzip_in_cache(double safeguard, int basis, int exact)
             int in_fit[80], worst[8];
             for (int j = 0; j < nv; j++)
                 in_fit[j] = j < lo || j >= hi || sel[((size_t)l * H + h) * nc + (j - lo)];
-            for (int pass = 0; pass < (exact ? 2 : 1); pass++) {
-                fit_basis_values(u, m, rv, vx, d, in_fit, vspan[l] + (size_t)h * nv * d);
-                if (pass == 1 || !exact)
-                    break;
+            fit_basis_values(u, m, rv, vx, d, in_fit, vspan[l] + (size_t)h * nv * d);
+            if (exact) {
                 float err[80];
                 for (int j = 0; j < nv; j++) {
                     double e2 = 0;
@@ -1711,6 +1709,7 @@ static void check_kvzip_in_cache(double safeguard, int basis, int exact)
                 }
                 for (int i = 0; i < exact; i++)
                     in_fit[worst[i]] = 0;
+                fit_basis_values(u, m, rv, vx, d, in_fit, vspan[l] + (size_t)h * nv * d);
             }
             for (int i = 0; i < exact; i++)
                 memcpy(vspan[l] + ((size_t)h * nv + worst[i]) * d, vx + (size_t)worst[i] * d,
