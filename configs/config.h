@@ -36,6 +36,10 @@ extern "C" {
 #define KVCAP_CONFIG_MAX_BUCKETS 16
 #define KVCAP_CONFIG_MAX_PATH 4096           /* bytes of a path, NUL included */
 #define KVCAP_CONFIG_MAX_BYTES (1024 * 1024) /* a config file larger than this is rejected */
+/* Every token count of the runtime config (sinks, window, budgets), and every sum of them that
+ * sizes one segment (sinks + window), is at most this: such sums and the doubling of a
+ * segment's rows then stay far inside an int (configs/runtime.yaml states each bound). */
+#define KVCAP_CONFIG_MAX_TOKENS (1 << 30)
 
 /* ---- Retention schedules (DESIGN §4) -------------------------------------------------- */
 enum kvcap_schedule_kind {

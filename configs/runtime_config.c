@@ -60,6 +60,24 @@ static enum kvcap_status get_choice(struct kvcap_yaml *c, yaml_node_t *map, cons
     return KVCAP_OK;
 }
 
+/* `field`.sinks and `field`.window (window >= window_min), each a token count, and their sum
+ * too: together they are the rows a segment always keeps (StreamingLLM's ring for generated
+ * tokens is sinks + window rows), counted in an int. */
+static enum kvcap_status get_protected(struct kvcap_yaml *c, yaml_node_t *map, const char *field,
+                                       int window_min, int *sinks, int *window)
+{
+    KVCAP_TRY(kvcap_yaml_get_int(c, map, field, "sinks", 0, KVCAP_CONFIG_MAX_TOKENS, sinks));
+    KVCAP_TRY(
+        kvcap_yaml_get_int(c, map, field, "window", window_min, KVCAP_CONFIG_MAX_TOKENS, window));
+    long long sum = (long long)*sinks + *window;
+    if (sum <= KVCAP_CONFIG_MAX_TOKENS)
+        return KVCAP_OK;
+    yaml_node_t *w = kvcap_yaml_lookup(c, map, "window");
+    return kvcap_yaml_fail_at(c, w ? w->start_mark : map->start_mark,
+                              "%s.sinks + %s.window: %d + %d = %lld tokens, at most %d", field,
+                              field, *sinks, *window, sum, KVCAP_CONFIG_MAX_TOKENS);
+}
+
 static enum kvcap_status parse_artifact(struct kvcap_yaml *c, yaml_node_t *n, char *out)
 {
     if (kvcap_yaml_is_null(n)) {
@@ -146,9 +164,9 @@ static enum kvcap_status parse_runtime(struct kvcap_yaml *c, yaml_node_t *root, 
         KVCAP_TRY(kvcap_yaml_check_mapping(c, n, f, flash_keys, NULL));
         KVCAP_TRY(kvcap_yaml_get_double(c, n, f, "gamma", KVCAP_YAML_RATIO, &p->gamma));
         KVCAP_TRY(kvcap_yaml_get_double(c, n, f, "retention", KVCAP_YAML_RATIO, &p->retention));
-        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "min_tokens", 0, 1 << 30, &p->min_tokens));
-        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "sinks", 0, 1 << 30, &p->sinks));
-        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "window", 0, 1 << 30, &p->window));
+        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "min_tokens", 0, KVCAP_CONFIG_MAX_TOKENS,
+                                     &p->min_tokens));
+        KVCAP_TRY(get_protected(c, n, f, 0, &p->sinks, &p->window));
     }
     if ((n = kvcap_yaml_lookup(c, root, "vlcache"))) {
         struct kvcap_vlcache_config *p = &cfg->vlcache;
@@ -162,8 +180,7 @@ static enum kvcap_status parse_runtime(struct kvcap_yaml *c, yaml_node_t *root, 
         KVCAP_TRY(kvcap_yaml_get_double(c, n, f, "recent_fraction",
                                         (struct kvcap_yaml_range){0.0, 1.0, 0, 0},
                                         &p->recent_fraction));
-        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "sinks", 0, 1 << 30, &p->sinks));
-        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "window", 0, 1 << 30, &p->window));
+        KVCAP_TRY(get_protected(c, n, f, 0, &p->sinks, &p->window));
         KVCAP_TRY(get_choice(c, n, f, "layer_budgets", "sparsity", "the paper's Algorithm 1",
                              "uniform", "budget in every layer", &p->uniform_layers));
     }
@@ -172,7 +189,7 @@ static enum kvcap_status parse_runtime(struct kvcap_yaml *c, yaml_node_t *root, 
         const char *f = "freekv";
         KVCAP_TRY(kvcap_yaml_check_mapping(c, n, f, freekv_keys, NULL));
         KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "page_size", 1, 65536, &p->page_size));
-        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "budget", 1, 1 << 30, &p->budget));
+        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "budget", 1, KVCAP_CONFIG_MAX_TOKENS, &p->budget));
         KVCAP_TRY(kvcap_yaml_get_double(c, n, f, "tau", (struct kvcap_yaml_range){-1.0, 1.0, 0, 0},
                                         &p->tau));
         KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "sink_pages", 0, 1 << 20, &p->sink_pages));
@@ -192,8 +209,7 @@ static enum kvcap_status parse_runtime(struct kvcap_yaml *c, yaml_node_t *root, 
     if ((n = kvcap_yaml_lookup(c, root, "streaming"))) {
         const char *f = "streaming";
         KVCAP_TRY(kvcap_yaml_check_mapping(c, n, f, streaming_keys, NULL));
-        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "sinks", 0, 1 << 30, &cfg->streaming.sinks));
-        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "window", 1, 1 << 30, &cfg->streaming.window));
+        KVCAP_TRY(get_protected(c, n, f, 1, &cfg->streaming.sinks, &cfg->streaming.window));
     }
     if ((n = kvcap_yaml_lookup(c, root, "kvzip"))) {
         struct kvcap_kvzip_config *p = &cfg->kvzip;
@@ -201,8 +217,7 @@ static enum kvcap_status parse_runtime(struct kvcap_yaml *c, yaml_node_t *root, 
         KVCAP_TRY(kvcap_yaml_check_mapping(c, n, f, kvzip_keys, NULL));
         KVCAP_TRY(kvcap_yaml_get_double(c, n, f, "retention",
                                         KVCAP_YAML_RATIO, &p->retention));
-        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "sinks", 0, 1 << 30, &p->sinks));
-        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "window", 0, 1 << 30, &p->window));
+        KVCAP_TRY(get_protected(c, n, f, 0, &p->sinks, &p->window));
         KVCAP_TRY(kvcap_yaml_get_double(c, n, f, "safeguard",
                                         (struct kvcap_yaml_range){0.0, 1.0, 0, 0}, &p->safeguard));
         KVCAP_TRY(get_choice(c, n, f, "values", "rows", "a row per kept token", "basis",
@@ -215,8 +230,7 @@ static enum kvcap_status parse_runtime(struct kvcap_yaml *c, yaml_node_t *root, 
         KVCAP_TRY(kvcap_yaml_check_mapping(c, n, f, random_keys, NULL));
         KVCAP_TRY(kvcap_yaml_get_double(c, n, f, "retention",
                                         KVCAP_YAML_RATIO, &p->retention));
-        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "sinks", 0, 1 << 30, &p->sinks));
-        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "window", 0, 1 << 30, &p->window));
+        KVCAP_TRY(get_protected(c, n, f, 0, &p->sinks, &p->window));
         int seed = 0;
         KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "seed", 0, INT_MAX, &seed));
         p->seed = seed;
@@ -227,9 +241,9 @@ static enum kvcap_status parse_runtime(struct kvcap_yaml *c, yaml_node_t *root, 
         KVCAP_TRY(kvcap_yaml_check_mapping(c, n, f, expected_keys, NULL));
         KVCAP_TRY(kvcap_yaml_get_double(c, n, f, "retention", KVCAP_YAML_RATIO, &p->retention));
         KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "n_future", 1, 1 << 24, &p->n_future));
-        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "query_sinks", 0, 1 << 30, &p->query_sinks));
-        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "sinks", 0, 1 << 30, &p->sinks));
-        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "window", 0, 1 << 30, &p->window));
+        KVCAP_TRY(kvcap_yaml_get_int(c, n, f, "query_sinks", 0, KVCAP_CONFIG_MAX_TOKENS,
+                                     &p->query_sinks));
+        KVCAP_TRY(get_protected(c, n, f, 0, &p->sinks, &p->window));
     }
     if ((n = kvcap_yaml_lookup(c, root, "kvcapsule"))) {
         KVCAP_TRY(kvcap_yaml_check_mapping(c, n, "kvcapsule", kvcapsule_keys, NULL));

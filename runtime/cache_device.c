@@ -852,7 +852,7 @@ static enum kvcap_status device_sync(struct kvcap_cache *c)
     int64_t *seen = malloc(sizeof(int64_t) * (size_t)c->n_seqs);
     KVCAP_RETURN_IF(!seen, KVCAP_ERR_OUT_OF_MEMORY, "cache sync: out of memory");
     enum kvcap_status st = KVCAP_OK;
-    int sinks = c->cfg.streaming.sinks, window = c->cfg.streaming.window;
+    const int64_t ring = (int64_t)c->cfg.streaming.sinks + c->cfg.streaming.window;
     for (int l = 0; st == KVCAP_OK && l < c->g.n_layers; l++) {
         const struct dev_layer *L = &dv->layers[l];
         if (!L->built)
@@ -866,9 +866,8 @@ static enum kvcap_status device_sync(struct kvcap_cache *c)
             if (l == 0)
                 c->tokens_by_kind[KVCAP_SPAN_GENERATED] += seen[s] - gen->seen;
             gen->seen = seen[s];
-            int64_t held = gen->policy == KVCAP_POLICY_STREAMING && seen[s] > sinks + window
-                               ? sinks + window
-                               : seen[s];
+            int64_t held =
+                gen->policy == KVCAP_POLICY_STREAMING && seen[s] > ring ? ring : seen[s];
             gen->n_rows = (int)held;
         }
     }

@@ -11,9 +11,9 @@ static enum kvcap_status streaming_prefill(struct kvcap_cache *c, int seq, int l
                                            const struct kvcap_tensor_view *v)
 {
     int n = seg->n_tokens, sinks = c->cfg.streaming.sinks, window = c->cfg.streaming.window;
-    if (sinks + window >= n)
+    if ((int64_t)sinks + window >= n) /* in 64 bits: each may be up to 2^30 */
         return kvcap_segment_fill(c, seg, k, v, NULL, n);
-    int *keep = malloc(sizeof(int) * (size_t)(sinks + window));
+    int *keep = malloc(sizeof(int) * ((size_t)sinks + (size_t)window));
     KVCAP_RETURN_IF(!keep, KVCAP_ERR_OUT_OF_MEMORY, "streaming: out of memory");
     int kept = 0;
     for (int j = 0; j < sinks; j++)

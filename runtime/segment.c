@@ -1,6 +1,7 @@
 /* segment.c — a segment's plain rows (reserve, store, fill through the cache's store), the
  * eviction FlashCache and VL-Cache share (keep the top rows, commit), the generated tail's next
  * row, release and bytes. */
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -229,18 +230,21 @@ uint64_t kvcap_segment_bytes(const struct kvcap_cache *c, const struct kvcap_seg
 /* Row of the next generated token; *grow_to > 0 when the rows must first grow to that many:
  * params.reserve_tokens (64 when 0; streaming needs no more than its ring) the first time, then
  * twice as many. Streaming keeps the first `sinks` generated tokens, then a ring of the last
- * `window`. Host and device caches grow alike. */
+ * `window`. Host and device caches grow alike. The runtime config bounds sinks + window by
+ * KVCAP_CONFIG_MAX_TOKENS; the sums are taken in 64 bits all the same. */
 int kvcap_segment_gen_row(const struct kvcap_cache *c, const struct kvcap_segment *gen,
                           int *grow_to)
 {
-    int row = gen->n_rows;
-    int sinks = c->cfg.streaming.sinks, window = c->cfg.streaming.window;
+    int64_t row = gen->n_rows;
+    const int64_t sinks = c->cfg.streaming.sinks, window = c->cfg.streaming.window;
+    const int64_t ring = sinks + window;
     int streaming = gen->policy == KVCAP_POLICY_STREAMING;
-    if (streaming && gen->seen >= sinks + window)
-        row = sinks + (int)((gen->seen - sinks) % window);
-    int first = c->reserve_tokens > 0 ? c->reserve_tokens : 64;
-    if (c->reserve_tokens > 0 && streaming && first > sinks + window)
-        first = sinks + window;
-    *grow_to = row >= gen->cap ? (gen->cap ? 2 * gen->cap : first) : 0;
-    return row;
+    if (streaming && gen->seen >= ring)
+        row = sinks + (gen->seen - sinks) % window;
+    int64_t first = c->reserve_tokens > 0 ? c->reserve_tokens : 64;
+    if (c->reserve_tokens > 0 && streaming && first > ring)
+        first = ring;
+    int64_t grow = gen->cap ? 2 * (int64_t)gen->cap : first;
+    *grow_to = row >= gen->cap ? (int)(grow < INT_MAX ? grow : INT_MAX) : 0;
+    return (int)row;
 }

@@ -635,6 +635,8 @@ static const struct bad_case bad_cases[] = {
     {"runtime-kvcapsule-exact.yaml", "2:26", "kvcapsule.exact_tiles: -1 is outside 0..1048576"},
     {"runtime-gamma-range.yaml", "2:21", "flashcache.gamma: 0 is outside (0, 1]"},
     {"runtime-window-range.yaml", "4:11", "streaming.window: 0 is outside 1..1073741824"},
+    {"runtime-streaming-sum.yaml", "4:11", "streaming.sinks + streaming.window: 1073741824 + "
+                                           "1073741824 = 2147483648 tokens, at most 1073741824"},
     {"runtime-kvzip-retention.yaml", "2:20", "kvzip.retention: 0 is outside (0, 1]"},
     {"runtime-kvzip-safeguard.yaml", "2:36", "kvzip.safeguard: 1.5 is outside [0, 1]"},
     {"runtime-kvzip-values.yaml", "2:33", "kvzip.values: 'pca' is not rows"},
