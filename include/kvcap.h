@@ -200,7 +200,9 @@ struct kvcap_artifact;
 
 /* Opens and validates `path` (formats/SPEC.md §4.3) and loads its maps. */
 KVCAP_API enum kvcap_status kvcap_artifact_open(const char *path, struct kvcap_artifact **out);
-/* NULL is a no-op. Every cache using the artifact must be freed first. */
+/* NULL is a no-op. Caches created with the artifact keep it alive: it may be freed before them,
+ * and its memory goes when the last of them is freed (from any thread). It must not be used
+ * by the caller after this call. */
 KVCAP_API void kvcap_artifact_free(struct kvcap_artifact *artifact);
 /* The model geometry the artifact was calibrated for; owned by the artifact. */
 KVCAP_API const struct kvcap_model_geometry *kvcap_artifact_geometry(
@@ -237,7 +239,8 @@ struct kvcap_cache_params {
     int n_seqs;                            /* sequences in the batch, >= 1 */
     enum kvcap_dtype storage;              /* dtype of everything the cache stores: F32, F16
                                             * (default) or BF16; math is always fp32 */
-    const struct kvcap_artifact *artifact; /* borrowed, may be NULL; must outlive the cache */
+    const struct kvcap_artifact *artifact; /* may be NULL; the cache holds it until
+                                            * kvcap_cache_free (kvcap_artifact_free) */
     const char *config_path;               /* runtime YAML (configs/runtime.yaml); NULL: defaults.
                                             * Its artifact key is ignored here: pass `artifact` */
     const char *record_dir;                /* non-NULL: record mode, vision spans and their decode
@@ -461,6 +464,13 @@ struct kvcap_cache_stats {
 
 KVCAP_API enum kvcap_status kvcap_cache_stats(const struct kvcap_cache *cache,
                                               struct kvcap_cache_stats *stats);
+
+/* 1 when the cache's runtime config gives `policy` to some span kind, or to vision spans
+ * kvcapsule has no bucket for (the fallback, when vision spans go to kvcapsule); 0 otherwise
+ * and for a NULL cache. Engines ask it before prefill to learn what the config needs of them:
+ * kvzip its reconstruction pass's queries, vlcache and expected_attention the prompt's queries
+ * (kvcap_cache_add_post_queries). */
+KVCAP_API int kvcap_cache_uses_policy(const struct kvcap_cache *cache, enum kvcap_policy policy);
 
 /* Record mode: writes to the dataset the vision spans of every sequence whose prefill has
  * ended (kvcap_cache_end_prefill, explicitly or through append or attend), each with its

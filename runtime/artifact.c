@@ -19,12 +19,26 @@ static void free_units(struct kvcap_artifact *a)
     free(a->units);
 }
 
+void kvcap_artifact_hold(const struct kvcap_artifact *a)
+{
+    if (a) /* holders is the one mutable field (artifact.h) */
+        atomic_fetch_add_explicit(&((struct kvcap_artifact *)a)->holders, 1,
+                                  memory_order_relaxed);
+}
+
+void kvcap_artifact_let_go(const struct kvcap_artifact *a)
+{
+    struct kvcap_artifact *m = (struct kvcap_artifact *)a;
+    /* acq_rel: every use of the maps by a holder happens before the last one frees them */
+    if (!m || atomic_fetch_sub_explicit(&m->holders, 1, memory_order_acq_rel) != 1)
+        return;
+    free_units(m);
+    free(m);
+}
+
 void kvcap_artifact_free(struct kvcap_artifact *a)
 {
-    if (!a)
-        return;
-    free_units(a);
-    free(a);
+    kvcap_artifact_let_go(a);
 }
 
 const struct kvcap_model_geometry *kvcap_artifact_geometry(const struct kvcap_artifact *a)
@@ -62,6 +76,8 @@ enum kvcap_status kvcap_artifact_open(const char *path, struct kvcap_artifact **
     if (st == KVCAP_OK && !a)
         st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "%s: out of memory", path);
     size_t n = 0;
+    if (a)
+        atomic_init(&a->holders, 1); /* the opener */
     if (st == KVCAP_OK) {
         a->model = info.model;
         a->n_buckets = info.n_buckets;

@@ -3,6 +3,8 @@
 #ifndef KVCAP_ARTIFACT_H
 #define KVCAP_ARTIFACT_H
 
+#include <stdatomic.h>
+
 #include "kvcap.h"
 #include "formats/schema.h"
 
@@ -17,6 +19,10 @@ struct kvcap_unit_maps {
 };
 
 struct kvcap_artifact {
+    /* Holders: the opener (until kvcap_artifact_free) and every cache created with it (until
+     * kvcap_cache_free). The maps go with the last. The only field that changes after open,
+     * so a `const struct kvcap_artifact *` may still be held and let go. */
+    atomic_int holders;
     struct kvcap_model_geometry model;
     int n_buckets;
     struct kvcap_bucket buckets[KVCAP_MAX_BUCKETS];
@@ -30,6 +36,11 @@ static inline const struct kvcap_unit_maps *kvcap_artifact_unit(const struct kvc
 {
     return &a->units[((size_t)l * a->model.n_kv_heads + (size_t)h) * a->n_buckets + (size_t)b];
 }
+
+/* A cache holds the artifact it was created with (kvcap_cache_create), and lets it go when it
+ * is freed: the artifact outlives every cache that uses it, whenever its opener frees it. */
+void kvcap_artifact_hold(const struct kvcap_artifact *a);
+void kvcap_artifact_let_go(const struct kvcap_artifact *a);
 
 /* Everything of an artifact besides its maps (formats/SPEC.md §4.3). */
 struct kvcap_artifact_desc {

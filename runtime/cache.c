@@ -95,6 +95,7 @@ enum kvcap_status kvcap_cache_create(const struct kvcap_cache_params *p, struct 
     c->n_seqs = p->n_seqs;
     c->storage = p->storage;
     c->artifact = p->artifact;
+    kvcap_artifact_hold(c->artifact); /* let go in kvcap_cache_free */
     c->reserve_tokens = p->reserve_tokens;
     const int configured = p->config_path || p->config_yaml;
     enum kvcap_status st =
@@ -207,6 +208,7 @@ void kvcap_cache_free(struct kvcap_cache *c)
     free(c->parts);
     free(c->layers);
     kvcap_runtime_config_free(&c->cfg);
+    kvcap_artifact_let_go(c->artifact);
     free(c);
 }
 
@@ -510,6 +512,18 @@ enum kvcap_status kvcap_cache_sync(struct kvcap_cache *c)
 {
     KVCAP_RETURN_IF(!c, KVCAP_ERR_INVALID_ARGUMENT, "sync: NULL cache");
     return c->store->sync(c);
+}
+
+int kvcap_cache_uses_policy(const struct kvcap_cache *c, enum kvcap_policy policy)
+{
+    if (!c)
+        return 0;
+    for (int k = 0; k < 3; k++)
+        if (c->cfg.policy[k] == policy)
+            return 1;
+    /* the fallback serves vision spans that kvcapsule has no bucket for */
+    return c->cfg.policy[KVCAP_SPAN_VISION] == KVCAP_POLICY_KVCAPSULE &&
+           c->cfg.fallback == policy;
 }
 
 enum kvcap_status kvcap_cache_stats(const struct kvcap_cache *c, struct kvcap_cache_stats *st)

@@ -526,6 +526,36 @@ static void check_fused(int q_heads, int kv_heads, int d)
     kvcap_artifact_free(a);
 }
 
+/* An artifact freed by its opener while caches use it stays alive until the last of them is
+ * freed: the caches decode as before, checked against a second copy of the same maps (ASan
+ * reports any read of freed maps). */
+static void test_artifact_outlives_its_opener(void **state)
+{
+    (void)state;
+    struct kvcap_model_geometry g = geometry(2, 4, 2, 64);
+    const struct test_bucket tb[1] = {{8, 8, 4, 4, 5, 4, 6}};
+    struct kvcap_artifact *a = test_artifact(&g, tb, 1, 4242, "held");
+    struct kvcap_artifact *oracle = test_artifact(&g, tb, 1, 4242, "oracle");
+    struct kvcap_rng r;
+    kvcap_rng_seed(&r, 9);
+    struct scenario sc = {.g = g, .n_seqs = 1};
+    scenario_add(&sc, 0, KVCAP_SPAN_TEXT, 1, 5, 0, &r);
+    scenario_add(&sc, 0, KVCAP_SPAN_VISION, 8, 8, 5, &r);
+    scenario_gen(&sc, 0, 2, &r);
+    const char *yaml = "policies: {vision: kvcapsule}\n";
+    struct kvcap_cache *c1 = make_cache(&g, 1, KVCAP_DTYPE_F32, a, yaml);
+    struct kvcap_cache *c2 = make_cache(&g, 1, KVCAP_DTYPE_F32, a, yaml);
+    kvcap_artifact_free(a); /* the opener lets go first */
+    scenario_load(&sc, c1);
+    scenario_check(&sc, oracle, c1, FUSED_REL_TOL, &r);
+    kvcap_cache_free(c1);
+    scenario_load(&sc, c2); /* still held by c2 */
+    scenario_check(&sc, oracle, c2, FUSED_REL_TOL, &r);
+    kvcap_cache_free(c2);   /* the maps go here */
+    scenario_free(&sc);
+    kvcap_artifact_free(oracle);
+}
+
 static void test_fused_matches_materialised(void **state)
 {
     (void)state;
@@ -1223,6 +1253,91 @@ static void test_incomplete_prefill_named(void **state)
             assert_int_equal(kvcap_cache_attend(c, l, q, out), KVCAP_OK);
         }
         kvcap_cache_free(c);
+    }
+}
+
+/* kvcap_cache_uses_policy answers from the config the cache was created with: every span
+ * kind, and the fallback only while vision spans go to kvcapsule (it serves those alone). */
+static void test_uses_policy(void **state)
+{
+    (void)state;
+    struct kvcap_model_geometry g = geometry(1, 2, 1, 64);
+    const struct test_bucket tb[1] = {{4, 4, 0, 0, 4, 3, 3}};
+    struct kvcap_artifact *a = test_artifact(&g, tb, 1, 5, "uses");
+    struct kvcap_cache *c = make_cache(&g, 1, KVCAP_DTYPE_F32, NULL,
+                                       "policies: {vision: vlcache, text: kvzip}\n"
+                                       "fallback: expected_attention\n");
+    assert_int_equal(kvcap_cache_uses_policy(c, KVCAP_POLICY_VLCACHE), 1);
+    assert_int_equal(kvcap_cache_uses_policy(c, KVCAP_POLICY_KVZIP), 1);
+    assert_int_equal(kvcap_cache_uses_policy(c, KVCAP_POLICY_FULL), 1); /* generated */
+    assert_int_equal(kvcap_cache_uses_policy(c, KVCAP_POLICY_EXPECTED_ATTENTION), 0);
+    assert_int_equal(kvcap_cache_uses_policy(c, KVCAP_POLICY_FLASHCACHE), 0);
+    kvcap_cache_free(c);
+    c = make_cache(&g, 1, KVCAP_DTYPE_F32, a, "policies: {vision: kvcapsule}\n"
+                                              "fallback: expected_attention\n");
+    assert_int_equal(kvcap_cache_uses_policy(c, KVCAP_POLICY_KVCAPSULE), 1);
+    assert_int_equal(kvcap_cache_uses_policy(c, KVCAP_POLICY_EXPECTED_ATTENTION), 1);
+    assert_int_equal(kvcap_cache_uses_policy(c, KVCAP_POLICY_KVZIP), 0);
+    assert_int_equal(kvcap_cache_uses_policy(NULL, KVCAP_POLICY_FULL), 0);
+    kvcap_cache_free(c);
+    kvcap_artifact_free(a);
+}
+
+/* StreamingLLM's sinks and window each reach 2^30 in the runtime YAML; their sum sizes the ring
+ * of generated tokens. A sum past KVCAP_CONFIG_MAX_TOKENS is refused by name (it overflowed an
+ * int and the first generated token was written far past the buffer); one at the bound decodes
+ * like a full cache, since the ring is never reached. */
+static void test_streaming_bounds(void **state)
+{
+    (void)state;
+    struct kvcap_model_geometry g = geometry(2, 4, 2, 64);
+    struct kvcap_cache_params p;
+    kvcap_cache_default_params(&p);
+    p.model = g;
+    p.storage = KVCAP_DTYPE_F32;
+    struct kvcap_cache *c = NULL;
+    p.config_yaml = "policies: {generated: streaming}\n"
+                    "streaming: {sinks: 1073741824, window: 1073741824}\n";
+    expect_status(kvcap_cache_create(&p, &c), KVCAP_ERR_CONFIG,
+                  "streaming.sinks + streaming.window: 1073741824 + 1073741824 = 2147483648 "
+                  "tokens, at most 1073741824");
+    assert_null(c);
+    static const char *const at_bound[] = {
+        "policies: {text: streaming, generated: streaming}\n"
+        "streaming: {sinks: 536870912, window: 536870912}\n",
+        "policies: {text: streaming, generated: streaming}\n"
+        "streaming: {sinks: 0, window: 1073741824}\n",
+        ALL_FULL};
+    static float kv[2 * 2 * 8 * 64], tok[2 * 2 * 64];
+    for (size_t i = 0; i < sizeof kv / sizeof kv[0]; i++)
+        kv[i] = (float)sin(0.37 * (double)i);
+    struct kvcap_tensor_view k = hnd(kv, 8, 64), v = hnd(kv + 2 * 8 * 64, 8, 64);
+    struct kvcap_tensor_view tk = {tok, NULL, 0, KVCAP_DTYPE_F32, 64, 0};
+    struct kvcap_tensor_view tv = {tok + 2 * 64, NULL, 0, KVCAP_DTYPE_F32, 64, 0};
+    const struct kvcap_span_desc text = {KVCAP_SPAN_TEXT, 8, 0, 0, 0};
+    float q[4 * 64], out[3][4 * 64];
+    for (int i = 0; i < 4 * 64; i++)
+        q[i] = (float)cos(0.11 * i);
+    for (int cfg = 0; cfg < 3; cfg++) {
+        c = make_cache(&g, 1, KVCAP_DTYPE_F32, NULL, at_bound[cfg]);
+        for (int l = 0; l < g.n_layers; l++)
+            assert_int_equal(kvcap_cache_add_span(c, 0, l, &text, &k, &v), KVCAP_OK);
+        assert_int_equal(kvcap_cache_end_prefill(c, 0), KVCAP_OK);
+        for (int step = 0; step < 70; step++) /* past the first growth (64 rows) */
+            for (int l = 0; l < g.n_layers; l++) {
+                for (int i = 0; i < 2 * 2 * 64; i++)
+                    tok[i] = (float)sin(0.05 * (step * 7 + l + i));
+                assert_int_equal(kvcap_cache_append(c, 0, l, &tk, &tv), KVCAP_OK);
+                assert_int_equal(kvcap_cache_attend(c, l, q, out[cfg]), KVCAP_OK);
+            }
+        struct kvcap_cache_stats st;
+        assert_int_equal(kvcap_cache_stats(c, &st), KVCAP_OK);
+        assert_int_equal(st.tokens_by_kind[KVCAP_SPAN_GENERATED], 70);
+        kvcap_cache_free(c);
+    }
+    for (int i = 0; i < 4 * 64; i++) { /* the same rows as a full cache: the same sums */
+        assert_float_equal(out[0][i], out[2][i], 0.0f);
+        assert_float_equal(out[1][i], out[2][i], 0.0f);
     }
 }
 
@@ -2196,6 +2311,9 @@ int main(void)
         cmocka_unit_test(test_record_flush_keeps_prefill),
         cmocka_unit_test(test_record_refuses_unrecordable_grid),
         cmocka_unit_test(test_incomplete_prefill_named),
+        cmocka_unit_test(test_uses_policy),
+        cmocka_unit_test(test_streaming_bounds),
+        cmocka_unit_test(test_artifact_outlives_its_opener),
         cmocka_unit_test(test_flashcache_in_cache),
         cmocka_unit_test(test_vlcache_in_cache),
         cmocka_unit_test(test_kvzip_in_cache),
