@@ -27,7 +27,12 @@ struct kvst_tensor {
 struct kvst_file;
 
 /* Opens and validates `path` (every rule of SPEC.md §1). On failure *out is NULL and the
- * error message (kvcap_last_error) starts with the path and names the field at fault. */
+ * error message (kvcap_last_error) starts with the path and names the field at fault. The file
+ * is mapped, not read: tensor views cost no memory, but a file truncated by someone else while
+ * it is open ends the process with SIGBUS on the next read of a lost page (as with every
+ * memory-mapped reader). kvcap's own writers never do that (they replace a file by renaming
+ * a new one over it, which leaves open mappings intact); formats/SPEC.md §1 tells users of the
+ * tools that read datasets and states this way (kvcap-calibrate, kvcap-convert, kvcap-eval). */
 enum kvcap_status kvst_open(const char *path, struct kvst_file **out);
 
 /* Same rules over a caller-owned buffer (kept, not copied, until kvst_close); `label` is used
