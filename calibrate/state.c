@@ -25,6 +25,26 @@ int kvcap_retained(double r, int m)
     return v < 1 ? 1 : v > m ? m : v;
 }
 
+enum kvcap_status kvcap_calib_state_check_ratios(const struct kvcap_calib_state *s)
+{
+    for (int which = 0; which < 2; which++) {
+        const double *r = which ? s->r_values : s->r_keys;
+        for (int l = 0; l < s->model.n_layers; l++)
+            for (int b = 0; b < s->n_buckets; b++) {
+                const struct kvcap_bucket *bk = &s->buckets[b];
+                int m = kvcap_bucket_points(bk);
+                KVCAP_RETURN_IF(lround(r[l] * m) < 1, KVCAP_ERR_INVALID_ARGUMENT,
+                                "%s: layer %d's ratio %g keeps none of the %d points of bucket "
+                                "%d (%dx%d%s): round(%g x %d) = 0; the smallest ratio that "
+                                "keeps one is %g",
+                                which ? "values" : "keys", l, r[l], m, b, bk->rows, bk->cols,
+                                bk->structure == KVCAP_STRUCTURE_TILED ? ", per tile" : "",
+                                r[l], m, 0.5 / m);
+            }
+    }
+    return KVCAP_OK;
+}
+
 static size_t unit_count(const struct kvcap_calib_state *s)
 {
     return (size_t)s->model.n_layers * (size_t)s->model.n_kv_heads * (size_t)s->n_buckets;
@@ -84,6 +104,8 @@ enum kvcap_status kvcap_calib_state_init(struct kvcap_calib_state *s,
         st = kvcap_schedule_expand(&cfg->schedule_keys, s->model.n_layers, s->r_keys);
     if (st == KVCAP_OK)
         st = kvcap_schedule_expand(&cfg->schedule_values, s->model.n_layers, s->r_values);
+    if (st == KVCAP_OK)
+        st = kvcap_calib_state_check_ratios(s);
     if (st != KVCAP_OK)
         kvcap_calib_state_free(s);
     return st;

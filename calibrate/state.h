@@ -61,6 +61,10 @@ static inline struct kvcap_calib_unit *kvcap_state_unit(const struct kvcap_calib
 
 /* R for a ratio r over m points: round(r·m), at least 1, at most m. */
 int kvcap_retained(double r, int m);
+/* KVCAP_ERR_INVALID_ARGUMENT naming "keys" or "values", the layer and the bucket when a ratio
+ * of the state's schedules keeps no point of some bucket (round(r·m) = 0): kvcap_retained
+ * would keep one, and the retention reported would not be what the artifact holds. */
+enum kvcap_status kvcap_calib_state_check_ratios(const struct kvcap_calib_state *s);
 
 /* Creates an empty state (zero Grams, no fit) for cfg's model, buckets and settings. */
 enum kvcap_status kvcap_calib_state_init(struct kvcap_calib_state *s,

@@ -224,6 +224,8 @@ enum kvcap_status kvcap_convert(const struct kvcap_convert_options *o,
     }
     if (st == KVCAP_OK && o->values_set)
         st = kvcap_schedule_expand(&o->values, L, s.r_values);
+    if (st == KVCAP_OK)
+        st = kvcap_calib_state_check_ratios(&s);
     /* Trained maps are kept only when they fit the artifact's key schedule unchanged;
      * otherwise every unit is refitted in closed form so the artifact has one activation. */
     if (st == KVCAP_OK && keys_changed) {

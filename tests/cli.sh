@@ -119,6 +119,11 @@ expect cal_unmatched 1 "4x4 grid (n = 16), which matches no bucket" "$calibrate"
 [ -e "$work/bad.kvcs" ] && fail "a failed calibration left bad.kvcs behind"
 expect cal_skip 1 "buckets\[0\] (16x16 dense): no training span" "$calibrate" --data "$work/synth" --out "$work/bad.kvcs" --skip-unmatched
 expect conv_run 0 "wrote $work/a.kvcap" "$convert" "$work/s.kvcs" --out "$work/a.kvcap" --keys uniform:0.25 --storage bf16
+# A ratio that keeps no point of a bucket is refused by name (it kept one row while the
+# summary said "mean retention 0.000"); nothing is written.
+expect conv_tiny_ratio 1 "keys: layer 0's ratio 1e-300 keeps none of the 256 points of bucket 0 (16x16)" \
+  "$convert" "$work/s.kvcs" --out "$work/tiny.kvcap" --keys uniform:1e-300
+[ -e "$work/tiny.kvcap" ] && fail "a refused conversion left tiny.kvcap behind"
 expect conv_inspect 0 "storage BF16, activation linear" "$convert" -i "$work/a.kvcap"
 expect conv_inspect_r 0 "keys       mean r 0.250" "$convert" -i "$work/a.kvcap"
 # What the value basis keeps of the values, next to random directions: the synthetic spans'
