@@ -231,6 +231,18 @@ enum kvcap_status kvvision_projector_fit(const struct kvvision_features *f, cons
         moments_add(&me, table + (size_t)r * E, n_vocab - r < TABLE_BLOCK ? n_vocab - r : TABLE_BLOCK);
     if (s == KVCAP_OK)
         s = moments_eigen(&mf, "feature", out->mu_f, vf, sf);
+    /* Features that do not vary (an all-zero file, say) carry no image: every crop would get
+     * the same embedding and the image track would measure nothing. Refused, not warned of:
+     * a report from them would look like a result. sf[0] is the largest standard deviation. */
+    double mu_norm = 0;
+    for (int j = 0; s == KVCAP_OK && j < D; j++)
+        mu_norm += (double)out->mu_f[j] * out->mu_f[j];
+    if (s == KVCAP_OK && !(sf[0] > 1e-6 * (1.0 + sqrt(mu_norm))))
+        s = kvcap_fail(KVCAP_ERR_NUMERIC,
+                       "%s: tensor 'features': the calibration crops' features do not vary "
+                       "(largest standard deviation %g): they carry no image; remake the file "
+                       "with scripts/vision_features.py",
+                       kvst_path(f->file), sf[0]);
     if (s == KVCAP_OK)
         s = moments_eigen(&me, "embedding", out->mu_e, ve, se);
     /* a = Σ_i (τ_i / σ_i) w_i v_iᵀ over the directions the features vary along */

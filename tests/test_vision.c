@@ -27,8 +27,9 @@ enum { CROPS = 12, GRID = 4, TOKENS = GRID * GRID, DIM = 6, VOCAB = 300, EMBD = 
 #define MOMENT_REL_TOL 1e-3
 
 /* Writes a feature file of CROPS crops from photos 0..5 (two crops each): features with one
- * dominant direction per channel scale, so the covariance has distinct eigenvalues. */
-static void write_features(const char *path, float poison)
+ * dominant direction per channel scale, so the covariance has distinct eigenvalues, times
+ * `spread`, plus `offset` x the channel; element 5 is `poison`. */
+static void write_features_as(const char *path, float poison, double spread, double offset)
 {
     struct kvcap_rng r;
     kvcap_rng_seed(&r, 3);
@@ -40,7 +41,7 @@ static void write_features(const char *path, float poison)
         for (int t = 0; t < TOKENS; t++)
             for (int j = 0; j < DIM; j++)
                 x[((size_t)c * TOKENS + t) * DIM + j] =
-                    (float)((j + 1) * kvcap_rng_normal(&r) + 0.5 * j);
+                    (float)(spread * (j + 1) * kvcap_rng_normal(&r) + offset * j);
     }
     x[5] = poison;
     assert_int_equal(kvcap_convert_from_f32(KVCAP_DTYPE_F16, x, (size_t)CROPS * TOKENS * DIM, f),
@@ -53,6 +54,11 @@ static void write_features(const char *path, float poison)
     assert_int_equal(kvst_writer_commit(w, path), KVCAP_OK);
     kvst_writer_free(w);
     free(f), free(x);
+}
+
+static void write_features(const char *path, float poison)
+{
+    write_features_as(path, poison, 1.0, 0.5);
 }
 
 static void test_split_and_projector(void **state)
@@ -137,8 +143,34 @@ static void test_split_and_projector(void **state)
     test_rm_tree(dir);
 }
 
+/* Features that do not vary (all zero, or one vector everywhere) carry no image: the projector
+ * refuses them, naming the file, instead of mapping every crop to the same embedding. */
+static void test_constant_features_refused(void **state)
+{
+    (void)state;
+    char dir[512], path[600];
+    assert_true(test_tmpdir(dir, sizeof dir, "vision-constant"));
+    snprintf(path, sizeof path, "%s/features.safetensors", dir);
+    float table[VOCAB * EMBD];
+    for (int i = 0; i < VOCAB * EMBD; i++)
+        table[i] = (float)sin(0.1 * i);
+    for (int offset = 0; offset < 2; offset++) {
+        write_features_as(path, offset ? 2.5f : 0.0f, 0.0, offset ? 0.5 : 0.0);
+        struct kvvision_features f;
+        if (kvvision_open(path, &f) != KVCAP_OK)
+            fail_msg("%s", kvcap_last_error());
+        struct kvvision_projector p;
+        assert_int_equal(kvvision_projector_fit(&f, table, VOCAB, EMBD, &p), KVCAP_ERR_NUMERIC);
+        assert_non_null(strstr(kvcap_last_error(), "features.safetensors: tensor 'features': the "
+                                                   "calibration crops' features do not vary"));
+        kvvision_close(&f);
+    }
+    test_rm_tree(dir);
+}
+
 int main(void)
 {
-    const struct CMUnitTest tests[] = {cmocka_unit_test(test_split_and_projector)};
+    const struct CMUnitTest tests[] = {cmocka_unit_test(test_split_and_projector),
+                                       cmocka_unit_test(test_constant_features_refused)};
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
