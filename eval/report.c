@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -63,11 +64,17 @@ struct curve {
     int marker;
 };
 
-/* count[layer * n_tokens + token]: how many heads' key masks keep that token. */
+/* The kept tokens as the file lists them, without repeats within one (layer, head): layer l's
+ * are tok[layer_at[l] .. layer_at[l + 1]), head after head, so a token kept by k heads of a
+ * layer is there k times. Held sparse, the mask costs memory and drawing time in proportion to
+ * what the file lists, not to the layers x tokens it declares (a 500-byte mask may declare
+ * 2^20 tokens). */
 struct mask {
     const char *bucket;
     int n_tokens, heads;
-    uint16_t *count;
+    int *tok;
+    size_t *layer_at; /* n_layers + 1 entries */
+    size_t n_kept;    /* layer_at[n_layers]: the (layer, head, token) triples kept */
     int rows, cols;    /* the image's grid (rows * cols == n_tokens), 0 without a thumbnail */
     const char *thumb; /* data:image/bmp;base64,... of a held-out photo crop, or NULL */
 };
@@ -503,6 +510,12 @@ static enum kvcap_status parse_run(struct report *r, const cJSON *o, int i)
     return KVCAP_OK;
 }
 
+static int cmp_int(const void *pa, const void *pb)
+{
+    const int a = *(const int *)pa, b = *(const int *)pb;
+    return (a > b) - (a < b);
+}
+
 static enum kvcap_status parse_mask(struct report *r, const cJSON *o, int i)
 {
     char where[32];
@@ -559,68 +572,74 @@ static enum kvcap_status parse_mask(struct report *r, const cJSON *o, int i)
     KVCAP_RETURN_IF(cells > MAX_MASK_CELLS, KVCAP_ERR_FORMAT,
                     "%s: %s: %d layers x %d tokens is too large to draw", r->path, where,
                     r->n_layers, m->n_tokens);
-    m->count = calloc(cells, sizeof *m->count);
-    /* seen[t] == tag when the current (layer, head) already listed token t. */
-    int *seen = calloc((size_t)m->n_tokens, sizeof *seen);
-    if (!m->count || !seen) {
-        free(seen);
-        return kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "%s: %s: out of memory", r->path, where);
-    }
-    enum kvcap_status st = KVCAP_OK;
-    int layer = 0, tag = 0;
+    size_t cap = 1024;
+    m->layer_at = calloc((size_t)r->n_layers + 1, sizeof *m->layer_at);
+    m->tok = malloc(cap * sizeof *m->tok);
+    KVCAP_RETURN_IF(!m->layer_at || !m->tok, KVCAP_ERR_OUT_OF_MEMORY, "%s: %s: out of memory",
+                    r->path, where);
+    int layer = 0;
     const cJSON *per_layer, *per_head, *e;
     cJSON_ArrayForEach(per_layer, kept)
     {
+        m->layer_at[layer] = m->n_kept;
         int n_heads = cJSON_IsArray(per_layer) ? cJSON_GetArraySize(per_layer) : -1;
-        if (n_heads != m->heads) {
-            st = n_heads < 0 ? kvcap_fail(KVCAP_ERR_FORMAT,
-                                          "%s: %s.kept[%d]: expected an array per head, got %s",
-                                          r->path, where, layer, type_name(per_layer))
-                             : kvcap_fail(KVCAP_ERR_FORMAT,
-                                          "%s: %s.kept[%d]: %d entries, expected %d (%s.heads)",
-                                          r->path, where, layer, n_heads, m->heads, where);
-            goto out;
-        }
+        if (n_heads != m->heads)
+            return n_heads < 0 ? kvcap_fail(KVCAP_ERR_FORMAT,
+                                            "%s: %s.kept[%d]: expected an array per head, got %s",
+                                            r->path, where, layer, type_name(per_layer))
+                               : kvcap_fail(KVCAP_ERR_FORMAT,
+                                            "%s: %s.kept[%d]: %d entries, expected %d (%s.heads)",
+                                            r->path, where, layer, n_heads, m->heads, where);
         int head = 0;
         cJSON_ArrayForEach(per_head, per_layer)
         {
-            tag++;
-            if (!cJSON_IsArray(per_head)) {
-                st = kvcap_fail(KVCAP_ERR_FORMAT,
-                                "%s: %s.kept[%d][%d]: expected an array of token indices, got %s",
-                                r->path, where, layer, head, type_name(per_head));
-                goto out;
-            }
-            int k = 0;
+            KVCAP_RETURN_IF(!cJSON_IsArray(per_head), KVCAP_ERR_FORMAT,
+                            "%s: %s.kept[%d][%d]: expected an array of token indices, got %s",
+                            r->path, where, layer, head, type_name(per_head));
+            const size_t first = m->n_kept;
+            int k = 0, ascending = 1;
             cJSON_ArrayForEach(e, per_head)
             {
                 double t = cJSON_IsNumber(e) ? e->valuedouble : -1;
                 if (!(t >= 0 && t < m->n_tokens && t == floor(t))) {
                     if (cJSON_IsNumber(e))
-                        st = kvcap_fail(KVCAP_ERR_FORMAT,
-                                        "%s: %s.kept[%d][%d][%d]: expected a token index in "
-                                        "[0, %d), got %g",
-                                        r->path, where, layer, head, k, m->n_tokens, t);
-                    else
-                        st = kvcap_fail(KVCAP_ERR_FORMAT,
-                                        "%s: %s.kept[%d][%d][%d]: expected a token index, got %s",
-                                        r->path, where, layer, head, k, type_name(e));
-                    goto out;
+                        return kvcap_fail(KVCAP_ERR_FORMAT,
+                                          "%s: %s.kept[%d][%d][%d]: expected a token index in "
+                                          "[0, %d), got %g",
+                                          r->path, where, layer, head, k, m->n_tokens, t);
+                    return kvcap_fail(KVCAP_ERR_FORMAT,
+                                      "%s: %s.kept[%d][%d][%d]: expected a token index, got %s",
+                                      r->path, where, layer, head, k, type_name(e));
                 }
-                int ti = (int)t;
-                if (seen[ti] != tag) {
-                    seen[ti] = tag;
-                    m->count[(size_t)layer * (size_t)m->n_tokens + (size_t)ti]++;
+                if (m->n_kept == cap) {
+                    int *grown = cap <= SIZE_MAX / 2 / sizeof *grown
+                                     ? realloc(m->tok, 2 * cap * sizeof *grown)
+                                     : NULL;
+                    KVCAP_RETURN_IF(!grown, KVCAP_ERR_OUT_OF_MEMORY, "%s: %s: out of memory",
+                                    r->path, where);
+                    m->tok = grown;
+                    cap *= 2;
                 }
+                ascending &= m->n_kept == first || m->tok[m->n_kept - 1] < (int)t;
+                m->tok[m->n_kept++] = (int)t;
                 k++;
+            }
+            /* a token listed twice by one head is kept once; kvcap-eval lists them ascending,
+             * so the sort is only for other writers */
+            if (!ascending) {
+                qsort(m->tok + first, m->n_kept - first, sizeof *m->tok, cmp_int);
+                size_t u = first;
+                for (size_t j = first; j < m->n_kept; j++)
+                    if (j == first || m->tok[j] != m->tok[u - 1])
+                        m->tok[u++] = m->tok[j];
+                m->n_kept = u;
             }
             head++;
         }
         layer++;
     }
-out:
-    free(seen);
-    return st;
+    m->layer_at[layer] = m->n_kept;
+    return KVCAP_OK;
 }
 
 static enum kvcap_status parse_goal(struct report *r, const cJSON *o, int i)
@@ -752,7 +771,7 @@ static void report_free(struct report *r)
         free(r->outside.rows[i].pp_dnll), free(r->outside.rows[i].pp_kl);
     free(r->task_depths);
     for (int i = 0; r->masks && i < r->n_masks; i++)
-        free(r->masks[i].count);
+        free(r->masks[i].tok), free(r->masks[i].layer_at);
     free(r->runs);
     free(r->sorted);
     free(r->curves);
@@ -2921,10 +2940,23 @@ static void shade_color(int k, int heads, char out[8])
 }
 
 /* A panel draws at most this many columns (one pixel each at the narrowest) and rows: longer
- * spans and deeper models are binned, each cell showing the mean over its tokens and layers, so
- * the work and the page stay bounded whatever the metrics file says (rendering is
- * O(layers · tokens) once, plus O(columns · rows)). */
-enum { MASK_MAX_COLUMNS = 1192, MASK_MAX_ROWS = 160, MASK_MAX_SHADES = 32 };
+ * spans and deeper models are binned, each cell showing the mean over its tokens and layers.
+ * Only cells holding a kept token are visited, so a panel costs O(kept · log kept) plus a few
+ * kilobytes of axes and key, whatever n_tokens and layers the file declares. At most
+ * MASK_MAX_PANELS buckets are drawn: a page of more is not read, and each adds fixed work. */
+enum { MASK_MAX_COLUMNS = 1192, MASK_MAX_ROWS = 160, MASK_MAX_SHADES = 32, MASK_MAX_PANELS = 16 };
+
+/* Binning i of [0, n) into `bins` (<= n) parts, part b being [b·n/bins, (b+1)·n/bins): the part
+ * holding i, and where part b starts. */
+static int bin_of(int i, int n, int bins)
+{
+    return (int)(((int64_t)(i + 1) * bins - 1) / n);
+}
+
+static int bin_start(int b, int n, int bins)
+{
+    return (int)((int64_t)b * n / bins);
+}
 
 /* Shade level of a cell whose tokens are kept by `mean` heads on average (of `heads`), in
  * 0 (no head keeps any of its tokens) .. levels. With one token per cell and at most
@@ -2936,6 +2968,11 @@ static int mask_level(double mean, int heads, int levels)
     int k = (int)lround(mean / heads * levels);
     return k < 1 ? 1 : k > levels ? levels : k;
 }
+
+/* Columns [c, e) of panel row y share shade level k. */
+struct shade_run {
+    int y, c, e, k;
+};
 
 static void render_mask(struct buf *b, const struct report *r, const struct mask *m)
 {
@@ -2950,40 +2987,42 @@ static void render_mask(struct buf *b, const struct report *r, const struct mask
         cw = floor(cw * 4) / 4; /* whole quarter pixels keep the columns crisp */
     double gw = cw * cols, gh = rh * rows;
     double H = top + gh + 62;
-    double kept = 0;
-    for (size_t i = 0; i < (size_t)L * (size_t)n; i++)
-        kept += m->count[i];
-    double per_head = kept / ((double)L * m->heads);
+    double per_head = (double)m->n_kept / ((double)L * m->heads);
 
     /* the cells: mean count over the tokens [c·n/cols, (c+1)·n/cols) of layers
-     * [y·L/rows, (y+1)·L/rows); one pass over the counts */
-    unsigned char *level = malloc((size_t)rows * cols);
-    double *sum = calloc((size_t)cols, sizeof *sum);
-    if (!level || !sum) {
-        free(level), free(sum);
+     * [y·L/rows, (y+1)·L/rows); per row, its layers' kept tokens mapped to columns and sorted,
+     * then the runs of equal shade along the row, left to right (at most one per kept token) */
+    int *in_col = malloc((m->n_kept + 1) * sizeof *in_col);
+    struct shade_run *run = malloc((m->n_kept + 1) * sizeof *run);
+    if (!in_col || !run) {
+        free(in_col), free(run);
         b->failed = 1;
         return;
     }
+    size_t n_run = 0;
     for (int y = 0; y < rows; y++) {
-        int l0 = (int)((int64_t)y * L / rows), l1 = (int)((int64_t)(y + 1) * L / rows);
-        for (int c = 0; c < cols; c++)
-            sum[c] = 0;
-        for (int l = l0; l < l1; l++) {
-            const uint16_t *row = m->count + (size_t)l * (size_t)n;
-            for (int c = 0; c < cols; c++) {
-                int t0 = (int)((int64_t)c * n / cols), t1 = (int)((int64_t)(c + 1) * n / cols);
-                for (int t = t0; t < t1; t++)
-                    sum[c] += row[t];
-            }
-        }
-        for (int c = 0; c < cols; c++) {
-            int t0 = (int)((int64_t)c * n / cols), t1 = (int)((int64_t)(c + 1) * n / cols);
+        int l0 = bin_start(y, L, rows), l1 = bin_start(y + 1, L, rows);
+        const size_t from = m->layer_at[l0], to = m->layer_at[l1];
+        for (size_t j = from; j < to; j++)
+            in_col[j - from] = bin_of(m->tok[j], n, cols);
+        qsort(in_col, to - from, sizeof *in_col, cmp_int);
+        const size_t row_start = n_run;
+        for (size_t j = 0; j < to - from;) {
+            const int c = in_col[j];
+            size_t e = j;
+            while (e < to - from && in_col[e] == c)
+                e++;
+            int t0 = bin_start(c, n, cols), t1 = bin_start(c + 1, n, cols);
             double cells = (double)(t1 - t0) * (l1 - l0);
-            level[(size_t)y * cols + c] = (unsigned char)mask_level(sum[c] / cells, m->heads,
-                                                                    levels);
+            int k = mask_level((double)(e - j) / cells, m->heads, levels);
+            if (n_run > row_start && run[n_run - 1].e == c && run[n_run - 1].k == k)
+                run[n_run - 1].e = c + 1;
+            else
+                run[n_run++] = (struct shade_run){y, c, c + 1, k};
+            j = e;
         }
     }
-    free(sum);
+    free(in_col);
 
     bputs(b, "<figure class=\"mask-panel\">\n<h3>");
     besc(b, m->bucket);
@@ -3024,24 +3063,13 @@ static void render_mask(struct buf *b, const struct report *r, const struct mask
         char col[8];
         shade_color(k, levels, col);
         bprintf(b, "<path fill=\"%s\" d=\"", col);
-        for (int y = 0; y < rows; y++) {
-            const unsigned char *row = level + (size_t)y * cols;
-            for (int c = 0; c < cols;) {
-                if (row[c] != k) {
-                    c++;
-                    continue;
-                }
-                int e = c;
-                while (e < cols && row[e] == k)
-                    e++;
-                bprintf(b, "M%.2f %.1fh%.2fv%.1fh%.2fz", lm + c * cw, top + y * rh, (e - c) * cw,
-                        rh - gap, -(e - c) * cw);
-                c = e;
-            }
-        }
+        for (size_t j = 0; j < n_run; j++)
+            if (run[j].k == k)
+                bprintf(b, "M%.2f %.1fh%.2fv%.1fh%.2fz", lm + run[j].c * cw, top + run[j].y * rh,
+                        (run[j].e - run[j].c) * cw, rh - gap, -(run[j].e - run[j].c) * cw);
         bputs(b, "\"/>\n");
     }
-    free(level);
+    free(run);
     /* Shade key below the grid. */
     double kx = lm, ky = top + gh + 22;
     bprintf(b, "<text class=\"tick\" x=\"%.1f\" y=\"%.1f\">kept by:</text>", kx, ky + 11);
@@ -3074,25 +3102,36 @@ static void render_mask(struct buf *b, const struct report *r, const struct mask
             n, m->heads);
 }
 
+/* A photo panel draws at most this many cells a side (5 px each): a finer grid is binned, each
+ * cell the mean over its tokens, so the panel stays a few thousand rectangles. */
+enum { MASK_IMAGE_MAX_SIDE = 64 };
+
 /* The share of (layer, head) pairs keeping each token, over the photo it came from: tokens
  * dropped by most heads are darkened, so the reader sees whether retention follows the image. */
 static void render_mask_on_image(struct buf *b, const struct report *r, const struct mask *m)
 {
     const int R = m->rows, C = m->cols, L = r->n_layers;
-    const double side = 320, cell = side / (C > R ? C : R);
-    /* each token's share of the (layer, head) pairs keeping it; the most-kept is shown clear */
-    double *share = malloc(sizeof *share * (size_t)m->n_tokens), most = 0;
+    const int BR = R < MASK_IMAGE_MAX_SIDE ? R : MASK_IMAGE_MAX_SIDE;
+    const int BC = C < MASK_IMAGE_MAX_SIDE ? C : MASK_IMAGE_MAX_SIDE;
+    const int binned = BR < R || BC < C;
+    const double side = 320, cell = side / (C > R ? C : R); /* one token's side */
+    /* each cell's mean share of the (layer, head) pairs keeping its tokens; the most-kept is
+     * shown clear */
+    double *share = calloc((size_t)BR * BC, sizeof *share), most = 0;
     if (!share) {
         b->failed = 1;
         return;
     }
-    for (int j = 0; j < m->n_tokens; j++) {
-        double kept = 0;
-        for (int l = 0; l < L; l++)
-            kept += m->count[(size_t)l * m->n_tokens + j];
-        share[j] = kept / ((double)L * m->heads);
-        most = fmax(most, share[j]);
-    }
+    for (size_t j = 0; j < m->n_kept; j++)
+        share[(size_t)bin_of(m->tok[j] / C, R, BR) * BC + bin_of(m->tok[j] % C, C, BC)] += 1;
+    for (int by = 0; by < BR; by++)
+        for (int bx = 0; bx < BC; bx++) {
+            double tokens = (double)(bin_start(by + 1, R, BR) - bin_start(by, R, BR)) *
+                            (bin_start(bx + 1, C, BC) - bin_start(bx, C, BC));
+            double *v = &share[(size_t)by * BC + bx];
+            *v = *v / ((double)L * m->heads * tokens);
+            most = fmax(most, *v);
+        }
     bputs(b, "<figure class=\"mask-image\">\n");
     bprintf(b, "<svg class=\"fig\" width=\"%.0f\" height=\"%.0f\" viewBox=\"0 0 %.0f %.0f\" "
                "role=\"img\" aria-label=\"key masks over the photo\">\n",
@@ -3101,22 +3140,38 @@ static void render_mask_on_image(struct buf *b, const struct report *r, const st
     bprintf(b, "width=\"%.1f\" height=\"%.1f\" href=\"", cell * C, cell * R);
     besc(b, m->thumb);
     bputs(b, "\"/>\n");
-    for (int y = 0; y < R; y++)
-        for (int x = 0; x < C; x++) {
-            const double kept = share[(size_t)y * C + x];
+    for (int by = 0; by < BR; by++)
+        for (int bx = 0; bx < BC; bx++) {
+            const int y0 = bin_start(by, R, BR), y1 = bin_start(by + 1, R, BR);
+            const int x0 = bin_start(bx, C, BC), x1 = bin_start(bx + 1, C, BC);
+            const double kept = share[(size_t)by * BC + bx];
             bprintf(b, "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" "
                        "fill=\"#0b1a33\" fill-opacity=\"%.2f\" stroke=\"#ffffff\" "
-                       "stroke-opacity=\"0.25\" stroke-width=\"0.5\"><title>token (%d, %d): kept "
-                       "by %.0f%% of layer-heads</title></rect>",
-                    x * cell, y * cell, cell, cell, most > 0 ? 0.8 * (1 - kept / most) : 0.8,
-                    y, x, 100 * kept);
+                       "stroke-opacity=\"0.25\" stroke-width=\"0.5\"><title>",
+                    x0 * cell, y0 * cell, (x1 - x0) * cell, (y1 - y0) * cell,
+                    most > 0 ? 0.8 * (1 - kept / most) : 0.8);
+            if (binned) {
+                bprintf(b, "tokens in row%s %d", y1 - y0 > 1 ? "s" : "", y0);
+                if (y1 - y0 > 1)
+                    bprintf(b, "&ndash;%d", y1 - 1);
+                bprintf(b, ", column%s %d", x1 - x0 > 1 ? "s" : "", x0);
+                if (x1 - x0 > 1)
+                    bprintf(b, "&ndash;%d", x1 - 1);
+                bprintf(b, ": kept by %.0f%% of layer-heads on average", 100 * kept);
+            } else
+                bprintf(b, "token (%d, %d): kept by %.0f%% of layer-heads", y0, x0, 100 * kept);
+            bputs(b, "</title></rect>");
         }
     free(share);
     bprintf(b, "\n</svg>\n<figcaption>The %d&thinsp;&times;&thinsp;%d tokens of a %s photo "
                "crop: the darker a cell, the fewer of the %d layers &times; %d KV heads keep that "
-               "token's key (clear: the most-kept token, %.0f&nbsp;%% of them).</figcaption>\n"
-               "</figure>\n",
-            R, C, r->calibration_photos ? "calibration" : "held-out", L, m->heads, 100 * most);
+               "token's key (clear: the most-kept %s, %.0f&nbsp;%% of them).",
+            R, C, r->calibration_photos ? "calibration" : "held-out", L, m->heads,
+            binned ? "cell" : "token", 100 * most);
+    if (binned)
+        bprintf(b, " Each cell is the mean over about %.0f&thinsp;&times;&thinsp;%.0f tokens.",
+                (double)R / BR, (double)C / BC);
+    bputs(b, "</figcaption>\n</figure>\n");
 }
 
 static void render_masks(struct buf *b, const struct report *r)
@@ -3127,7 +3182,13 @@ static void render_masks(struct buf *b, const struct report *r)
              "tokens of a span KVCapsule's key masks keep, per bucket: each panel overlays the "
              "heads of every layer, so a reader can see whether retention follows the image "
              "structure or is spread evenly.</p>\n");
-    for (int i = 0; i < r->n_masks; i++) {
+    const int shown = r->n_masks < MASK_MAX_PANELS ? r->n_masks : MASK_MAX_PANELS;
+    if (shown < r->n_masks)
+        bprintf(b, "<p class=\"caption\"><strong>The first %d of the %d buckets are "
+                   "drawn</strong>: the masks of the other %d (masks[%d] on in the metrics file) "
+                   "were checked but are left out to keep the page readable.</p>\n",
+                shown, r->n_masks, r->n_masks - shown, shown);
+    for (int i = 0; i < shown; i++) {
         render_mask(b, r, &r->masks[i]);
         if (r->masks[i].thumb)
             render_mask_on_image(b, r, &r->masks[i]);
@@ -3529,8 +3590,23 @@ enum kvcap_status kvcap_report_write_tracks(const char *const *metrics_paths, in
         paths[n] = csv_path, data[n] = csv.p ? csv.p : "", lens[n++] = csv.len;
     if (html_path)
         paths[n] = html_path, data[n] = html.p ? html.p : "", lens[n++] = html.len;
-    if (st == KVCAP_OK)
+    if (st == KVCAP_OK) {
+        /* kvcap_write_files_atomic writes and syncs both temporaries before the first rename;
+         * a termination signal between the two renames would still leave a new CSV beside an
+         * old HTML, so those signals wait until the call returns (the cleanup handler then
+         * finds no temporary file left). The wait is the writing and syncing of the two files,
+         * not the rendering above. */
+        sigset_t term, old;
+        sigemptyset(&term);
+        sigaddset(&term, SIGINT);
+        sigaddset(&term, SIGTERM);
+        sigaddset(&term, SIGHUP);
+        sigaddset(&term, SIGQUIT);
+        const int blocked = pthread_sigmask(SIG_BLOCK, &term, &old) == 0;
         st = kvcap_write_files_atomic(n, paths, data, lens);
+        if (blocked)
+            pthread_sigmask(SIG_SETMASK, &old, NULL);
+    }
     free(html.p);
     free(csv.p);
     report_free(&r);

@@ -96,8 +96,12 @@
  *   } ... ],
  *   "masks": [ {    KVCapsule key masks (token indices kept) of one bucket
  *       "bucket": "1x256 dense", "n_tokens": int, "heads": int,
- *       "kept": [[[int...] per head] per layer]
- *   } ... ],
+ *       "kept": [[[int...] per head] per layer],
+ *       "rows": int, "cols": int, "thumb": str   optional, together: the image's grid
+ *                               (rows * cols == n_tokens) and a "data:image/bmp;base64,..." of
+ *                               at most 1 MiB the mask is drawn over (binned to at most 64 cells
+ *                               a side)
+ *   } ... ],                    any number; the report draws the first 16
  *   "goals": [ {"text": str, "met": bool} ... ]   optional
  * }
  * "extension", "nominal", "realised_retention" (possibly null) and "kl" are required in every
@@ -109,8 +113,16 @@
 #include "kvcap.h"
 
 /* Reads `metrics_path` and writes `html_path` and `csv_path` (either may be NULL to skip), each
- * atomically (temporary file + rename: nothing half-written under the final name). Errors name
- * the file and the JSON field at fault (KVCAP_ERR_FORMAT) or the I/O call (KVCAP_ERR_IO). */
+ * atomically (temporary file + rename: nothing half-written under the final name), and the two
+ * together: both temporaries are written and synced before either is renamed, and SIGINT,
+ * SIGTERM, SIGHUP and SIGQUIT are blocked in the calling thread while the pair is written and
+ * renamed (the caller's mask is restored after), so such a signal leaves both outputs old or
+ * both new. SIGKILL, a crash or a power cut between the two renames can still leave a new CSV
+ * beside an old HTML, and so can a failure of the second rename (its error says so). Errors
+ * name the file and the JSON field at fault (KVCAP_ERR_FORMAT) or the I/O call (KVCAP_ERR_IO).
+ * The work is linear in the size of the metrics file: masks are held as the file lists them, a
+ * mask panel is binned to a bounded grid, and at most 16 panels are drawn (the page says how
+ * many were left out; every mask is still validated). */
 enum kvcap_status kvcap_report_write(const char *metrics_path, const char *html_path,
                                      const char *csv_path);
 
