@@ -2,6 +2,7 @@
  * conventions every libkvcap call relies on. */
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -19,16 +20,18 @@
 static _Thread_local char last_error[KVCAP_ERROR_CAP];
 static _Thread_local int quiet_depth; /* > 0: kvcap_fail records but does not log */
 
-/* The callback triple is read without a lock: a torn read is avoided by publishing one
- * immutable struct through an atomic pointer. */
+/* The log sink: callback, its user pointer and level, set and read together under one lock, so
+ * a message goes to a callback with the user pointer and filter it was installed with. The lock
+ * is held while the three are copied, never during the callback (which may log, or set another
+ * sink). Logging is rare (failures and a few notices): one uncontended lock costs nothing next to
+ * formatting the message. */
 struct log_sink {
     kvcap_log_fn fn;
     void *user;
     enum kvcap_log_level min_level;
 };
-static struct log_sink log_sinks[2];
-static _Atomic(struct log_sink *) log_current = NULL;
-static atomic_int log_slot = 0;
+static pthread_mutex_t log_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct log_sink log_sink; /* fn NULL: silent */
 
 const char *kvcap_version(void)
 {
@@ -73,31 +76,27 @@ void kvcap_clear_error(void)
 
 void kvcap_log_set(kvcap_log_fn fn, void *user, enum kvcap_log_level min_level)
 {
-    if (!fn) {
-        atomic_store(&log_current, NULL);
-        return;
-    }
-    /* Two slots alternate so a reader holding the previous sink never sees it rewritten
-     * by the very next call; callers set the callback rarely (see the header). */
     /* Out of range: below DEBUG shows everything, above ERROR still shows errors (a level
      * past every message would silently drop them all). */
     if ((int)min_level < KVCAP_LOG_DEBUG)
         min_level = KVCAP_LOG_DEBUG;
     if ((int)min_level > KVCAP_LOG_ERROR)
         min_level = KVCAP_LOG_ERROR;
-    int slot = atomic_fetch_xor(&log_slot, 1);
-    log_sinks[slot] = (struct log_sink){fn, user, min_level};
-    atomic_store(&log_current, &log_sinks[slot]);
+    pthread_mutex_lock(&log_lock);
+    log_sink = (struct log_sink){fn, fn ? user : NULL, min_level};
+    pthread_mutex_unlock(&log_lock);
 }
 
 static void log_v(enum kvcap_log_level level, const char *fmt, va_list ap)
 {
-    struct log_sink *sink = atomic_load(&log_current);
-    if (!sink || level < sink->min_level)
+    pthread_mutex_lock(&log_lock);
+    struct log_sink sink = log_sink;
+    pthread_mutex_unlock(&log_lock);
+    if (!sink.fn || level < sink.min_level)
         return;
     char line[KVCAP_ERROR_CAP];
     vsnprintf(line, sizeof line, fmt, ap);
-    sink->fn(level, line, sink->user);
+    sink.fn(level, line, sink.user);
 }
 
 void kvcap_log(enum kvcap_log_level level, const char *fmt, ...)

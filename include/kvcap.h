@@ -14,9 +14,8 @@
  *    says the library keeps them. Pointers returned are owned by the library unless stated.
  *
  * Thread safety: functions in this header may be called from any thread. The log callback is
- * process-wide; set it before other threads use the library (setting it while another thread
- * logs is safe but that thread may still reach the old callback once). kvcap_last_error() is
- * per thread.
+ * process-wide and may be set at any time (kvcap_log_set says what a message logged meanwhile
+ * sees). kvcap_last_error() is per thread.
  */
 #ifndef KVCAP_H
 #define KVCAP_H
@@ -102,7 +101,14 @@ typedef void (*kvcap_log_fn)(enum kvcap_log_level level, const char *message, vo
 
 /* Install a process-wide log callback (NULL: silence, the default). Messages below
  * `min_level` are not formatted at all. A level outside DEBUG..ERROR is clamped to that range
- * (errors are always delivered to an installed callback). */
+ * (errors are always delivered to an installed callback).
+ * Threads: may be called from any thread at any time, also while others log and from inside the
+ * callback. fn, user and min_level are one setting: each message reads the setting once, when it
+ * is logged, and is filtered by that min_level and passed to that fn with that user, never
+ * mixing two calls' values. A message logged on another thread before this call returns may
+ * still reach the previous fn, with the previous user, after it has returned: keep the previous
+ * user valid until such library calls are over. The callback runs on the thread that logs,
+ * possibly on several threads at once. */
 KVCAP_API void kvcap_log_set(kvcap_log_fn fn, void *user, enum kvcap_log_level min_level);
 
 /* ---- Element types -------------------------------------------------------------------- */

@@ -1,6 +1,6 @@
 /* test_common.c — the public conventions: version agreement between header and library, status
- * strings, per-thread last error, the log callback, geometry and bucket validation, names; and
- * the runtime's thread pool. */
+ * strings, per-thread last error, the log callback (also set while other threads log), geometry
+ * and bucket validation, names; and the runtime's thread pool. */
 #include <limits.h>
 #include <math.h>
 #include <pthread.h>
@@ -8,6 +8,7 @@
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 #include <stdlib.h>
@@ -117,6 +118,85 @@ static void test_last_error_is_per_thread(void **state)
     assert_int_equal(pthread_create(&t, NULL, fail_in_thread, NULL), 0);
     pthread_join(t, NULL);
     assert_string_equal(kvcap_last_error(), "from this thread");
+}
+
+/* kvcap_log_set while other threads log: sink i is (sink_fns[i], &sinks[i], level i), and each
+ * callback checks that it got the user pointer and a level of the filter installed with it. */
+enum { LOG_SINKS = 4, LOG_THREADS = 3, LOG_SETS = 20000, LOG_MIN_CALLS = 2000 };
+struct sink_check {
+    atomic_int calls, wrong_user, wrong_level;
+};
+static struct sink_check sinks[LOG_SINKS];
+static atomic_int logging_done;
+
+static void sink_called(int i, enum kvcap_log_level level, void *user)
+{
+    atomic_fetch_add(&sinks[i].calls, 1);
+    if (user != &sinks[i])
+        atomic_fetch_add(&sinks[i].wrong_user, 1);
+    if ((int)level < i)
+        atomic_fetch_add(&sinks[i].wrong_level, 1);
+}
+
+#define SINK(i)                                                                        \
+    static void sink##i(enum kvcap_log_level level, const char *message, void *user)  \
+    {                                                                                  \
+        (void)message;                                                                 \
+        sink_called(i, level, user);                                                   \
+    }
+SINK(0)
+SINK(1)
+SINK(2)
+SINK(3)
+static const kvcap_log_fn sink_fns[LOG_SINKS] = {sink0, sink1, sink2, sink3};
+
+static void *log_until_done(void *arg)
+{
+    unsigned n = 0;
+    while (!atomic_load(&logging_done)) {
+        kvcap_log((enum kvcap_log_level)(n % 4), "thread %d message %u", (int)(intptr_t)arg, n);
+        n++;
+    }
+    return NULL;
+}
+
+static void test_log_set_while_logging(void **state)
+{
+    (void)state;
+    for (int i = 0; i < LOG_SINKS; i++) {
+        atomic_store(&sinks[i].calls, 0);
+        atomic_store(&sinks[i].wrong_user, 0);
+        atomic_store(&sinks[i].wrong_level, 0);
+    }
+    atomic_store(&logging_done, 0);
+    pthread_t threads[LOG_THREADS];
+    for (int t = 0; t < LOG_THREADS; t++)
+        assert_int_equal(pthread_create(&threads[t], NULL, log_until_done, (void *)(intptr_t)t),
+                         0);
+    /* At least LOG_SETS settings, and on until the loggers have delivered LOG_MIN_CALLS messages
+     * (a slow start on a busy machine must not leave nothing checked), within bounds. */
+    int calls = 0;
+    for (int i = 0; i < LOG_SETS || (calls < LOG_MIN_CALLS && i < 1000 * LOG_SETS); i++) {
+        int k = i % (LOG_SINKS + 1);
+        if (k == LOG_SINKS)
+            kvcap_log_set(NULL, NULL, KVCAP_LOG_DEBUG);
+        else
+            kvcap_log_set(sink_fns[k], &sinks[k], (enum kvcap_log_level)k);
+        calls = 0;
+        for (int j = 0; j < LOG_SINKS; j++)
+            calls += atomic_load(&sinks[j].calls);
+    }
+    atomic_store(&logging_done, 1);
+    for (int t = 0; t < LOG_THREADS; t++)
+        pthread_join(threads[t], NULL);
+    kvcap_log_set(NULL, NULL, KVCAP_LOG_DEBUG);
+    calls = 0;
+    for (int i = 0; i < LOG_SINKS; i++) {
+        assert_int_equal(atomic_load(&sinks[i].wrong_user), 0);
+        assert_int_equal(atomic_load(&sinks[i].wrong_level), 0);
+        calls += atomic_load(&sinks[i].calls);
+    }
+    assert_true(calls >= LOG_MIN_CALLS);
 }
 
 static struct kvcap_model_geometry qwen(void)
@@ -328,6 +408,7 @@ int main(void)
         cmocka_unit_test(test_status_strings),
         cmocka_unit_test(test_log_and_last_error),
         cmocka_unit_test(test_last_error_is_per_thread),
+        cmocka_unit_test(test_log_set_while_logging),
         cmocka_unit_test(test_geometry_validate),
         cmocka_unit_test(test_int_from_double),
         cmocka_unit_test(test_bucket_validate),
