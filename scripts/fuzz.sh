@@ -7,7 +7,8 @@
 #   --seconds N  how long each harness runs (default 20; scripts/test.sh's smoke run uses 15)
 #   --jobs J     harnesses running at the same time (default 2; 1 on a one-core machine)
 #   harness      any of: safetensors artifact calib_state dataset gguf runtime_config
-#                calib_config metrics cache (default: all), with or without the fuzz_ prefix
+#                runtime_decode calib_config metrics cache (default: all), with or without the
+#                fuzz_ prefix
 #
 # The long run, after changing a reader or before a release (an hour per harness):
 #   bash scripts/fuzz.sh --seconds 3600 --jobs "$(nproc)"
@@ -22,7 +23,8 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-ALL=(safetensors artifact calib_state dataset gguf runtime_config calib_config metrics cache)
+ALL=(safetensors artifact calib_state dataset gguf runtime_config runtime_decode calib_config
+     metrics cache)
 seconds=20
 jobs=2
 [ "$(nproc)" -lt 2 ] && jobs=1
@@ -46,14 +48,14 @@ done
 max_len() {
   case $1 in
     cache) echo 256 ;;
-    runtime_config|calib_config) echo 4096 ;;
+    runtime_config|runtime_decode|calib_config) echo 4096 ;;
     *) echo 16384 ;;
   esac
 }
 dict() {
   case $1 in
     safetensors|artifact|calib_state|dataset) echo safetensors.dict ;;
-    runtime_config|calib_config) echo yaml.dict ;;
+    runtime_config|runtime_decode|calib_config) echo yaml.dict ;;
     metrics) echo json.dict ;;
   esac
 }
@@ -63,6 +65,8 @@ repo_seeds() {
     safetensors) echo "$d"/bad/*.safetensors "$d"/schema/*.safetensors ;;
     artifact|calib_state|dataset) echo "$d"/schema/*.safetensors ;;
     runtime_config) echo "$KVCAP_ROOT"/configs/runtime*.yaml "$d"/configs/good/*.yaml \
+                         "$d"/configs/bad/runtime-*.yaml ;;
+    runtime_decode) echo "$KVCAP_ROOT"/configs/runtime*.yaml "$d"/configs/good/*.yaml \
                          "$d"/configs/bad/runtime-*.yaml ;;
     calib_config) echo "$KVCAP_ROOT"/configs/*.calib.yaml "$d"/configs/bad/calib-*.yaml ;;
   esac

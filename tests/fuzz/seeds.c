@@ -1,6 +1,7 @@
 /* seeds.c — kvcap-fuzz-seeds: writes the starting corpora of the fuzz harnesses from the
  * library's own writers (safetensors, artifacts, calibration states, dataset shards), a small
- * GGUF writer, shrunken copies of the sample metrics.json and parameter bytes for fuzz_cache.
+ * GGUF writer, shrunken copies of the sample metrics.json, parameter bytes for fuzz_cache and
+ * runtime YAML for every policy (fuzz_runtime_config, fuzz_runtime_decode).
  * scripts/fuzz.sh adds the repository's own test files (tests/data, configs) next to them.
  *
  * Usage: kvcap-fuzz-seeds OUT_DIR METRICS_SAMPLE_JSON
@@ -664,6 +665,58 @@ static void cache_seeds(void)
     write_bytes("cache", "zeros", (const unsigned char[64]){0}, 64);
 }
 
+/* ---- Runtime YAML for fuzz_runtime_config and fuzz_runtime_decode ------------------------ */
+
+/* The shipped configs (configs/, added by scripts/fuzz.sh) choose flashcache and full only: one
+ * small config per policy and span kind, and the keys that reach other code at decode time
+ * (values: basis, exact tiles, fallback: none, the largest rings the parser accepts). */
+static void runtime_seeds(void)
+{
+    static const char *const policies[] = {"full",   "kvcapsule", "flashcache",
+                                           "vlcache", "freekv",   "streaming",
+                                           "kvzip",  "random",    "expected_attention"};
+    static const char *const extra[][2] = {
+        {"kvzip-basis", "policies: {vision: kvzip, text: kvzip}\n"
+                        "kvzip: {retention: 0.7, sinks: 1, window: 2, safeguard: 0.5, "
+                        "values: basis, exact_values: 2}\n"},
+        {"kvcapsule-exact", "policies: {vision: kvcapsule, generated: streaming}\n"
+                            "fallback: none\nkvcapsule: {exact_tiles: 3}\n"
+                            "streaming: {sinks: 2, window: 3}\n"},
+        {"freekv-all", "policies: {vision: freekv, text: freekv, generated: freekv}\n"
+                       "freekv: {page_size: 2, budget: 8, tau: 0.5, sink_pages: 1, "
+                       "window_pages: 1}\n"},
+        {"vlcache-uniform", "policies: {vision: vlcache, text: random}\n"
+                            "vlcache: {budget: 0.3, sinks: 1, window: 1, layer_budgets: uniform}\n"
+                            "random: {retention: 0.5, seed: 3}\n"},
+        {"expected", "policies: {vision: expected_attention, text: expected_attention}\n"
+                     "expected_attention: {retention: 0.5, n_future: 16, query_sinks: 1}\n"},
+        /* sinks + window at their bound: the generated ring's arithmetic at its largest */
+        {"streaming-max", "policies: {generated: streaming}\n"
+                          "streaming: {sinks: 536870912, window: 536870912}\n"},
+        {"streaming-sinks-max", "policies: {generated: streaming}\n"
+                                "streaming: {sinks: 1073741823, window: 1}\n"},
+        {"freekv-max", "policies: {vision: freekv, text: freekv, generated: freekv}\n"
+                       "freekv: {page_size: 65536, budget: 1073741824, sink_pages: 1, "
+                       "window_pages: 1}\n"},
+        {"protect-max", "policies: {vision: flashcache, text: flashcache}\n"
+                        "flashcache: {min_tokens: 1073741824, sinks: 1073741823, window: 1}\n"},
+    };
+    char name[64], text[256];
+    for (int k = 0; k < 3; k++)
+        for (size_t p = 0; p < sizeof policies / sizeof *policies; p++) {
+            static const char *const kinds[] = {"vision", "text", "generated"};
+            snprintf(name, sizeof name, "%s-%s.yaml", kinds[k], policies[p]);
+            snprintf(text, sizeof text, "policies: {%s: %s}\n", kinds[k], policies[p]);
+            write_bytes("runtime_config", name, text, strlen(text));
+            write_bytes("runtime_decode", name, text, strlen(text));
+        }
+    for (size_t i = 0; i < sizeof extra / sizeof *extra; i++) {
+        snprintf(name, sizeof name, "%s.yaml", extra[i][0]);
+        write_bytes("runtime_config", name, extra[i][1], strlen(extra[i][1]));
+        write_bytes("runtime_decode", name, extra[i][1], strlen(extra[i][1]));
+    }
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 3) {
@@ -685,5 +738,6 @@ int main(int argc, char **argv)
     gguf_llama_seed();
     metrics_seeds(argv[2]);
     cache_seeds();
+    runtime_seeds();
     return failures ? 1 : 0;
 }
