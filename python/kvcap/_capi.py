@@ -11,6 +11,9 @@ from pathlib import Path
 
 MAX_NAME = 64
 MAX_ROPE_SECTIONS = 4
+# The range of a C int, which ctypes would otherwise truncate to silently (2**32 becomes 0).
+INT_MAX = 2 ** (8 * ctypes.sizeof(ctypes.c_int) - 1) - 1
+INT_MIN = -INT_MAX - 1
 
 # enum kvcap_status
 OK = 0
@@ -183,6 +186,7 @@ _SIGNATURES = {
     "kvcap_cache_attend": (_S, [_P, ctypes.c_int, _P, _P]),
     "kvcap_cache_attend_lse": (_S, [_P, ctypes.c_int, _P, _P, _P]),
     "kvcap_cache_stats": (_S, [_P, ctypes.POINTER(CacheStats)]),
+    "kvcap_cache_uses_policy": (ctypes.c_int, [_P, ctypes.c_int]),
     "kvcap_cache_record_flush": (_S, [_P]),
     "kvcap_cuda_device_count": (ctypes.c_int, []),
 }

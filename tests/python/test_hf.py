@@ -18,6 +18,7 @@ Skipped (visibly) where torch/transformers or the model file are missing."""
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -472,3 +473,127 @@ def test_batch_and_bfloat16():
         if dtype == torch.float32:
             assert got.sequences.tolist() == want.sequences.tolist()
         assert cache.kv is not None and cache.stats()["tokens_by_kind"]["vision"] == 32
+
+
+# ---- The runtime config as the library reads it; the command line's errors ----------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def tiny_llama_config():
+    return transformers.LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=128,
+                                    num_hidden_layers=1, num_attention_heads=2,
+                                    num_key_value_heads=1, head_dim=64,
+                                    max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory):
+    """A one-layer random Llama saved as a checkpoint folder (no tokenizer): what --model
+    loads in a second."""
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    transformers.LlamaForCausalLM(tiny_llama_config()).save_pretrained(folder)
+    return folder
+
+
+# Command lines run by kvcap.hf's main() in one child process, each with its stderr and exit
+# status: a timeout bounds a hang (a FIFO), an address-space limit a read without end
+# (/dev/zero), so that a regression fails the test instead of the machine.
+CLI = """
+import contextlib, io, json, resource, sys, traceback
+resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+from kvcap.hf.__main__ import main
+results = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            status = main(argv)
+        except SystemExit as e:
+            status = e.code
+        except BaseException:
+            traceback.print_exc()
+            status = "raised"
+    results.append([status, err.getvalue()])
+print("\\n" + json.dumps(results))
+"""
+
+
+def cli(*command_lines):
+    """[(exit status, stderr)] of each command line (a list of arguments)."""
+    argvs = [[str(x) for x in argv] for argv in command_lines]
+    package = Path(kvcap.__file__).resolve().parents[1]  # the kvcap this test imported
+    r = subprocess.run([sys.executable, "-c", CLI, json.dumps(argvs)], capture_output=True,
+                       text=True, timeout=60 + 15 * len(argvs), cwd=package,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1",
+                            "HF_HUB_DISABLE_PROGRESS_BARS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def last_line(err):
+    """What the command line said of an error: its one "kvcap.hf:" line, the last (before it,
+    transformers may have logged while loading)."""
+    err = err.strip()
+    assert "Traceback" not in err, err[-3000:]
+    ours = [line for line in err.splitlines() if line.startswith("kvcap.hf:")]
+    assert len(ours) == 1 and err.endswith(ours[0]), err[-3000:]
+    return ours[0]
+
+
+def test_runtime_config_policies_are_the_library_s(tmp_path):
+    """Whether a config uses kvzip or expected_attention is asked of the library
+    (kvcap_cache_uses_policy), not searched for in the YAML text: a commented-out kvzip line
+    is not kvzip."""
+    cfg = tiny_llama_config()
+    commented = tmp_path / "commented.yaml"
+    commented.write_text("policies:\n  vision: full\n#  text: kvzip\n  text: full\n"
+                         "# generated: expected_attention\n")
+    cache = kvcap.hf.KvcapCache(cfg, config=commented)  # no model, tokenizer: not needed
+    assert not cache._kvzip and not cache._all_queries
+    used = tmp_path / "kvzip.yaml"
+    used.write_text("policies: {vision: full, text: kvzip}  # with the reconstruction pass\n")
+    with pytest.raises(kvcap.Error, match="policy kvzip: the reconstruction pass needs"):
+        kvcap.hf.KvcapCache(cfg, config=used)
+    ea = tmp_path / "ea.yaml"
+    ea.write_text("policies:\n  vision: expected_attention\n")
+    cache = kvcap.hf.KvcapCache(cfg, config=ea)
+    assert cache._all_queries and not cache._kvzip
+    assert kvcap.hf.KvcapCache(cfg, policies={"vision": "expected_attention"})._all_queries
+    with pytest.raises(kvcap.Error, match="policy kvzip"):
+        kvcap.hf.KvcapCache(cfg, policies={"text": "kvzip"})
+
+
+def test_cli_config_that_is_not_a_file_fails_fast(tiny_llama_dir, tmp_path):
+    """--config naming a FIFO or /dev/zero: libkvcap refuses what is not a regular file at once
+    (Python no longer reads the file first: a FIFO hung, /dev/zero exhausted memory); one line,
+    status 1 (a libkvcap error). The same command line with a policy runs."""
+    fifo = tmp_path / "runtime.fifo"
+    os.mkfifo(fifo)
+    run = ("generate", "--model", tiny_llama_dir, "--input-ids", "1,2,3", "--tokens", "2")
+    ok, *bad = cli((*run, "--policy", "text=full"), (*run, "--config", fifo),
+                   (*run, "--config", "/dev/zero"))
+    assert ok[0] == 0, ok[1][-3000:]
+    for (status, err), path in zip(bad, (fifo, "/dev/zero")):
+        assert status == 1, err[-3000:]
+        assert last_line(err).startswith(f"kvcap.hf: IO: {path}: not a regular file")
+
+
+def test_cli_bad_arguments_are_one_line(tiny_llama_dir, tmp_path):
+    """A bad --model, --input-ids, --rounds or --tokens: one line "kvcap.hf: ..." naming the
+    argument and status 2 (a bad command line), never a traceback."""
+    model = ("--model", tiny_llama_dir)
+    cases = {
+        "--model": ("generate", "--model", tmp_path / "missing", "--input-ids", "1,2"),
+        "--model ": ("generate", "--model", "no-such-org/no-such-model", "--input-ids", "1,2"),
+        "--input-ids": ("generate", *model, "--input-ids", "1,x,3"),
+        "--input-ids ": ("generate", *model, "--input-ids", "1,2,64"),  # vocabulary of 64
+        "--rounds": ("bench", *model, "--input-ids", "1,2", "--rounds", "0"),
+        "--tokens": ("generate", *model, "--input-ids", "1,2", "--tokens", "-3"),
+        "--prompt": ("generate", *model),
+        "--prompts": ("eval", *model, "--prompts", tmp_path / "missing.txt"),
+    }
+    for name, (status, err) in zip(cases, cli(*cases.values())):
+        assert status == 2, (name, status, err[-3000:])
+        assert last_line(err).startswith(f"kvcap.hf: {name.strip()}"), (name, err)

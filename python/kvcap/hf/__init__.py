@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -305,9 +304,11 @@ class KvcapCache(Cache):
     ``config`` (a YAML path, configs/runtime.yaml's keys) or from ``policies`` (span kind →
     policy, given to libkvcap as YAML text with ``sections`` and ``fallback``); without either
     libkvcap's defaults apply. ``artifact`` (a path or :class:`kvcap.Artifact`) holds the
-    KVCapsule compressors; its geometry must match the model's. ``spans`` gives each prompt's
-    spans ([batch][spans] or one list for every prompt; default: one text span, or what
-    :func:`detect_spans` finds when ``input_ids`` is given). ``storage`` is "f32", "f16",
+    KVCapsule compressors; its geometry must match the model's (a :class:`kvcap.Artifact` must
+    stay open until the prompt, when the libkvcap cache that then holds it is made; a path is
+    opened here). ``spans`` gives each prompt's spans ([batch][spans] or one list for every
+    prompt; default: one text span, or what :func:`detect_spans` finds when ``input_ids`` is
+    given). ``storage`` is "f32", "f16",
     "bf16" or "auto" (the model's dtype). ``record_dir`` turns on libkvcap's record mode: the
     prompt's spans are written there as dataset shards kvcap-calibrate reads.
 
@@ -334,22 +335,22 @@ class KvcapCache(Cache):
         self.config_path = os.fspath(config) if config is not None else None
         self.config_yaml = (runtime_yaml(policies, sections, fallback) if policies is not None
                             else None)
-        self._kvzip = _uses_policy(policies, self.config_path, "kvzip")
-        # expected_attention takes every prompt token's query (its statistics)
-        self._all_queries = _uses_policy(policies, self.config_path, "expected_attention")
         self._model = model if isinstance(model, torch.nn.Module) else None
         self._input_ids = input_ids
         self._prefix: Optional[List[int]] = None
+        self._reconstructed = False
+        if artifact is not None and not isinstance(artifact, Artifact):
+            artifact = Artifact(artifact)
+        self.artifact = artifact
+        kvcap._c_int(n_threads, "n_threads")  # now, not at the prompt
+        # the library's reading of the config: kvzip needs the reconstruction pass, and
+        # expected_attention every prompt token's query (its statistics)
+        self._kvzip, self._all_queries = self._probe("kvzip", "expected_attention")
         if self._kvzip:
             if self._model is None or input_ids is None or tokenizer is None:
                 raise _argument("policy kvzip: the reconstruction pass needs the model, "
                                 "input_ids and tokenizer")
             self._prefix = reconstruction_prefix(tokenizer)
-        self._reconstructed = False
-        if artifact is not None and not isinstance(artifact, Artifact):
-            artifact = Artifact(artifact)
-        self.artifact = artifact
-        self._probe()
         if spans is None and input_ids is not None:
             spans = detect_spans(mconfig, input_ids, image_grid_thw=image_grid_thw,
                                  image_sizes=image_sizes)
@@ -366,17 +367,22 @@ class KvcapCache(Cache):
 
     # -- set-up ------------------------------------------------------------------------------
 
-    def _probe(self) -> None:
+    def _probe(self, *policies: str) -> Tuple[bool, ...]:
         """The library's own checks of the geometry, the runtime config and the artifact (its
         geometry against the model's), now rather than at the prompt: a one-sequence cache is
-        made and freed. An artifact's error names its file."""
+        made and freed. An artifact's error names its file. Returns, for each of `policies`,
+        whether the config gives it to some span kind (or to the fallback), as the library
+        read the config (kvcap_cache_uses_policy): the YAML is read by the library only."""
         try:
-            kvcap.Cache(self.geometry, n_seqs=1, storage="f32", artifact=self.artifact,
-                        config=self.config_path, config_yaml=self.config_yaml).close()
+            probe = kvcap.Cache(self.geometry, n_seqs=1, storage="f32", artifact=self.artifact,
+                                config=self.config_path, config_yaml=self.config_yaml,
+                                n_threads=1)
         except Error as e:
             if self.artifact is not None and e.status_name == "GEOMETRY":
                 raise Error(e.status, f"{self.artifact.path}: {e.message}") from None
             raise
+        with probe:
+            return tuple(probe.uses_policy(p) for p in policies)
 
     def _spans_of(self, seq: int, n: int, batch: int) -> List[Span]:
         spans = self.spans
@@ -575,18 +581,6 @@ def reconstruction_prefix(tokenizer: Any) -> List[int]:
         suffix = text.split(sep)[1]
     return (tokenizer.encode(_REPEAT, add_special_tokens=False) +
             tokenizer.encode(suffix, add_special_tokens=False))
-
-
-def _uses_policy(policies: Optional[Mapping[str, str]], config_path: Optional[str],
-                 name: str) -> bool:
-    """Whether the runtime config gives some span kind the policy ``name``."""
-    if policies is not None:
-        return name in policies.values()
-    if config_path is None:
-        return False
-    with open(config_path, encoding="utf-8") as f:
-        text = f.read()
-    return re.search(r"\b(vision|text|generated)\s*:\s*" + name + r"\b", text) is not None
 
 
 def _capture(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,

@@ -15,6 +15,10 @@ greedy generation through transformers' own cache and through kvcap's (full, and
 given), taking turns for --rounds rounds: median seconds and their ratio to transformers', the
 growth of the process's peak resident memory during a run (0: the run fit in memory the
 process already held), and the bytes each cache holds at the end.
+
+Exit status: 0 done; 1 libkvcap refused something (a runtime config, an artifact, ...); 2 a
+bad command line (a value that is not valid, a --model that cannot be loaded), said in one
+line "kvcap.hf: ..." naming the argument.
 """
 
 from __future__ import annotations
@@ -28,6 +32,11 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 
+class _Usage(Exception):
+    """A bad command-line value: main prints "kvcap.hf: MESSAGE" (naming the argument) and
+    exits with 2, as argparse does for the values it checks itself."""
+
+
 def _policies(items: List[str]) -> Optional[Dict[str, str]]:
     if not items:
         return None
@@ -35,10 +44,43 @@ def _policies(items: List[str]) -> Optional[Dict[str, str]]:
     for item in items:
         kind, sep, policy = item.partition("=")
         if not sep:
-            raise SystemExit(f"kvcap.hf: --policy '{item}': expected KIND=POLICY, e.g. "
-                             "vision=kvcapsule")
+            raise _Usage(f"--policy '{item}': expected KIND=POLICY, e.g. vision=kvcapsule")
         out[kind] = policy
     return out
+
+
+def _ids(text: str) -> List[int]:
+    """--input-ids: comma-separated non-negative token ids."""
+    ids = []
+    for item in text.split(","):
+        try:
+            i = int(item.strip())
+        except ValueError:
+            i = -1
+        if i < 0:
+            raise _Usage(f"--input-ids '{text}': '{item}' is not a token id (expected "
+                         "comma-separated non-negative integers, e.g. 1,2,3)")
+        ids.append(i)
+    return ids
+
+
+def _check_args(a: argparse.Namespace) -> None:
+    """The values argparse does not check, before anything is loaded."""
+    if a.command in ("generate", "bench") and not (a.prompt or a.input_ids):
+        raise _Usage(f"--prompt or --input-ids: {a.command} needs one of them")
+    if a.tokens < 1:
+        raise _Usage(f"--tokens {a.tokens}: expected at least 1 token to generate")
+    if getattr(a, "rounds", 1) < 1:
+        raise _Usage(f"--rounds {a.rounds}: expected at least 1 round")
+    a.ids = _ids(a.input_ids) if a.input_ids else None
+    for path in a.image:
+        if not os.path.isfile(path):
+            raise _Usage(f"--image {path}: no such file")
+    _policies(a.policy)
+    model = os.path.expanduser(a.model)
+    if not os.path.exists(model) and (os.path.isabs(model) or model.endswith(".gguf") or
+                                      model.startswith(".")):
+        raise _Usage(f"--model {a.model}: no such file or folder")  # not a hub id either
 
 
 def load(model: str, gguf_file: Optional[str], dtype: str) -> Tuple[Any, Any, bool]:
@@ -54,10 +96,17 @@ def load(model: str, gguf_file: Optional[str], dtype: str) -> Tuple[Any, Any, bo
         kw["local_files_only"] = True
     torch_dtype = {"auto": "auto", "f32": torch.float32, "bf16": torch.bfloat16,
                    "f16": torch.float16}[dtype]
-    config = transformers.AutoConfig.from_pretrained(model, **kw)
-    vlm = config.model_type in VISION_MODEL_TYPES
-    cls = transformers.AutoModelForImageTextToText if vlm else transformers.AutoModelForCausalLM
-    m = cls.from_pretrained(model, dtype=torch_dtype, attn_implementation=ATTENTION, **kw).eval()
+    try:
+        config = transformers.AutoConfig.from_pretrained(model, **kw)
+        vlm = config.model_type in VISION_MODEL_TYPES
+        cls = (transformers.AutoModelForImageTextToText if vlm
+               else transformers.AutoModelForCausalLM)
+        m = cls.from_pretrained(model, dtype=torch_dtype, attn_implementation=ATTENTION,
+                                **kw).eval()
+    except (OSError, ValueError, KeyError) as e:  # transformers' ways of saying "cannot load"
+        what = f"--model {model}" + (f" --gguf-file {gguf_file}" if gguf_file else "")
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise _Usage(f"{what}: cannot load it: {first}") from None
     try:
         proc = (transformers.AutoProcessor if vlm else transformers.AutoTokenizer
                 ).from_pretrained(model, **kw)
@@ -66,15 +115,26 @@ def load(model: str, gguf_file: Optional[str], dtype: str) -> Tuple[Any, Any, bo
     return m, proc, vlm
 
 
-def encode(proc: Any, vlm: bool, prompt: Optional[str], input_ids: Optional[str],
-           images: List[str]) -> Dict[str, Any]:
-    """The model inputs of one prompt: token ids given as a list, or the prompt through the
-    tokenizer (a chat turn with the images, through the processor, for a VLM)."""
+def _vocab(model: Any) -> Optional[int]:
+    config = model.config
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return getattr(text, "vocab_size", None)
+
+
+def encode(proc: Any, vlm: bool, prompt: Optional[str], input_ids: Optional[List[int]],
+           images: List[str], vocab: Optional[int] = None) -> Dict[str, Any]:
+    """The model inputs of one prompt: token ids given as a list (each below `vocab`), or the
+    prompt through the tokenizer (a chat turn with the images, through the processor, for a
+    VLM)."""
     if input_ids:
-        ids = torch.tensor([[int(x) for x in input_ids.split(",")]])
+        bad = [i for i in input_ids if vocab is not None and i >= vocab]
+        if bad:
+            raise _Usage(f"--input-ids: token id {bad[0]} is outside the model's vocabulary "
+                         f"(0..{vocab - 1})")
+        ids = torch.tensor([input_ids])
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     if proc is None:
-        raise SystemExit("kvcap.hf: the checkpoint has no tokenizer: give --input-ids")
+        raise _Usage("--prompt: the checkpoint has no tokenizer: give --input-ids")
     if not vlm:
         return dict(proc(prompt, return_tensors="pt"))
     from PIL import Image
@@ -114,7 +174,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     import kvcap.hf
 
     model, proc, vlm = load(a.model, a.gguf_file, a.dtype)
-    inputs = encode(proc, vlm, a.prompt, a.input_ids, a.image)
+    inputs = encode(proc, vlm, a.prompt, a.ids, a.image, _vocab(model))
     t0 = time.perf_counter()
     out, cache = kvcap.hf.generate(model, inputs, max_new_tokens=a.tokens, do_sample=False,
                                    **_cache_kwargs(a, proc))
@@ -131,9 +191,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
 def cmd_record(a: argparse.Namespace) -> int:
     import kvcap.hf
 
-    model, proc, vlm = load(a.model, a.gguf_file, a.dtype)
     prompts = _prompt_list(a)
-    os.makedirs(a.out, exist_ok=True)
+    try:
+        os.makedirs(a.out, exist_ok=True)
+    except OSError as e:
+        raise _Usage(f"--out {a.out}: {e.strerror or e}") from None
+    model, proc, vlm = load(a.model, a.gguf_file, a.dtype)
     for i, p in enumerate(prompts):
         inputs = encode(proc, vlm, p, None, a.image)
         kvcap.hf.generate(model, inputs, max_new_tokens=a.tokens, do_sample=False,
@@ -148,8 +211,8 @@ def cmd_record(a: argparse.Namespace) -> int:
 def cmd_eval(a: argparse.Namespace) -> int:
     import kvcap.hf
 
-    model, proc, vlm = load(a.model, a.gguf_file, a.dtype)
     prompts = _prompt_list(a)
+    model, proc, vlm = load(a.model, a.gguf_file, a.dtype)
     rows = []
     for i, p in enumerate(prompts):
         inputs = encode(proc, vlm, p, None, a.image)
@@ -197,7 +260,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     import kvcap.hf
 
     model, proc, vlm = load(a.model, a.gguf_file, a.dtype)
-    inputs = encode(proc, vlm, a.prompt, a.input_ids, a.image)
+    inputs = encode(proc, vlm, a.prompt, a.ids, a.image, _vocab(model))
     n = inputs["input_ids"].shape[1]
     gen = dict(max_new_tokens=a.tokens, min_new_tokens=a.tokens, do_sample=False)
     runs: List[Tuple[str, Dict[str, Any]]] = [("transformers", {}), ("kvcap full", {
@@ -248,14 +311,19 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 def _prompt_list(a: argparse.Namespace) -> List[str]:
     if a.prompts:
-        with open(a.prompts, encoding="utf-8") as f:
-            prompts = [line.strip() for line in f if line.strip()]
+        if not os.path.isfile(a.prompts):  # not a FIFO or a device: read whole below
+            raise _Usage(f"--prompts {a.prompts}: no such file")
+        try:
+            with open(a.prompts, encoding="utf-8") as f:
+                prompts = [line.strip() for line in f if line.strip()]
+        except (OSError, UnicodeError) as e:
+            raise _Usage(f"--prompts {a.prompts}: {e}") from None
         if not prompts:
-            raise SystemExit(f"kvcap.hf: {a.prompts}: no prompts (one per line)")
+            raise _Usage(f"--prompts {a.prompts}: no prompts (one per line)")
         return prompts
     if a.prompt:
         return [a.prompt]
-    raise SystemExit("kvcap.hf: give --prompt TEXT or --prompts FILE")
+    raise _Usage("--prompt or --prompts: give --prompt TEXT or --prompts FILE")
 
 
 def _progress(text: str, end: bool = False) -> None:
@@ -300,8 +368,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         if name == "record":
             p.add_argument("--out", required=True, help="dataset folder to write (created)")
     a = ap.parse_args(argv)
-    if a.command in ("generate", "bench") and not (a.prompt or a.input_ids):
-        ap.error(f"{a.command}: give --prompt or --input-ids")
     if a.command not in ("generate", "bench"):
         a.input_ids = None
     if a.command == "record":
@@ -310,8 +376,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     import kvcap
 
     try:
+        _check_args(a)
         return {"generate": cmd_generate, "record": cmd_record, "eval": cmd_eval,
                 "bench": cmd_bench}[a.command](a)
+    except _Usage as e:
+        print(f"kvcap.hf: {e}", file=sys.stderr)
+        return 2
     except kvcap.Error as e:
         print(f"kvcap.hf: {e}", file=sys.stderr)
         return 1
