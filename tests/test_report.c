@@ -1489,20 +1489,22 @@ static void test_many_masks(void **state)
 }
 
 /* A photo grid finer than 64 cells a side is drawn binned (each cell the mean over its tokens):
- * 17 masks on a 128 x 128 grid draw 16 panels of 64 x 64 cells, where one rectangle per token
- * made the page grow with the declared grid (2^20 tokens: 250 MB from a few hundred bytes). */
+ * a mask on a 128 x 128 grid draws one panel of 64 x 64 cells, where one rectangle per token
+ * made the page grow with the declared grid (2^20 tokens: 250 MB from a few hundred bytes).
+ * One mask: the cap of 16 panels is test_many_masks's, and 16 binned panels take minutes in
+ * the unoptimised sanitizer build. */
 static void test_fine_photo_grid(void **state)
 {
     (void)state;
     struct dirs d;
     dirs_make(&d);
-    write_many_masks(d.metrics, 17, 128 * 128, 128);
+    write_many_masks(d.metrics, 1, 128 * 128, 128);
     if (kvcap_report_write(d.metrics, d.html, NULL) != KVCAP_OK)
         fail_msg("%s", kvcap_last_error());
     char *html = slurp(d.html);
     assert_non_null(html);
-    assert_int_equal(count(html, "<figure class=\"mask-image\">"), 16);
-    assert_int_equal(count(html, "fill=\"#0b1a33\""), 16 * 64 * 64);
+    assert_int_equal(count(html, "<figure class=\"mask-image\">"), 1);
+    assert_int_equal(count(html, "fill=\"#0b1a33\""), 64 * 64);
     assert_non_null(strstr(html, "(clear: the most-kept cell, "));
     assert_non_null(strstr(html, " Each cell is the mean over about 2&thinsp;&times;&thinsp;2 "
                                  "tokens.</figcaption>"));
