@@ -1,6 +1,7 @@
 /* test_common.c — the public conventions: version agreement between header and library, status
  * strings, per-thread last error, the log callback (also set while other threads log), geometry
- * and bucket validation, names; and the runtime's thread pool. */
+ * and bucket validation, names; SHA-256 against the standard's vectors; and the runtime's thread
+ * pool. */
 #include <limits.h>
 #include <math.h>
 #include <pthread.h>
@@ -17,6 +18,7 @@
 #include <cmocka.h>
 
 #include "common/internal.h"
+#include "common/sha256.h"
 #include "runtime/pool.h"
 
 static void test_version_agrees(void **state)
@@ -401,6 +403,95 @@ static void test_temp_files(void **state)
     kvcap_temp_unregister(slots[0]);
 }
 
+static void sha256_of(const void *data, size_t len, char hex[65])
+{
+    struct kvcap_sha256 s;
+    kvcap_sha256_init(&s);
+    kvcap_sha256_update(&s, data, len);
+    kvcap_sha256_hex(&s, hex);
+}
+
+/* SHA-256: FIPS 180-2's examples (one block, two blocks, a million a's), the padding's edges
+ * (55 to 65 bytes: the length fits in the last block or needs one more; hashlib's digests), the
+ * same digest whatever pieces the message comes in, and the little-endian words metrics.json's
+ * prompts_sha256 is made of (a known answer that tests/python/test_kvpress_reference.py gives
+ * scripts/kvpress_reference.py too). */
+static void test_sha256(void **state)
+{
+    (void)state;
+    static const struct {
+        const char *msg;
+        const char *hex;
+    } vectors[] = {
+        {"", "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"},
+        {"abc", "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"},
+        {"abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq",
+         "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1"},
+        {"abcdefghbcdefghicdefghijdefghijkefghijklfghijklmghijklmnhijklmnoijklmnopjklmnopqklmnopqr"
+         "lmnopqrsmnopqrstnopqrstu",
+         "cf5b16a778af8380036ce59e7b0492370b249b11e8f07a51afac45037afee9d1"},
+    };
+    char hex[65];
+    for (size_t i = 0; i < sizeof vectors / sizeof vectors[0]; i++) {
+        sha256_of(vectors[i].msg, strlen(vectors[i].msg), hex);
+        assert_string_equal(hex, vectors[i].hex);
+    }
+    static const struct {
+        int len;
+        const char *hex;
+    } edges[] = {{55, "9f4390f8d30c2dd92ec9f095b65e2b9ae9b0a925a5258e241c9f1e910f734318"},
+                 {56, "b35439a4ac6f0948b6d6f9e3c6af0f5f590ce20f1bde7090ef7970686ec6738a"},
+                 {63, "7d3e74a05d7db15bce4ad9ec0658ea98e3f06eeecf16b4c6fff2da457ddc2f34"},
+                 {64, "ffe054fe7ae0cb6dc65c3af9b61d5209f439851db43d0ba5997337df154668eb"},
+                 {65, "635361c48bb9eab14198e76ea8ab7f1a41685d6ad62aa9146d301d4f17eb0ae0"}};
+    char a[1000];
+    memset(a, 'a', sizeof a);
+    for (size_t i = 0; i < sizeof edges / sizeof edges[0]; i++) {
+        sha256_of(a, (size_t)edges[i].len, hex);
+        assert_string_equal(hex, edges[i].hex);
+    }
+    struct kvcap_sha256 s;
+    kvcap_sha256_init(&s);
+    for (int i = 0; i < 1000; i++)
+        kvcap_sha256_update(&s, a, sizeof a);
+    kvcap_sha256_hex(&s, hex);
+    assert_string_equal(hex, "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
+    /* in pieces: every split of the 112-byte vector into a head and two tails */
+    const char *m = vectors[3].msg;
+    for (size_t i = 0; i <= 112; i++)
+        for (size_t j = i; j <= 112; j += 7) {
+            kvcap_sha256_init(&s);
+            kvcap_sha256_update(&s, m, i);
+            kvcap_sha256_update(&s, m + i, j - i);
+            kvcap_sha256_update(&s, m + j, 112 - j);
+            kvcap_sha256_hex(&s, hex);
+            if (strcmp(hex, vectors[3].hex) != 0)
+                fail_msg("split at %zu and %zu: %s", i, j, hex);
+        }
+    /* int32 then float32 words, little-endian: hashlib.sha256(struct.pack("<5i", 1, 2, 300, -1,
+     * 49151)) and then struct.pack("<3f", 1.0, -0.5, 3.25) */
+    const int32_t ids[5] = {1, 2, 300, -1, 49151};
+    const float embd[3] = {1.0f, -0.5f, 3.25f};
+    kvcap_sha256_init(&s);
+    kvcap_sha256_update_i32le(&s, ids, 5);
+    kvcap_sha256_hex(&s, hex);
+    assert_string_equal(hex, "d0355cd94aa8d26d3af2643b161d8dfcc76e7220f85299ceedcc9fa5197244f3");
+    kvcap_sha256_init(&s);
+    kvcap_sha256_update_i32le(&s, ids, 5);
+    kvcap_sha256_update_f32le(&s, embd, 3);
+    kvcap_sha256_hex(&s, hex);
+    assert_string_equal(hex, "64b65f46b9c88c9cbddd2678dc05d01672cc1fc56d83343d2b9cae53343f0655");
+    /* longer than the word buffer (64 words):
+     * hashlib.sha256(struct.pack("<1000i", *range(-500, 500))) */
+    int32_t many[1000];
+    for (int i = 0; i < 1000; i++)
+        many[i] = i - 500;
+    kvcap_sha256_init(&s);
+    kvcap_sha256_update_i32le(&s, many, 1000);
+    kvcap_sha256_hex(&s, hex);
+    assert_string_equal(hex, "f96a54b81d1bef1b112117738ef48e0f9664d986acf8c0004c3e79bf550f2df1");
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -415,6 +506,7 @@ int main(void)
         cmocka_unit_test(test_names_round_trip),
         cmocka_unit_test(test_pool_runs_each_task_once),
         cmocka_unit_test(test_temp_files),
+        cmocka_unit_test(test_sha256),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
