@@ -164,6 +164,9 @@ static enum kvcap_status write_artifact(struct kvcap_calib_state *s,
     snprintf(tool, sizeof tool, "kvcap-convert %s", kvcap_version());
     cJSON_AddStringToObject(prov, "tool", tool);
     cJSON_AddStringToObject(prov, "value_basis", o->dct_values ? "dct" : "calibrated");
+    /* how the key maps were made: what an evaluation labels a KVCapsule row with */
+    cJSON_AddStringToObject(prov, "key_maps",
+                            s->key_method == KVCAP_KEY_METHOD_TRAINED ? "trained" : "closed_form");
     cJSON *from = cJSON_AddArrayToObject(prov, "states");
     for (int i = 0; i < o->n_states; i++)
         cJSON_AddItemToArray(from, cJSON_CreateString(o->states[i]));

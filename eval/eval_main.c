@@ -34,6 +34,7 @@
 #include "eval/llama.h"
 #include "eval/report.h"
 #include "common/rng.h"
+#include "common/sha256.h"
 #include "eval/tokenizer.h"
 #include "eval/vision.h"
 
@@ -45,7 +46,11 @@
 #define MAX_ARTIFACTS 24
 #define MAX_RETENTIONS 8
 /* build_runs: full, then this many rows per retention, then one per --kvcapsule artifact */
-#define RUNS_PER_RETENTION 11
+/* Random eviction, the floor every row is judged against, is run with this many seeds; its row
+ * is their mean, prompt by prompt (fold_seeds). */
+#define RANDOM_SEEDS 8
+#define RANDOM_SEEDS_MAX 16
+#define RUNS_PER_RETENTION (10 + RANDOM_SEEDS_MAX)
 #define MAX_RUNS (1 + MAX_RETENTIONS * RUNS_PER_RETENTION + MAX_ARTIFACTS)
 /* The retrieval task: depths of the asked line in the span, greedy tokens of an answer. */
 enum { TASK_DEPTHS = 8, TASK_ANSWER_TOKENS = 6, TASK_NEEDLES = 1 };
@@ -89,10 +94,14 @@ static void usage(FILE *out)
             "                           $HOME/.cache/kvcap/models/" DEFAULT_MODEL_FILE ")\n"
             "  -C, --corpus DIR         folder of plain-text documents (default " DEFAULT_CORPUS
             ",\n"
-            "                           the license texts Debian's base-files ships)\n"
+            "                           the license texts Debian's base-files ships; the\n"
+            "                           text track's test documents: $HOME/.cache/kvcap/texts,\n"
+            "                           which scripts/fetch-texts.sh fills)\n"
             "  -D, --docs LIST          comma-separated document names inside the corpus\n"
-            "                           (record default: " DEFAULT_CALIB_DOCS ";\n"
-            "                           run default: " DEFAULT_HELDOUT_DOCS ")\n"
+            "                           (record default, the calibration documents:\n"
+            "                           " DEFAULT_CALIB_DOCS ";\n"
+            "                           run default, the development documents:\n"
+            "                           " DEFAULT_HELDOUT_DOCS ")\n"
             "  -o, --out DIR            output folder (created)\n"
             "      --track T            text (default): the span is text; image: the span is a\n"
             "                           photo's patch features projected into the model's\n"
@@ -102,10 +111,24 @@ static void usage(FILE *out)
             "                           fitted in closed form, not a trained connector\n"
             "      --features FILE      image track: the feature file (default\n"
             "                           $HOME/.cache/kvcap/vision/features-g16.safetensors)\n"
-            "      --photos SPLIT       run, image track: heldout (default), or calibration: the\n"
-            "                           photos the compressors were fitted on, for choosing a\n"
-            "                           setting without looking at the held-out ones (the text\n"
-            "                           track's counterpart: --docs with calibration documents)\n"
+            "      --photos SPLIT       run, image track: the photos the prompts show (the\n"
+            "                           feature file records each photo's split):\n"
+            "                           development (default; the photos designs are chosen on),\n"
+            "                           calibration (those the projector and compressors were\n"
+            "                           fitted on, for choosing a setting without looking at the\n"
+            "                           others; the text track's counterpart: --docs with\n"
+            "                           calibration documents) or test (looked at once a design\n"
+            "                           is frozen); heldout, the former name of development, is\n"
+            "                           still accepted\n"
+            "      --split S            run, text track: which split --docs are, written into\n"
+            "                           metrics.json for the report: development (default),\n"
+            "                           calibration or test\n"
+            "      --shipped LABEL      run: the row chosen in advance, on calibration and\n"
+            "                           development data, as kvcap's shipped configuration for\n"
+            "                           this span kind (configs/shipped-*.yaml); the report's\n"
+            "                           headline compares it with the papers' methods\n"
+            "      --random-seeds N     run: random eviction's seeds, 1..16 (default 8); its row\n"
+            "                           is their mean, prompt by prompt\n"
             "      --compare FILE       run: another track's metrics.json (repeatable), shown\n"
             "                           beside this one in the report\n"
             "      --head N             tokens before the span, kept in full (default 16)\n"
@@ -170,15 +193,20 @@ struct options {
     int record;
     enum track track;
     const char *features;
-    int calibration_photos, photos_set; /* --photos calibration: run on the calibration split */
+    enum kvvision_split photos; /* --photos: the split the run's prompts show */
+    int photos_set;
     const char *model, *corpus, *docs, *calib_docs, *out, *command;
     int head, span, tail, decode, max_chunks, prompts, generate, continuation, fidelity_steps;
     int task_queries, threads, quiet;
+    int random_seeds;   /* --random-seeds: random eviction's seeds, its row their mean */
+    const char *shipped; /* --shipped: the label of the row chosen in advance, or NULL */
+    const char *split;   /* --split (text track): calibration, development or test */
     enum kvcap_dtype storage;
     double retentions[MAX_RETENTIONS];
     int n_retentions;
     struct artifact_arg artifacts[MAX_ARTIFACTS];
     int n_artifacts, exact_tiles;
+    int artifact_keys[MAX_ARTIFACTS]; /* 1: the artifact's key maps are trained (artifact_keys) */
     const char *compare[7]; /* metrics.json of other tracks, shown beside this one */
     int n_compare;
     char model_default[4096];
@@ -230,8 +258,10 @@ static int parse_options(int argc, char **argv, struct options *o)
     memset(o, 0, sizeof *o);
     o->head = 16, o->span = 256, o->tail = 16, o->decode = 16, o->prompts = 8, o->generate = 64;
     o->continuation = 256, o->fidelity_steps = 32, o->task_queries = 64;
+    o->random_seeds = RANDOM_SEEDS, o->split = "development";
     o->storage = KVCAP_DTYPE_F16;
     o->corpus = DEFAULT_CORPUS;
+    o->photos = KVVISION_DEVELOPMENT;
     o->retentions[0] = 0.2, o->retentions[1] = 0.4, o->retentions[2] = 0.6;
     o->n_retentions = 3;
     if (argc >= 2 && (!strcmp(argv[1], "-h") || !strcmp(argv[1], "--help"))) {
@@ -247,7 +277,8 @@ static int parse_options(int argc, char **argv, struct options *o)
     o->record = !strcmp(argv[1], "record");
     enum { O_SPAN = 256, O_HEAD, O_TAIL, O_DECODE, O_MAXCH, O_ART, O_RET, O_PROMPTS, O_GEN,
            O_STORAGE, O_THREADS, O_COMMAND, O_CALIB_DOCS, O_CONT, O_FID, O_TASK, O_TRACK,
-           O_FEATURES, O_COMPARE, O_ART_EXACT, O_EXACT_TILES, O_PHOTOS, O_KVZIP_BASIS };
+           O_FEATURES, O_COMPARE, O_ART_EXACT, O_EXACT_TILES, O_PHOTOS, O_KVZIP_BASIS,
+           O_SEEDS, O_SHIPPED, O_SPLIT };
     static const struct option longopts[] = {
         {"model", required_argument, 0, 'm'},   {"corpus", required_argument, 0, 'C'},
         {"docs", required_argument, 0, 'D'},    {"out", required_argument, 0, 'o'},
@@ -272,6 +303,9 @@ static int parse_options(int argc, char **argv, struct options *o)
         {"kvzip-basis", required_argument, 0, O_KVZIP_BASIS},
         {"exact-tiles", required_argument, 0, O_EXACT_TILES},
         {"photos", required_argument, 0, O_PHOTOS},
+        {"random-seeds", required_argument, 0, O_SEEDS},
+        {"shipped", required_argument, 0, O_SHIPPED},
+        {"split", required_argument, 0, O_SPLIT},
         {"quiet", no_argument, 0, 'q'},         {"version", no_argument, 0, 'V'},
         {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
     int c, rc = 0;
@@ -299,15 +333,26 @@ static int parse_options(int argc, char **argv, struct options *o)
         case O_CONT: rc = cli_parse_int(optarg, "--continuation", 1, 8192, &o->continuation); break;
         case O_FID: rc = cli_parse_int(optarg, "--fidelity-steps", 1, 1024, &o->fidelity_steps); break;
         case O_TASK: rc = cli_parse_int(optarg, "--task-queries", 0, 4096, &o->task_queries); break;
+        case O_SEEDS:
+            rc = cli_parse_int(optarg, "--random-seeds", 1, RANDOM_SEEDS_MAX, &o->random_seeds);
+            break;
+        case O_SHIPPED: o->shipped = optarg; break;
+        case O_SPLIT:
+            o->split = optarg;
+            if (strcmp(optarg, "calibration") && strcmp(optarg, "development") &&
+                strcmp(optarg, "test"))
+                rc = cli_usage_error("--split: '%s' is not calibration, development or test",
+                                     optarg);
+            break;
         case O_THREADS: rc = cli_parse_int(optarg, "--threads", 0, 1024, &o->threads); break;
         case O_COMMAND: o->command = optarg; break;
         case O_CALIB_DOCS: o->calib_docs = optarg; break;
         case O_FEATURES: o->features = optarg; break;
         case O_PHOTOS:
             o->photos_set = 1;
-            if (!strcmp(optarg, "heldout")) o->calibration_photos = 0;
-            else if (!strcmp(optarg, "calibration")) o->calibration_photos = 1;
-            else rc = cli_usage_error("--photos: '%s' is not heldout or calibration", optarg);
+            if (kvvision_split_parse(optarg, &o->photos) != 0)
+                rc = cli_usage_error("--photos: '%s' is not calibration, development or test",
+                                     optarg);
             break;
         case O_COMPARE:
             if (o->n_compare == 7)
@@ -582,6 +627,9 @@ static enum kvcap_status prompt_prefill(const struct model_ctx *mc, const int32_
 static const char *const k_replay_text = "\n\nRepeat the previous context exactly.";
 static const char *const k_replay_turn = "<|im_end|>\n<|im_start|>assistant\n";
 
+/* Timings of the reconstruction pass and of a bare prefill, of which the least counts. */
+enum { REPLAY_TIMINGS = 3 };
+
 static enum kvcap_status prompt_replay(const struct model_ctx *mc, struct prompt *p)
 {
     const struct kvllama_hparams *hp = mc->hp;
@@ -601,18 +649,23 @@ static enum kvcap_status prompt_replay(const struct model_ctx *mc, struct prompt
         memcpy(prefix, a, sizeof *prefix * na);
         memcpy(prefix + na, b, sizeof *prefix * nb);
         const struct kvllama_embd_span image = {p->head, p->span, p->embd};
-        /* The pass beyond a prefill of the prompt: both timed here, back to back and warm (the
-         * prompt's own prefill, the first of the run, may include start-up costs); when noise
-         * outweighs the difference it is not a measurement: NaN, shown as not measured. */
-        struct kvllama_prefill_out bare = {NULL, NULL, NULL, 0, NULL, 0};
-        const double t0 = kvcap_seconds();
-        s = kvllama_prefill_embd(mc->model, p->ids, P, p->embd ? &image : NULL, &bare);
-        const double t1 = kvcap_seconds();
-        if (s == KVCAP_OK)
-            s = kvllama_reconstruct(mc->model, p->ids, P, prefix, (int)(na + nb),
-                                    p->embd ? &image : NULL, q, lse);
-        const double extra = (kvcap_seconds() - t1) - (t1 - t0);
-        p->replay_s = extra > 0 ? extra : NAN;
+        /* The pass beyond a prefill of the prompt: both timed here, warm (the prompt's own
+         * prefill, the first of the run, may include start-up costs), taking turns, the least
+         * of REPLAY_TIMINGS each (a busy machine only ever adds time); should noise still
+         * outweigh the difference it is not a measurement: NaN, shown as not measured. */
+        double prefill = HUGE_VAL, pass = HUGE_VAL;
+        for (int i = 0; s == KVCAP_OK && i < REPLAY_TIMINGS; i++) {
+            struct kvllama_prefill_out bare = {NULL, NULL, NULL, 0, NULL, 0};
+            const double t0 = kvcap_seconds();
+            s = kvllama_prefill_embd(mc->model, p->ids, P, p->embd ? &image : NULL, &bare);
+            const double t1 = kvcap_seconds();
+            if (s == KVCAP_OK)
+                s = kvllama_reconstruct(mc->model, p->ids, P, prefix, (int)(na + nb),
+                                        p->embd ? &image : NULL, q, lse);
+            const double t2 = kvcap_seconds();
+            prefill = fmin(prefill, t1 - t0), pass = fmin(pass, t2 - t1);
+        }
+        p->replay_s = pass > prefill ? pass - prefill : NAN;
     }
     if (s == KVCAP_OK) {
         free(p->q_replay), free(p->lse_replay);
@@ -715,10 +768,10 @@ static void image_set_free(struct image_set *im)
     memset(im, 0, sizeof *im);
 }
 
-/* Opens --features, fits the projector and lists the crops of the held-out photos (heldout 1)
- * or of the calibration photos (0). */
+/* Opens --features, fits the projector (on the calibration photos) and lists the crops of the
+ * photos of `split`. */
 static enum kvcap_status image_set_open(const struct options *o, const struct model_ctx *mc,
-                                        int heldout, struct image_set *im)
+                                        enum kvvision_split split, struct image_set *im)
 {
     memset(im, 0, sizeof *im);
     KVCAP_TRY(kvvision_open(o->features, &im->f));
@@ -727,11 +780,14 @@ static enum kvcap_status image_set_open(const struct options *o, const struct mo
     if (s == KVCAP_OK && !(im->crops = malloc(sizeof *im->crops * (size_t)im->f.n_crops)))
         s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "no memory");
     for (int c = 0; s == KVCAP_OK && c < im->f.n_crops; c++)
-        if (kvvision_heldout(&im->f, c) == heldout)
+        if (kvvision_crop_split(&im->f, c) == split)
             im->crops[im->n++] = c;
     if (s == KVCAP_OK && im->n == 0)
-        s = kvcap_fail(KVCAP_ERR_INVALID_ARGUMENT, "%s: no crop of a %s photo", o->features,
-                       heldout ? "held-out" : "calibration");
+        s = kvcap_fail(KVCAP_ERR_INVALID_ARGUMENT, "%s: no crop of a %s photo%s", o->features,
+                       kvvision_split_name(split),
+                       im->f.splits_recorded ? ""
+                                             : " (the file records no splits: remake it with "
+                                               "scripts/vision_features.py)");
     if (s != KVCAP_OK)
         image_set_free(im);
     return s;
@@ -751,7 +807,7 @@ static int cmd_record(const struct options *opt)
     const struct options *o = &eo;
     struct image_set im = {0};
     if (opt->track == TRACK_IMAGE) {
-        s = image_set_open(opt, &mc, 0, &im);
+        s = image_set_open(opt, &mc, KVVISION_CALIBRATION, &im);
         if (s != KVCAP_OK) {
             model_close(&mc);
             return cli_fail(s);
@@ -849,7 +905,7 @@ struct freekv_counts {
 };
 
 struct run {
-    char id[48], label[48], yaml[1024];
+    char id[96], label[80], yaml[1024];
     const char *policy;
     double retention;                 /* the target: fraction of the span's tokens (bytes) kept */
     double nominal;                   /* the policy's own parameter that reaches it */
@@ -859,6 +915,10 @@ struct run {
     const char *vlcache_extra;        /* kvcap's variant's vlcache keys (+protect, +uniform) */
     const struct kvcap_artifact *art;
     int freekv_tokens;                /* span tokens FreeKV attends per KV head and step */
+    int match_freekv;                 /* find the pages FreeKV attends so that the span bytes it
+                                       * reads per step are the target's (match_freekv) */
+    double held;                      /* span bytes held over full's; FreeKV: in its store and
+                                       * pool together (realised is what it reads) */
     enum post_queries post;           /* the queries its cache takes after the prompt */
     double compress_ms;               /* per prompt: the cache's scoring and eviction, plus
                                        * (replay) the reconstruction pass beyond the prefill */
@@ -877,9 +937,15 @@ struct run {
     int64_t attn_count;
     struct freekv_counts fkv;
     int32_t *answers;                 /* [task queries][answer tokens] */
-    int task_correct, task_same;      /* answers equal to the truth, to full's */
+    double task_correct, task_same;   /* answers equal to the truth, to full's */
     double task_span_bytes;           /* span bytes held over the task's prompts */
-    int *task_correct_depth;          /* [depth bins] */
+    double *task_correct_depth;       /* [depth bins] */
+    /* random eviction: its seed; the seed-0 run of a retention also counts the seeds that
+     * follow it in runs[] (n_seeds) and, once fold_seeds has run, holds their mean and each
+     * seed's own KL and dNLL; the others are then not written */
+    int shipped; /* the row --shipped names: kvcap's configuration chosen in advance */
+    int seed, n_seeds;
+    double seed_kl[RANDOM_SEEDS_MAX], seed_dnll[RANDOM_SEEDS_MAX];
 };
 
 static void add_run(struct run *runs, int *n, const char *policy, const char *label,
@@ -928,7 +994,21 @@ static void add_vlcache(struct run *runs, int *n, const char *label, double r,
     vlcache_yaml(&runs[*n - 1], r);
 }
 
-enum { FREEKV_PAGE = 8 };
+/* FreeKV: pages of 8 tokens, one sink page and two window pages always attended, so at least
+ * FREEKV_MIN_PAGES pages a step. */
+enum { FREEKV_PAGE = 8, FREEKV_MIN_PAGES = 4 };
+
+/* The runtime YAML of a FreeKV run attending `pages` pages of the span a step. */
+static void freekv_yaml(struct run *r, int pages, int span)
+{
+    pages = pages < FREEKV_MIN_PAGES ? FREEKV_MIN_PAGES : pages;
+    snprintf(r->yaml, sizeof r->yaml,
+             "policies: {vision: freekv, text: full, generated: full}\n"
+             "freekv: {page_size: %d, budget: %d, tau: 0.9, sink_pages: 1, window_pages: 2}\n",
+             FREEKV_PAGE, pages * FREEKV_PAGE);
+    r->freekv_tokens = pages * FREEKV_PAGE < span ? pages * FREEKV_PAGE : span;
+    r->nominal = (double)r->freekv_tokens / span;
+}
 /* kvzip+safeguard: every head first keeps its best tokens up to half an even split. Chosen on
  * the calibration documents (README). */
 #define KVZIP_SAFEGUARD 0.5
@@ -963,14 +1043,9 @@ static int build_runs(const struct options *o, struct kvcap_artifact **arts, str
         add_vlcache(runs, &n, "vlcache+protect", r,
                     ", recent_fraction: 0.1, sinks: 4, window: 16");
         add_vlcache(runs, &n, "vlcache+uniform", r, ", layer_budgets: uniform");
-        int pages = (int)lround((double)keep / FREEKV_PAGE);
-        pages = pages < 4 ? 4 : pages;
-        add_run(runs, &n, "freekv", "freekv", r,
-                "policies: {vision: freekv, text: full, generated: full}\n"
-                "freekv: {page_size: %d, budget: %d, tau: 0.9, sink_pages: 1, window_pages: 2}\n",
-                FREEKV_PAGE, pages * FREEKV_PAGE);
-        runs[n - 1].freekv_tokens = pages * FREEKV_PAGE < o->span ? pages * FREEKV_PAGE : o->span;
-        runs[n - 1].nominal = (double)pages * FREEKV_PAGE / o->span;
+        add_run(runs, &n, "freekv", "freekv", r, "%s", "");
+        freekv_yaml(&runs[n - 1], (int)lround((double)keep / FREEKV_PAGE), o->span);
+        runs[n - 1].match_freekv = 1;
         add_run(runs, &n, "kvzip", "kvzip", r,
                 "policies: {vision: kvzip, text: full, generated: full}\n"
                 "kvzip: {retention: %.6f}\n", r);
@@ -984,15 +1059,22 @@ static int build_runs(const struct options *o, struct kvcap_artifact **arts, str
                 "policies: {vision: expected_attention, text: full, generated: full}\n"
                 "expected_attention: {retention: %.6f}\n", r);
         runs[n - 1].post = POST_PROMPT;
-        add_run(runs, &n, "random", "random", r,
-                "policies: {vision: random, text: full, generated: full}\n"
-                "random: {retention: %.6f, seed: 0}\n", r);
-        if (n != 1 + (i + 1) * RUNS_PER_RETENTION) /* runs[] is sized by it: a row added */
-            return -1;                              /* above needs RUNS_PER_RETENTION raised */
+        for (int seed = 0; seed < o->random_seeds; seed++) {
+            add_run(runs, &n, "random", "random", r,
+                    "policies: {vision: random, text: full, generated: full}\n"
+                    "random: {retention: %.6f, seed: %d}\n", r, seed);
+            runs[n - 1].seed = seed;
+            runs[n - 1].n_seeds = seed == 0 ? o->random_seeds : 0;
+            if (seed > 0) /* ids stay unique; only seed 0's is written */
+                snprintf(runs[n - 1].id + strlen(runs[n - 1].id),
+                         sizeof runs[n - 1].id - strlen(runs[n - 1].id), "-seed%d", seed);
+        }
+        if (n > 1 + (i + 1) * RUNS_PER_RETENTION) /* runs[] is sized by it: a row added */
+            return -1;                             /* above needs RUNS_PER_RETENTION raised */
     }
     for (int a = 0; a < o->n_artifacts; a++) {
         const struct artifact_arg *aa = &o->artifacts[a];
-        char label[48];
+        char label[80];
         if (aa->use == USE_KVZIP_BASIS) { /* KVzip's keys, the values in the artifact's basis */
             snprintf(label, sizeof label, "kvzip+basis %s", aa->variant);
             add_run(runs, &n, "kvzip", label, aa->retention,
@@ -1003,12 +1085,19 @@ static int build_runs(const struct options *o, struct kvcap_artifact **arts, str
             runs[n - 1].extension = 1;
         } else {
             const int exact = aa->use == USE_EXACT;
-            snprintf(label, sizeof label, "kvcapsule %s%s", aa->variant, exact ? "+exact" : "");
+            snprintf(label, sizeof label, "kvcapsule %s%s (%s keys)", aa->variant,
+                     exact ? "+exact" : "", o->artifact_keys[a] ? "trained" : "closed-form");
             add_run(runs, &n, "kvcapsule", label, aa->retention,
                     "policies: {vision: kvcapsule, text: full, generated: full}\nfallback: none\n"
                     "kvcapsule: {exact_tiles: %d}\n",
                     exact ? (o->exact_tiles > 0 ? o->exact_tiles : 1) : 0); /* default 1 */
-            runs[n - 1].extension = exact || strcmp(aa->variant, "dense") != 0;
+            /* the paper's method: its dense maps with its trained keys; any other structure,
+             * closed-form keys or exact tiles are kvcap's */
+            runs[n - 1].extension = exact || strncmp(aa->variant, "dense", 5) != 0 ||
+                                    !o->artifact_keys[a];
+            /* the id without the key method: the same row keeps its id across runs */
+            snprintf(runs[n - 1].id, sizeof runs[n - 1].id, "kvcapsule-%s%s@%.2f", aa->variant,
+                     exact ? "+exact" : "", aa->retention);
         }
         runs[n - 1].art = arts[a];
     }
@@ -1088,6 +1177,108 @@ static enum kvcap_status match_vlcache(const struct options *o, const struct mod
     return KVCAP_OK;
 }
 
+/* Bytes one decode step reads, all layers and prompts: the first held-out token appended (its
+ * K/V from full's prefill, the same in every run) and attended with its queries. FreeKV selects
+ * on that step synchronously, reading its page digests and the pages it attends. */
+static enum kvcap_status step_read_bytes(const struct options *o, const struct model_ctx *mc,
+                                         const struct run *run, const struct prompt *prompts,
+                                         int n_prompts, double *bytes)
+{
+    const int L = mc->g.n_layers, H = mc->g.n_q_heads, d = mc->g.head_dim;
+    const size_t kd = (size_t)mc->g.n_kv_heads * d, qrow = (size_t)n_prompts * H * d;
+    *bytes = 0;
+    struct kvcap_cache *cache = NULL;
+    KVCAP_TRY(run_cache(o, mc, run, prompts, n_prompts, &cache));
+    float *q = malloc(qrow * sizeof *q), *out = malloc(qrow * sizeof *out);
+    enum kvcap_status s = q && out ? KVCAP_OK
+                                   : kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "no memory for a step");
+    for (int l = 0; s == KVCAP_OK && l < L; l++) {
+        for (int p = 0; s == KVCAP_OK && p < n_prompts; p++) {
+            const struct prompt *pr = &prompts[p];
+            const size_t n = (size_t)prompt_tokens(pr) + pr->n_fid;
+            const size_t at = ((size_t)l * n + prompt_tokens(pr)) * kd;
+            struct kvcap_tensor_view kv = {.base = pr->k + at, .dtype = KVCAP_DTYPE_F32,
+                                           .head_stride = d, .token_stride = (int64_t)kd};
+            struct kvcap_tensor_view vv = kv;
+            vv.base = pr->v + at;
+            s = kvcap_cache_append(cache, p, l, &kv, &vv);
+            for (int h = 0; h < H; h++)
+                memcpy(q + ((size_t)p * H + h) * d,
+                       pr->q_dec + (((size_t)l * H + h) * pr->n_fid) * d, d * sizeof *q);
+        }
+        struct kvcap_cache_stats st;
+        if (s == KVCAP_OK)
+            s = kvcap_cache_attend(cache, l, q, out);
+        if (s == KVCAP_OK)
+            s = kvcap_cache_stats(cache, &st);
+        if (s == KVCAP_OK)
+            *bytes += (double)st.bytes_read_last_attend;
+    }
+    kvcap_cache_free(cache);
+    free(q), free(out);
+    return s;
+}
+
+/* FreeKV keeps the whole span (and page digests) and attends a budget of its pages, so what it
+ * holds says nothing of its budget; what it reads per step does. For an equal-budget comparison
+ * its pages are chosen so that the span bytes a step reads (digests, selected pages) over
+ * full's are the target's, nearest among whole pages: the span's share of a step's reads is the
+ * step's bytes less those of the text and generated rows, which every run holds in full (full's
+ * step less full's span). *reachable is 0 when even the fewest pages read more than 5 % above
+ * the target (the digests alone cost that much). */
+/* A target a policy's run could not be matched to (FreeKV reading more than it at its fewest
+ * pages): no row, named in metrics.json with what it reads at best. */
+struct unreached {
+    const char *policy;
+    double retention, floor;
+};
+
+static int runs_matching_freekv(const struct run *runs, int n_runs)
+{
+    for (int r = 0; r < n_runs; r++)
+        if (runs[r].match_freekv)
+            return 1;
+    return 0;
+}
+
+static enum kvcap_status match_freekv(const struct options *o, const struct model_ctx *mc,
+                                      struct run *run, const struct prompt *prompts,
+                                      int n_prompts, double full_step, double full_span,
+                                      int *reachable)
+{
+    const double target = run->retention;
+    const int max_pages = (o->span + FREEKV_PAGE - 1) / FREEKV_PAGE;
+    double share[2] = {0, 0};
+    int lo = FREEKV_MIN_PAGES, hi = max_pages; /* the fewest pages reading at least target */
+    double bytes = 0;
+    freekv_yaml(run, lo, o->span);
+    KVCAP_TRY(step_read_bytes(o, mc, run, prompts, n_prompts, &bytes));
+    share[0] = (bytes - full_step + full_span) / full_span;
+    if (share[0] >= target) {
+        *reachable = share[0] <= 1.05 * target;
+        run->realised = share[0];
+        return KVCAP_OK;
+    }
+    while (hi - lo > 1) { /* share(lo) < target; hi: at least target, or every page */
+        const int mid = (lo + hi) / 2;
+        freekv_yaml(run, mid, o->span);
+        KVCAP_TRY(step_read_bytes(o, mc, run, prompts, n_prompts, &bytes));
+        const double sh = (bytes - full_step + full_span) / full_span;
+        if (sh < target)
+            lo = mid, share[0] = sh;
+        else
+            hi = mid;
+    }
+    freekv_yaml(run, hi, o->span);
+    KVCAP_TRY(step_read_bytes(o, mc, run, prompts, n_prompts, &bytes));
+    share[1] = (bytes - full_step + full_span) / full_span;
+    const int nearer_lo = target - share[0] < share[1] - target;
+    freekv_yaml(run, nearer_lo ? lo : hi, o->span);
+    run->realised = nearer_lo ? share[0] : share[1];
+    *reachable = 1;
+    return KVCAP_OK;
+}
+
 /* Creates every run's cache for the prompts and hands each prompt over; measures bytes and
  * the realised retention: the span's bytes held over full's (for eviction policies the share
  * of span tokens kept; FreeKV holds every token in its store and attends a budget of them). */
@@ -1112,8 +1303,9 @@ static enum kvcap_status phase_setup(const struct options *o, const struct model
             run->prefill_ms = 1e3 * prefill_s / n_prompts;
             run->bytes_held = (double)st.bytes_held / n_prompts;
             run->bytes_held_span = (double)st.bytes_by_kind[KVCAP_SPAN_VISION] / n_prompts;
-            run->realised = run->freekv_tokens ? (double)run->freekv_tokens / o->span
-                                               : run->bytes_held_span / runs[0].bytes_held_span;
+            run->held = run->bytes_held_span / runs[0].bytes_held_span;
+            if (!run->freekv_tokens) /* FreeKV's: what it reads, from match_freekv */
+                run->realised = run->held;
         }
     }
     return KVCAP_OK;
@@ -1124,6 +1316,49 @@ static void phase_teardown(struct run *runs, int n_runs)
     for (int r = 0; r < n_runs; r++) {
         kvcap_cache_free(runs[r].cache);
         runs[r].cache = NULL;
+    }
+}
+
+/* Random eviction's seeds into one row per retention: each seed's mean KL and dNLL are kept
+ * (the spread the report shows), then every accumulator of the seed-0 run becomes the mean over
+ * the seeds, prompt by prompt, so that the row and its paired intervals are random eviction's in
+ * expectation rather than one mask's. The seeds follow their seed-0 run in runs[]. */
+static void fold_seeds(struct run *runs, int n_runs, int n_prompts, int layers)
+{
+    const struct run *full = &runs[0];
+    for (int r = 0; r < n_runs; r++) {
+        struct run *u = &runs[r];
+        const int n = u->n_seeds;
+        if (n < 2 || r + n > n_runs)
+            continue;
+        for (int k = 0; k < n; k++) {
+            const struct run *v = u + k;
+            u->seed_kl[k] = v->kl_sum / (double)v->nll_count;
+            u->seed_dnll[k] = (v->nll_sum - full->nll_sum) / (double)v->nll_count;
+        }
+        for (int k = 1; k < n; k++) {
+            const struct run *v = u + k;
+            u->nll_sum += v->nll_sum, u->kl_sum += v->kl_sum;
+            for (int p = 0; p < n_prompts; p++)
+                u->prompt_nll[p] += v->prompt_nll[p], u->prompt_kl[p] += v->prompt_kl[p];
+            for (int l = 0; u->cos_sum && v->cos_sum && l < layers; l++)
+                u->cos_sum[l] += v->cos_sum[l], u->err_sum[l] += v->err_sum[l];
+            u->task_correct += v->task_correct, u->task_same += v->task_same;
+            u->task_span_bytes += v->task_span_bytes;
+            for (int b = 0; u->task_correct_depth && v->task_correct_depth && b < TASK_DEPTHS; b++)
+                u->task_correct_depth[b] += v->task_correct_depth[b];
+            u->compress_ms += v->compress_ms, u->step_ms += v->step_ms;
+            u->bytes_read_step += v->bytes_read_step;
+        }
+        u->nll_sum /= n, u->kl_sum /= n;
+        for (int p = 0; p < n_prompts; p++)
+            u->prompt_nll[p] /= n, u->prompt_kl[p] /= n;
+        for (int l = 0; u->cos_sum && l < layers; l++)
+            u->cos_sum[l] /= n, u->err_sum[l] /= n;
+        u->task_correct /= n, u->task_same /= n, u->task_span_bytes /= n;
+        for (int b = 0; u->task_correct_depth && b < TASK_DEPTHS; b++)
+            u->task_correct_depth[b] /= n;
+        u->compress_ms /= n, u->step_ms /= n, u->bytes_read_step /= n;
     }
 }
 
@@ -1515,7 +1750,7 @@ static enum kvcap_status task_run(const struct options *o, const struct model_ct
     enum kvcap_status s = out ? KVCAP_OK : kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "no memory");
     for (int r = 0; s == KVCAP_OK && r < n_runs; r++) {
         runs[r].answers = calloc((size_t)t->n * TASK_ANSWER_TOKENS, sizeof(int32_t));
-        runs[r].task_correct_depth = calloc(TASK_DEPTHS, sizeof(int));
+        runs[r].task_correct_depth = calloc(TASK_DEPTHS, sizeof(double));
         if (!runs[r].answers || !runs[r].task_correct_depth)
             s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "no memory");
     }
@@ -1686,20 +1921,64 @@ static void add_masks(cJSON *root, const struct options *o, int rows, const char
 }
 
 /* The text of the first n generated tokens (control tokens as written). */
-/* Photos held out for evaluation. */
+/* Photos and crops of the feature file per split (a photo counted when it has a crop here). */
+struct split_counts {
+    int photos[KVVISION_N_SPLITS], crops[KVVISION_N_SPLITS];
+};
+
+static struct split_counts split_counts_of(const struct image_set *im)
+{
+    struct split_counts k = {{0}, {0}};
+    unsigned char *seen = calloc((size_t)im->f.n_photos + 1, 1);
+    for (int c = 0; c < im->f.n_crops; c++) {
+        const int p = im->f.photo[c];
+        const enum kvvision_split sp = kvvision_crop_split(&im->f, c);
+        k.crops[sp]++;
+        /* without memory, counted as if stored by photo, as vision_features.py stores them */
+        k.photos[sp] += seen ? !seen[p] : c == 0 || im->f.photo[c - 1] != p;
+        if (seen)
+            seen[p] = 1;
+    }
+    free(seen);
+    return k;
+}
+
+/* Photos held out from calibration (development and test), never calibrated on. */
 static int held_photos_of(const struct image_set *im)
 {
-    int n = 0;
-    for (int p = 0; p < im->f.n_photos; p++)
-        n += kvvision_photo_heldout(p);
-    return n;
+    const struct split_counts k = split_counts_of(im);
+    return k.photos[KVVISION_DEVELOPMENT] + k.photos[KVVISION_TEST];
+}
+
+/* metrics.json's prompts_sha256 (eval/report.h): SHA-256 of what the engine was fed, prompt
+ * after prompt in prompt_ids' order: the ids prompt_ids lists (head, span, tail, continuation)
+ * as int32 little-endian, then, on the image track (embd: [prompts][span][n_embd]), the span's
+ * embeddings as float32 little-endian, as span_embeddings.safetensors holds them.
+ * scripts/kvpress_reference.py hashes what it feeds transformers the same way and kvcap-report
+ * refuses a kvpress.json whose hash is not this one. */
+static void prompts_sha256(const struct options *o, const struct corpus *corpus, int n_prompts,
+                           const float *embd, size_t embd_per_prompt, char hex[65])
+{
+    struct kvcap_sha256 h;
+    kvcap_sha256_init(&h);
+    for (int p = 0; p < n_prompts && p < corpus->n_chunks; p++) {
+        const struct chunk *ch = &corpus->chunks[p];
+        const int n = prompt_len(o) + o->continuation;
+        kvcap_sha256_update_i32le(&h, ch->ids, (size_t)(n < ch->n ? n : ch->n));
+        if (embd)
+            kvcap_sha256_update_f32le(&h, embd + embd_per_prompt * p, embd_per_prompt);
+    }
+    kvcap_sha256_hex(&h, hex);
 }
 
 static enum kvcap_status write_metrics(const struct options *o, const struct model_ctx *mc,
                                        const struct corpus *corpus, struct run *runs,
                                        int n_runs, int n_prompts, const struct task *task,
                                        double bandwidth_gbs, const char *command,
-                                       const struct image_set *im, int crop0, const char *path)
+                                       const struct image_set *im, const float *embd,
+                                       int crop0,
+                                       const struct unreached *unreached, int n_unreached,
+                                       const char *path)
 {
     /* The end of the first prompt: what the samples continue. */
     char prompt_tail_text[1024] = "";
@@ -1738,7 +2017,8 @@ static enum kvcap_status write_metrics(const struct options *o, const struct mod
     cJSON_AddNumberToObject(model, "head_dim", mc->hp->head_dim);
     cJSON *cj = cJSON_AddObjectToObject(root, "corpus");
     char src[512];
-    snprintf(src, sizeof src, "%s (Debian base-files license texts)", o->corpus);
+    snprintf(src, sizeof src, "%s%s", o->corpus,
+             strcmp(o->corpus, DEFAULT_CORPUS) ? "" : " (Debian base-files license texts)");
     cJSON_AddStringToObject(cj, "source", src);
     cJSON *held = cJSON_AddArrayToObject(cj, "heldout");
     for (int i = 0; i < corpus->n_docs; i++)
@@ -1756,20 +2036,30 @@ static enum kvcap_status write_metrics(const struct options *o, const struct mod
     cJSON *track = cJSON_AddObjectToObject(root, "track");
     cJSON_AddStringToObject(track, "kind", im ? "image" : "text");
     if (im) {
-        int held_photos = held_photos_of(im), calib_crops = 0;
-        for (int c = 0; c < im->f.n_crops; c++)
-            calib_crops += !kvvision_heldout(&im->f, c);
+        const struct split_counts k = split_counts_of(im);
+        const int calib_crops = k.crops[KVVISION_CALIBRATION];
         cJSON_AddStringToObject(track, "features", o->features);
         cJSON_AddStringToObject(track, "span_embeddings", "span_embeddings.safetensors");
         cJSON_AddNumberToObject(track, "rows", im->f.grid);
         cJSON_AddNumberToObject(track, "cols", im->f.grid);
-        cJSON_AddNumberToObject(track, "photos", im->f.n_photos);
-        cJSON_AddNumberToObject(track, "heldout_photos", held_photos);
+        /* photos with a crop in the file; held out: development and test, never calibrated on */
+        cJSON_AddNumberToObject(track, "photos", k.photos[0] + k.photos[1] + k.photos[2]);
+        cJSON_AddNumberToObject(track, "heldout_photos", held_photos_of(im));
         cJSON_AddNumberToObject(track, "calibration_crops", calib_crops);
         cJSON_AddNumberToObject(track, "heldout_crops", im->f.n_crops - calib_crops);
-        /* the split the prompts' crops come from (--photos) */
-        cJSON_AddStringToObject(track, "photos_split",
-                                o->calibration_photos ? "calibration" : "heldout");
+        /* the split the prompts' crops come from (--photos), its size, and every split's */
+        cJSON_AddStringToObject(track, "photos_split", kvvision_split_name(o->photos));
+        cJSON_AddNumberToObject(track, "split_photos", k.photos[o->photos]);
+        cJSON_AddNumberToObject(track, "split_crops", k.crops[o->photos]);
+        cJSON *splits = cJSON_AddObjectToObject(track, "splits");
+        for (int i = 0; i < KVVISION_N_SPLITS; i++) {
+            cJSON *one =
+                cJSON_AddObjectToObject(splits, kvvision_split_name((enum kvvision_split)i));
+            cJSON_AddNumberToObject(one, "photos", k.photos[i]);
+            cJSON_AddNumberToObject(one, "crops", k.crops[i]);
+        }
+        /* false: a feature file from before the test split, split by photo index */
+        cJSON_AddBoolToObject(track, "splits_recorded", im->f.splits_recorded);
         cJSON_AddStringToObject(track, "projector",
                                 "closed form: the features' principal directions mapped onto "
                                 "the token-embedding table's, variances matched; not a trained "
@@ -1797,6 +2087,13 @@ static enum kvcap_status write_metrics(const struct options *o, const struct mod
         cJSON_AddItemToObject(one, "ids", ids);
         cJSON_AddItemToArray(replay, one);
     }
+    char prompts_hash[65];
+    prompts_sha256(o, corpus, n_prompts, embd, (size_t)o->span * mc->hp->n_embd, prompts_hash);
+    cJSON_AddStringToObject(root, "prompts_sha256", prompts_hash);
+    /* the split the prompts come from; the row chosen in advance, if any */
+    cJSON_AddStringToObject(setup, "split", im ? kvvision_split_name(o->photos) : o->split);
+    if (o->shipped)
+        cJSON_AddStringToObject(setup, "shipped", o->shipped);
     cJSON_AddNumberToObject(setup, "threads", o->threads ? o->threads
                                                          : (int)sysconf(_SC_NPROCESSORS_ONLN));
     cJSON_AddStringToObject(setup, "storage", kvcap_dtype_name(o->storage));
@@ -1820,21 +2117,31 @@ static enum kvcap_status write_metrics(const struct options *o, const struct mod
             cJSON_AddItemToArray(dj, num_or_null(cnt ? sum / cnt : NAN));
         }
     }
+    /* targets a policy could not be run at (FreeKV reading more at its fewest pages) */
+    cJSON *ju = cJSON_AddArrayToObject(root, "unreached");
+    for (int i = 0; i < n_unreached; i++) {
+        cJSON *u = cJSON_CreateObject();
+        cJSON_AddStringToObject(u, "policy", unreached[i].policy);
+        cJSON_AddNumberToObject(u, "retention", unreached[i].retention);
+        cJSON_AddNumberToObject(u, "floor", unreached[i].floor);
+        cJSON_AddItemToArray(ju, u);
+    }
     cJSON *jr = cJSON_AddArrayToObject(root, "runs");
     for (int r = 0; r < n_runs; r++) {
         const struct run *run = &runs[r];
+        if (run->seed > 0) /* folded into its seed-0 row */
+            continue;
         cJSON *j = cJSON_CreateObject();
         cJSON_AddStringToObject(j, "id", run->id);
         cJSON_AddStringToObject(j, "policy", run->policy);
         cJSON_AddStringToObject(j, "label", run->label);
         cJSON_AddBoolToObject(j, "extension", run->extension);
+        cJSON_AddBoolToObject(j, "shipped", run->shipped);
         cJSON_AddNumberToObject(j, "retention", run->retention);
         cJSON_AddNumberToObject(j, "nominal", run->nominal);
         cJSON_AddItemToObject(j, "realised_retention", num_or_null(run->realised));
-        double compression = run->bytes_held_span > 0 ? full->bytes_held_span / run->bytes_held_span
-                                                      : NAN;
-        if (run->freekv_tokens)
-            compression = (double)o->span / run->freekv_tokens;
+        cJSON_AddItemToObject(j, "held_retention", num_or_null(run->held));
+        const double compression = run->realised > 0 ? 1.0 / run->realised : NAN;
         cJSON_AddItemToObject(j, "compression", num_or_null(compression));
         /* prefill cost: compression work per prompt (scoring, eviction; kvzip also its
          * reconstruction pass) over the model's prefill of the prompt */
@@ -1844,26 +2151,41 @@ static enum kvcap_status write_metrics(const struct options *o, const struct mod
                                                                  ? run->compress_ms /
                                                                        run->prefill_ms
                                                                  : NAN));
-        int64_t agree = 0, total = 0;
+        /* Agreements from tokens: a folded random row's are the mean over its seeds; its first
+         * divergences and sample are seed 0's (tokens have no mean). */
+        const int seeds = run->n_seeds > 1 ? run->n_seeds : 1;
+        int64_t agree = 0, total = 0, same = 0;
         cJSON *fd = cJSON_AddArrayToObject(j, "first_divergence");
-        for (int p = 0; p < n_prompts; p++) {
-            int first = o->generate;
-            for (int t = 0; t < o->generate; t++) {
-                const size_t i = (size_t)p * o->generate + t;
-                if (run->generated[i] == full->generated[i])
-                    agree++;
-                else if (first == o->generate)
-                    first = t;
-                total++;
+        for (int k = 0; k < seeds; k++)
+            for (int p = 0; p < n_prompts; p++) {
+                int first = o->generate;
+                for (int t = 0; t < o->generate; t++) {
+                    const size_t i = (size_t)p * o->generate + t;
+                    if (run[k].generated[i] == full->generated[i])
+                        agree++;
+                    else if (first == o->generate)
+                        first = t;
+                    total++;
+                }
+                if (k == 0)
+                    cJSON_AddItemToArray(fd, cJSON_CreateNumber(first));
             }
-            cJSON_AddItemToArray(fd, cJSON_CreateNumber(first));
-        }
         cJSON_AddNumberToObject(j, "token_agreement", (double)agree / (double)total);
-        int64_t same = 0;
         const size_t forced = (size_t)n_prompts * o->continuation;
-        for (size_t i = 0; i < forced; i++)
-            same += run->forced_top1[i] == full->forced_top1[i];
-        cJSON_AddNumberToObject(j, "next_token_agreement", (double)same / (double)forced);
+        for (int k = 0; k < seeds; k++)
+            for (size_t i = 0; i < forced; i++)
+                same += run[k].forced_top1[i] == full->forced_top1[i];
+        cJSON_AddNumberToObject(j, "next_token_agreement",
+                                (double)same / ((double)forced * seeds));
+        if (run->n_seeds > 1) { /* random eviction's seeds: each one's mean KL and dNLL */
+            cJSON *sj = cJSON_AddObjectToObject(j, "seeds");
+            cJSON_AddNumberToObject(sj, "count", run->n_seeds);
+            cJSON *sk = cJSON_AddArrayToObject(sj, "kl"), *sd = cJSON_AddArrayToObject(sj, "nll_delta");
+            for (int k = 0; k < run->n_seeds; k++) {
+                cJSON_AddItemToArray(sk, cJSON_CreateNumber(run->seed_kl[k]));
+                cJSON_AddItemToArray(sd, cJSON_CreateNumber(run->seed_dnll[k]));
+            }
+        }
         char text[2048];
         generated_text(mc, run->generated, o->generate < 64 ? o->generate : 64, text, sizeof text);
         cJSON_AddStringToObject(j, "sample", text);
@@ -1946,12 +2268,16 @@ static enum kvcap_status write_metrics(const struct options *o, const struct mod
                  "which is what compressing it depends on. %s (%d of %d photos held out). The "
                  "retrieval task is text-only and not run on this track.",
                  im->f.grid, im->f.grid,
-                 o->calibration_photos
+                 o->photos == KVVISION_CALIBRATION
                      ? "This run shows the calibration photos, which the compressors were fitted "
                        "on (--photos calibration): it is for choosing a setting, not for judging "
                        "one"
-                     : "Calibration and evaluation use different photos",
-                 held_photos_of(im), im->f.n_photos);
+                 : o->photos == KVVISION_TEST
+                     ? "This run shows the test photos, which no design was chosen on; "
+                       "calibration and evaluation use different photos"
+                     : "This run shows the development photos, which designs are chosen on; "
+                       "calibration and evaluation use different photos",
+                 held_photos_of(im), split_counts_of(im).photos[0] + held_photos_of(im));
         cJSON_AddItemToArray(notes, cJSON_CreateString(line));
     }
     static const char *const k_notes[] = {
@@ -1967,8 +2293,13 @@ static enum kvcap_status write_metrics(const struct options *o, const struct mod
         "over full's (for eviction, the share of span tokens kept). VL-Cache's Algorithm 1 "
         "clips layer budgets at 1 without redistributing, so its nominal budget alpha is "
         "searched until the realised retention is the target's within 1 %; both are shown. "
-        "FreeKV keeps the whole span in host memory (bytes held above 100 %) and attends to a "
-        "budget of pages per step: its realised retention is the share of span tokens attended.",
+        "FreeKV keeps the whole span in host memory, with page digests (held_retention above "
+        "100 %), and attends a budget of pages per step: its realised retention is measured as "
+        "the span bytes one decode step reads (digests and selected pages) over full's, and its "
+        "pages are chosen so that this is the target's, nearest in whole pages; a target its "
+        "digests and fewest pages already exceed by 5 % has no row (metrics.json: unreached). "
+        "Random eviction is run with 8 seeds: its row is their mean, prompt by prompt, and "
+        "seeds gives each seed's mean KL and dNLL.",
         "flashcache, vlcache and kvzip are the papers' methods (FlashCache section 3.2 with "
         "gamma 0.2, no protected tokens; VL-Cache with a recent window of 10 % of the budget at "
         "the end of the prompt and no sinks; KVzip scoring each token by the largest attention "
@@ -1978,7 +2309,10 @@ static enum kvcap_status write_metrics(const struct options *o, const struct mod
         "sinks, a 16-token window and (flashcache) an 8-token floor per layer inside the span; "
         "vlcache+uniform chooses tokens by VL-Cache's scores but gives every layer the same "
         "budget instead of Algorithm 1's, which follows each layer's attention sparsity; "
-        "KVCapsule's tiled maps and pyramid schedule are kvcap's, as are tiled-dct (the "
+        "every KVCapsule row names how its key maps were made (trained, the paper's Algorithm "
+        "2, or closed form, kvcap's); the paper's method is its dense maps with trained keys "
+        "(on the image track with its pyramid schedule); KVCapsule's tiled maps and "
+        "closed-form keys are kvcap's, as are tiled-dct (the "
         "value basis is each tile's 2-D DCT low-pass, its constant first, instead of the "
         "calibrated one: no calibration of values needed) and "
         "tiled+exact: each span and KV head keeps the tile KVCapsule reconstructs worst (its "
@@ -2045,6 +2379,27 @@ static double measure_bandwidth_gbs(void)
     return best;
 }
 
+/* Whether an artifact's key maps were trained (kvcap-convert records key_maps in its
+ * provenance; an artifact without it was converted before it did: closed form, the default). */
+static enum kvcap_status artifact_keys(const char *path, int *trained)
+{
+    *trained = 0;
+    struct kvst_file *f = NULL;
+    struct kvcap_file_info info;
+    memset(&info, 0, sizeof info);
+    enum kvcap_status s = kvst_open(path, &f);
+    if (s == KVCAP_OK)
+        s = kvcap_schema_check(f, KVCAP_KIND_ARTIFACT, &info);
+    if (s == KVCAP_OK) {
+        const cJSON *prov = cJSON_GetObjectItemCaseSensitive(info.config, "provenance");
+        const cJSON *keys = cJSON_GetObjectItemCaseSensitive(prov, "key_maps");
+        *trained = cJSON_IsString(keys) && !strcmp(keys->valuestring, "trained");
+    }
+    kvcap_file_info_free(&info);
+    kvst_close(f);
+    return s;
+}
+
 static int cmd_run(const struct options *opt, int argc, char **argv)
 {
     struct options eo = *opt;
@@ -2061,17 +2416,20 @@ static int cmd_run(const struct options *opt, int argc, char **argv)
     enum kvcap_status s = model_open(o->model, &mc, o->quiet);
     if (s != KVCAP_OK)
         return cli_fail(s);
-    /* the image track: crops of the --photos split (held out by default) on their grid in the
-     * text span's place */
+    /* the image track: crops of the --photos split (development by default) on their grid in
+     * the text span's place */
     struct image_set im = {0};
     if (opt->track == TRACK_IMAGE) {
-        s = image_set_open(opt, &mc, !o->calibration_photos, &im);
+        s = image_set_open(opt, &mc, o->photos, &im);
         if (s == KVCAP_OK)
             eo.span = im.f.n_tokens;
     }
     struct kvcap_artifact *arts[MAX_ARTIFACTS] = {0};
-    for (int a = 0; s == KVCAP_OK && a < o->n_artifacts; a++)
+    for (int a = 0; s == KVCAP_OK && a < o->n_artifacts; a++) {
         s = kvcap_artifact_open(o->artifacts[a].path, &arts[a]);
+        if (s == KVCAP_OK)
+            s = artifact_keys(o->artifacts[a].path, &eo.artifact_keys[a]);
+    }
     /* A chunk: the prompt, then the held-out text that continues it. */
     const int after = o->continuation > o->generate ? o->continuation : o->generate;
     const int n_fid = o->fidelity_steps < after ? o->fidelity_steps : after;
@@ -2100,28 +2458,23 @@ static int cmd_run(const struct options *opt, int argc, char **argv)
         }
     }
     static struct run runs[MAX_RUNS];
-    const int built = build_runs(o, arts, runs), n_runs = built > 0 ? built : 0;
+    const int built = build_runs(o, arts, runs);
+    int n_runs = built > 0 ? built : 0;
     if (s == KVCAP_OK && built < 0)
         s = kvcap_fail(KVCAP_ERR_INTERNAL,
                        "a retention holds other than RUNS_PER_RETENTION = %d runs",
                        RUNS_PER_RETENTION);
+    int n_shipped = 0;
+    for (int r = 0; o->shipped && r < n_runs; r++)
+        n_shipped += runs[r].shipped = !strcmp(runs[r].label, o->shipped);
+    if (s == KVCAP_OK && o->shipped && !n_shipped)
+        s = kvcap_fail(KVCAP_ERR_INVALID_ARGUMENT,
+                       "--shipped: no row is labelled '%s' (a label such as kvzip+safeguard, "
+                       "or kvcapsule VARIANT from --kvcapsule)", o->shipped);
     struct prompt *prompts = calloc((size_t)n_prompts, sizeof *prompts);
     struct task task = {0};
     if (s == KVCAP_OK && !prompts)
         s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "no memory");
-    int32_t **generated = calloc((size_t)n_runs, sizeof *generated);
-    if (s == KVCAP_OK && !generated)
-        s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "no memory");
-    for (int r = 0; s == KVCAP_OK && r < n_runs; r++) {
-        runs[r].generated = calloc((size_t)n_prompts * o->generate, sizeof(int32_t));
-        runs[r].forced_top1 = calloc((size_t)n_prompts * o->continuation, sizeof(int32_t));
-        runs[r].prompt_nll = calloc((size_t)n_prompts * 2, sizeof(double));
-        runs[r].prompt_kl = runs[r].prompt_nll ? runs[r].prompt_nll + n_prompts : NULL;
-        if (!runs[r].generated || !runs[r].forced_top1 || !runs[r].prompt_nll)
-            s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "no memory");
-        else
-            generated[r] = runs[r].generated;
-    }
     if (s == KVCAP_OK)
         s = kvcap_make_dirs(o->out);
     double t0 = kvcap_seconds();
@@ -2154,6 +2507,37 @@ static int cmd_run(const struct options *opt, int argc, char **argv)
     for (int r = 0; s == KVCAP_OK && r < n_runs; r++)
         if (runs[r].match_vlcache)
             s = match_vlcache(o, &mc, &runs[r], prompts, n_prompts, full_span);
+    /* FreeKV by what it reads; a target it cannot read as little as has no row, and is named */
+    struct unreached unreached[MAX_RETENTIONS];
+    int n_unreached = 0;
+    double full_step = 0;
+    if (s == KVCAP_OK && runs_matching_freekv(runs, n_runs))
+        s = step_read_bytes(o, &mc, &runs[0], prompts, n_prompts, &full_step);
+    for (int r = 0; s == KVCAP_OK && r < n_runs; r++) {
+        int reachable = 1;
+        if (runs[r].match_freekv)
+            s = match_freekv(o, &mc, &runs[r], prompts, n_prompts, full_step, full_span,
+                             &reachable);
+        if (s == KVCAP_OK && !reachable && n_unreached < MAX_RETENTIONS) {
+            unreached[n_unreached++] = (struct unreached){runs[r].policy, runs[r].retention,
+                                                          runs[r].realised};
+            memmove(&runs[r], &runs[r + 1], sizeof *runs * (size_t)(n_runs - r - 1));
+            n_runs--, r--;
+        }
+    }
+    int32_t **generated = s != KVCAP_OK ? NULL : calloc((size_t)n_runs, sizeof *generated);
+    if (s == KVCAP_OK && !generated)
+        s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "no memory");
+    for (int r = 0; s == KVCAP_OK && r < n_runs; r++) {
+        runs[r].generated = calloc((size_t)n_prompts * o->generate, sizeof(int32_t));
+        runs[r].forced_top1 = calloc((size_t)n_prompts * o->continuation, sizeof(int32_t));
+        runs[r].prompt_nll = calloc((size_t)n_prompts * 2, sizeof(double));
+        runs[r].prompt_kl = runs[r].prompt_nll ? runs[r].prompt_nll + n_prompts : NULL;
+        if (!runs[r].generated || !runs[r].forced_top1 || !runs[r].prompt_nll)
+            s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "no memory");
+        else
+            generated[r] = runs[r].generated;
+    }
     if (s == KVCAP_OK)
         s = phase_setup(o, &mc, runs, n_runs, prompts, n_prompts, 1);
     if (s == KVCAP_OK)
@@ -2172,13 +2556,16 @@ static int cmd_run(const struct options *opt, int argc, char **argv)
         s = task_build(o, &mc, &corpus, &task);
     if (s == KVCAP_OK && o->task_queries > 0)
         s = task_run(o, &mc, runs, n_runs, &task);
+    if (s == KVCAP_OK)
+        fold_seeds(runs, n_runs, n_prompts, mc.hp->n_layers);
     double bw = s == KVCAP_OK ? measure_bandwidth_gbs() : NAN;
     struct run_outputs files;
     run_output_paths(o, &files);
     const char *metrics = files.metrics, *html = files.html, *csv = files.csv;
     if (s == KVCAP_OK)
         s = write_metrics(o, &mc, &corpus, runs, n_runs, n_prompts, &task, bw, command,
-                          opt->track == TRACK_IMAGE ? &im : NULL, crop_of[0], metrics);
+                          opt->track == TRACK_IMAGE ? &im : NULL, embd, crop_of[0], unreached,
+                          n_unreached, metrics);
     /* image track: the spans' embeddings, so that another engine can replay the same prompts
      * (scripts/kvpress_reference.py) */
     if (s == KVCAP_OK && embd) {

@@ -21,13 +21,27 @@
  *              "calibration_tokens": int, "heldout_tokens": int},
  *   "track": {"kind": "text" | "image",   optional (text when absent): what the span holds;
  *             image: "features": str, "rows": int, "cols": int (the grid), "photos": int,
- *             "heldout_photos": int, "calibration_crops": int, "heldout_crops": int,
- *             "projector": str},
+ *             "heldout_photos": int, "calibration_crops": int, "heldout_crops": int (held
+ *             out: development and test, never calibrated on), "photos_split":
+ *             "calibration" | "development" | "test" (the prompts' photos; "heldout" in older
+ *             files: development), "split_photos": int, "split_crops": int (that split's),
+ *             "splits": {"calibration" | "development" | "test": {"photos": int, "crops":
+ *             int}}, "splits_recorded": bool (false: an older feature file, split by photo
+ *             index), "projector": str},
  *   "setup": {"head_tokens": int, "span_tokens": int, "tail_tokens": int,
  *             "generate_tokens": int,      greedy tokens generated per prompt
  *             "continuation_tokens": int,  teacher-forced held-out tokens scored per prompt
  *             "fidelity_steps": int,       decode steps replayed for the attention fidelity
  *             "prompts": int, "threads": int, "storage": str, "read_bandwidth_gbs": num},
+ *   "prompt_ids": [{"doc": str, "ids": [int...]} ...],  optional: per prompt, the token ids of
+ *                             its head, span, tail and teacher-forced continuation, so that
+ *                             another engine replays them (scripts/kvpress_reference.py; the
+ *                             image track also writes span_embeddings.safetensors beside the
+ *                             file, tensor "span_embeddings" [prompts][span][n_embd] f32)
+ *   "prompts_sha256": str,    optional: 64 lowercase hex digits, the SHA-256 of what the engine
+ *                             was fed, prompt after prompt in prompt_ids' order: that prompt's
+ *                             ids as int32 little-endian, then (image track) its span's
+ *                             embeddings as float32 little-endian, row after row
  *   "task": {                 optional: the retrieval task asked inside the span
  *       "name": "key-value retrieval",
  *       "line": str,          an example line of the span ("The code of the red door is 4821.")
@@ -106,6 +120,22 @@
  * }
  * "extension", "nominal", "realised_retention" (possibly null) and "kl" are required in every
  * run; "task" and "freekv" may be absent.
+ *
+ * kvpress.json beside metrics.json (optional; scripts/kvpress-reference.sh writes it):
+ * {"source": "kvpress", "kvpress_version": str, "transformers_version": str,
+ *  "metrics": str,            the metrics file it read (informative: folders move)
+ *  "prompts": int, "layout": {"head": int, "span": int, "tail": int, "continuation": int},
+ *  "track": "text" | "image", "prompts_sha256": str, "retentions": [num...], "full_nll": num,
+ *                             what the script did itself: the prompts it fed transformers hashed
+ *                             as above, the retentions it ran, the full cache's mean NLL per
+ *                             token (as the full run's "nll")
+ *  "rows": [{"press": str, "retention": num, "realised_retention": num, "dnll": num, "kl": num,
+ *            "next_token_agreement": num, "per_prompt": {"dnll": [num...], "kl": [num...]}}...]}
+ * Its rows are shown only when it was measured on this run: the same prompts and layout, track
+ * and prompts_sha256, every retention one this run evaluated, full_nll within 0.005 nats/token
+ * of the full run's nll (the two engines' arithmetic differs). Otherwise, and when it lacks one
+ * of these fields (an older script), the page names the field and both values instead; a
+ * field of the wrong type is an error, as in the metrics.
  */
 #ifndef KVCAP_REPORT_H
 #define KVCAP_REPORT_H

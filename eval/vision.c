@@ -4,17 +4,41 @@
 #include <string.h>
 
 #include <cblas.h>
+#include <cjson/cJSON.h>
 #include <lapacke.h>
 
 #include "common/internal.h"
 #include "formats/safetensors.h"
 #include "eval/vision.h"
 
+static const char *const k_split_names[KVVISION_N_SPLITS] = {"calibration", "development",
+                                                              "test"};
+
+const char *kvvision_split_name(enum kvvision_split s)
+{
+    return (unsigned)s < KVVISION_N_SPLITS ? k_split_names[s] : "unknown";
+}
+
+int kvvision_split_parse(const char *name, enum kvvision_split *out)
+{
+    for (int i = 0; name && i < KVVISION_N_SPLITS; i++)
+        if (!strcmp(name, k_split_names[i])) {
+            *out = (enum kvvision_split)i;
+            return 0;
+        }
+    if (name && !strcmp(name, "heldout")) {
+        *out = KVVISION_DEVELOPMENT;
+        return 0;
+    }
+    return -1;
+}
+
 void kvvision_close(struct kvvision_features *f)
 {
     if (!f)
         return;
     kvst_close(f->file);
+    free(f->split);
     memset(f, 0, sizeof *f);
 }
 
@@ -30,6 +54,50 @@ static enum kvcap_status tensor(const struct kvst_file *f, const char *name, enu
                     name, kvcap_dtype_name(t->dtype), t->ndim, kvcap_dtype_name(dt), ndim);
     *out = t;
     return KVCAP_OK;
+}
+
+/* f->split from the metadata key vision.splits, a JSON list of split names parallel to
+ * vision.photos; without the key (a file from before the test split) by the rule such files
+ * were always read with: every fourth photo development, the others calibration. */
+static enum kvcap_status read_splits(struct kvvision_features *f)
+{
+    const char *path = kvst_path(f->file), *text = kvst_meta(f->file, "vision.splits");
+    cJSON *list = text ? cJSON_Parse(text) : NULL;
+    const int n = text && cJSON_IsArray(list) ? cJSON_GetArraySize(list) : 0;
+    enum kvcap_status s = KVCAP_OK;
+    if (text && !cJSON_IsArray(list))
+        s = kvcap_fail(KVCAP_ERR_FORMAT, "%s: metadata 'vision.splits' is not a JSON list",
+                       path);
+    else if (text && n < f->n_photos)
+        s = kvcap_fail(KVCAP_ERR_FORMAT, "%s: metadata 'vision.splits' names %d photos' splits, "
+                       "but tensor 'photo' refers to photo %d", path, n, f->n_photos - 1);
+    if (s == KVCAP_OK && text && kvst_meta(f->file, "vision.photos")) {
+        cJSON *ids = cJSON_Parse(kvst_meta(f->file, "vision.photos"));
+        if (!cJSON_IsArray(ids) || cJSON_GetArraySize(ids) != n)
+            s = kvcap_fail(KVCAP_ERR_FORMAT, "%s: metadata 'vision.splits' has %d entries, "
+                           "'vision.photos' %d", path, n,
+                           cJSON_IsArray(ids) ? cJSON_GetArraySize(ids) : -1);
+        cJSON_Delete(ids);
+    }
+    const int size = n > f->n_photos ? n : f->n_photos;
+    if (s == KVCAP_OK && !(f->split = malloc((size_t)(size > 0 ? size : 1))))
+        s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "%s: no memory for %d photos' splits", path, size);
+    f->splits_recorded = text != NULL;
+    const cJSON *e = text ? list->child : NULL; /* entry p, walked (an index lookup walks too) */
+    for (int p = 0; s == KVCAP_OK && p < size; p++, e = e ? e->next : NULL) {
+        enum kvvision_split sp = p % 4 == 3 ? KVVISION_DEVELOPMENT : KVVISION_CALIBRATION;
+        if (text) {
+            const char *name = cJSON_GetStringValue(e);
+            /* the file names splits canonically; "heldout" is only a command-line synonym */
+            if (!name || !strcmp(name, "heldout") || kvvision_split_parse(name, &sp) != 0)
+                s = kvcap_fail(KVCAP_ERR_FORMAT, "%s: metadata 'vision.splits': entry %d is not "
+                               "\"calibration\", \"development\" or \"test\"", path, p);
+        }
+        if (s == KVCAP_OK)
+            f->split[p] = (uint8_t)sp;
+    }
+    cJSON_Delete(list);
+    return s;
 }
 
 static enum kvcap_status open_checked(struct kvvision_features *f)
@@ -60,6 +128,7 @@ static enum kvcap_status open_checked(struct kvvision_features *f)
                         "%s: tensor 'photo': entry %d is %d", path, c, (int)f->photo[c]);
         f->n_photos = f->photo[c] + 1 > f->n_photos ? f->photo[c] + 1 : f->n_photos;
     }
+    KVCAP_TRY(read_splits(f));
     if (kvst_find(f->file, "thumb")) {
         KVCAP_TRY(tensor(f->file, "thumb", KVCAP_DTYPE_U8, 4, &tt));
         KVCAP_RETURN_IF(tt->shape[0] != f->n_crops || tt->shape[1] != tt->shape[2] ||
@@ -96,14 +165,19 @@ void kvvision_crop(const struct kvvision_features *f, int crop, float *out)
     kvcap_convert_to_f32(KVCAP_DTYPE_F16, f->features + (size_t)crop * n, n, out);
 }
 
-int kvvision_photo_heldout(int photo)
+enum kvvision_split kvvision_photo_split(const struct kvvision_features *f, int photo)
 {
-    return photo % 4 == 3;
+    return (enum kvvision_split)f->split[photo];
+}
+
+enum kvvision_split kvvision_crop_split(const struct kvvision_features *f, int crop)
+{
+    return kvvision_photo_split(f, f->photo[crop]);
 }
 
 int kvvision_heldout(const struct kvvision_features *f, int crop)
 {
-    return kvvision_photo_heldout(f->photo[crop]);
+    return kvvision_crop_split(f, crop) != KVVISION_CALIBRATION;
 }
 
 /* ---- Projector ----------------------------------------------------------------------------- */
@@ -222,11 +296,15 @@ enum kvcap_status kvvision_projector_fit(const struct kvvision_features *f, cons
         memset(&me, 0, sizeof me);
     if (s == KVCAP_OK && (!crop || !vf || !sf || !ve || !se || !out->mu_f || !out->mu_e || !out->a))
         s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "projector: no memory");
+    /* the calibration photos only: development and test photos never shape the projector */
     for (int c = 0; s == KVCAP_OK && c < f->n_crops; c++)
-        if (!kvvision_heldout(f, c)) {
+        if (kvvision_crop_split(f, c) == KVVISION_CALIBRATION) {
             kvvision_crop(f, c, crop);
             moments_add(&mf, crop, f->n_tokens);
         }
+    if (s == KVCAP_OK && mf.n == 0)
+        s = kvcap_fail(KVCAP_ERR_INVALID_ARGUMENT, "%s: no crop of a calibration photo to fit the "
+                       "projector on", kvst_path(f->file));
     for (int r = 0; s == KVCAP_OK && r < n_vocab; r += TABLE_BLOCK)
         moments_add(&me, table + (size_t)r * E, n_vocab - r < TABLE_BLOCK ? n_vocab - r : TABLE_BLOCK);
     if (s == KVCAP_OK)

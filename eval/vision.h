@@ -18,6 +18,18 @@
 
 struct kvst_file;
 
+/* The photo splits, by photo, never by crop: calibration photos fit the projector and the
+ * compressors; development photos are those designs were chosen on (called held-out before);
+ * test photos are looked at once a design is frozen. */
+enum kvvision_split { KVVISION_CALIBRATION, KVVISION_DEVELOPMENT, KVVISION_TEST };
+enum { KVVISION_N_SPLITS = 3 };
+
+/* "calibration", "development" or "test" (the names vision.splits and kvcap-eval use). */
+const char *kvvision_split_name(enum kvvision_split s);
+/* The split named `name`, also "heldout", the former name of development; 0 on success, -1
+ * for any other name. */
+int kvvision_split_parse(const char *name, enum kvvision_split *out);
+
 struct kvvision_features {
     struct kvst_file *file;
     int n_crops, grid, n_tokens, dim; /* n_tokens = grid * grid, token order row-major */
@@ -26,20 +38,26 @@ struct kvvision_features {
     int n_photos;                     /* 1 + the largest index */
     const uint8_t *thumbs;            /* [n_crops][thumb_size][thumb_size][3] RGB, or NULL */
     int thumb_size;                   /* thumbnail side in pixels, 0 without */
+    uint8_t *split;                   /* [n_photos] enum kvvision_split per photo; owned */
+    int splits_recorded;              /* 1: read from vision.splits; 0: a file written before
+                                       * the test split, split by photo index (below) */
 };
 
-/* Opens a feature file; errors name the file and the tensor at fault. */
+/* Opens a feature file; errors name the file and the tensor or metadata key at fault. Each
+ * photo's split comes from the metadata key vision.splits (formats/SPEC.md section 7); a file
+ * without it (written before the test split) is read as it always was: every fourth photo
+ * (index % 4 == 3) development, the others calibration, none test. */
 enum kvcap_status kvvision_open(const char *path, struct kvvision_features *out);
 void kvvision_close(struct kvvision_features *f); /* NULL-safe, idempotent */
 
 /* Crop c's features as f32, [n_tokens][dim]. */
 void kvvision_crop(const struct kvvision_features *f, int crop, float *out);
 
-/* Whether photo p is held out for evaluation: every fourth one (p % 4 == 3), so calibration
- * and evaluation never share a photo (never split by crop). */
-int kvvision_photo_heldout(int photo);
+/* The split of photo p (0 <= p < n_photos) and of crop c's photo. */
+enum kvvision_split kvvision_photo_split(const struct kvvision_features *f, int photo);
+enum kvvision_split kvvision_crop_split(const struct kvvision_features *f, int crop);
 
-/* Whether crop c is a held-out photo's. */
+/* Whether crop c's photo is held out from calibration (development or test). */
 int kvvision_heldout(const struct kvvision_features *f, int crop);
 
 struct kvvision_projector {
@@ -49,7 +67,7 @@ struct kvvision_projector {
     float *a;    /* [n_embd][dim] */
 };
 
-/* Fits the projector from the features of the crops with heldout(crop) == 0 and the table
+/* Fits the projector from the features of the calibration photos' crops and the table
  * [n_vocab][n_embd] (see above). Deterministic: eigenvector signs are fixed by their largest
  * component. */
 enum kvcap_status kvvision_projector_fit(const struct kvvision_features *f, const float *table,

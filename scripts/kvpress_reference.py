@@ -17,6 +17,11 @@ its sink treatment (never evicted). Run by scripts/kvpress-reference.sh, which m
 embeddings kvcap-eval used (its span_embeddings.safetensors, inputs_embeds here), in the
 prefill and in KVzip's reconstruction pass alike.
 
+kvpress.json says which run it was measured on, from what this script did, not copied from
+the metrics: the track, the SHA-256 of the prompts it fed transformers (prompts_sha256, defined
+as kvcap-eval's in eval/report.h), the retentions it ran and the full cache's NLL it measured;
+kvcap-report shows its rows only when all four are the run's.
+
 KVzip's press, as shipped, starts its replay (and the keys its softmax runs over, beyond 4
 sinks) after as many tokens as the chat template puts before a user's text: 24 for SmolLM2,
 whose prompts here are not in chat form, so the first 8 tokens of the span are neither replayed
@@ -25,9 +30,11 @@ is the same press replaying the whole prompt, as the paper does, the row to chec
 kvzip against.
 """
 import argparse
+import hashlib
 import importlib.metadata
 import json
 import os
+import struct
 import sys
 import tempfile
 import time
@@ -66,6 +73,19 @@ def load_model(gguf_path, workdir):
         tok.save_pretrained(plain)
     return AutoModelForCausalLM.from_pretrained(plain, dtype=torch.float32,
                                                 attn_implementation="sdpa").eval()
+
+
+def prompts_sha256(fed):
+    """metrics.json's prompts_sha256 (eval/report.h) of what this script feeds the model: for
+    each (ids, span_embd) in prompt order, the ids (prompt then continuation) as int32
+    little-endian, then, on the image track, the span's embeddings as float32 little-endian."""
+    h = hashlib.sha256()
+    for ids, span_embd in fed:
+        h.update(struct.pack(f"<{len(ids)}i", *ids))
+        if span_embd is not None:
+            rows = span_embd.detach().to("cpu", torch.float32).contiguous().numpy()
+            h.update(rows.astype("<f4", copy=False).tobytes())
+    return h.hexdigest()
 
 
 def embedded(model, ids, at, rows):
@@ -234,14 +254,18 @@ def main():
     work = os.environ.get("KVCAP_KVPRESS_WORK") or tempfile.mkdtemp(prefix="kvpress-ref-")
     model = load_model(a.model, work)
     full, full_nll = [], []  # per prompt: the full cache's log-probabilities and NLL
+    fed = []  # per prompt: the ids and span embeddings given to the model (prompts_sha256)
     def embd_of(i):
         return None if embds is None else embds[i]
 
     for i, p in enumerate(prompts):
         ids = p["ids"]
-        lp, _ = continuation_logprobs(model, ids[:n], ids[n:], span_embd=embd_of(i), head=head)
+        prompt, cont, span_embd = ids[:n], ids[n:], embd_of(i)
+        lp, _ = continuation_logprobs(model, prompt, cont, span_embd=span_embd, head=head)
+        fed.append((prompt + cont, span_embd))
         full.append(lp)
-        full_nll.append(-lp.gather(1, torch.tensor(ids[n:])[:, None]).mean().item())
+        full_nll.append(-lp.gather(1, torch.tensor(cont)[:, None]).mean().item())
+    fed_sha256 = prompts_sha256(fed)
     rows = []
     total = len(presses) * len(retentions) * len(prompts)
     done, t0 = 0, time.time()
@@ -281,7 +305,9 @@ def main():
            "metrics": os.path.abspath(a.metrics), "prompts": len(prompts),
            "layout": {"head": head, "span": span, "tail": tail,
                       "continuation": len(prompts[0]["ids"]) - n},
-           "full_nll": sum(full_nll) / len(prompts), "rows": rows}
+           # what binds this file to the run (kvcap-report checks each): measured here
+           "track": "image" if embds is not None else "text", "prompts_sha256": fed_sha256,
+           "retentions": retentions, "full_nll": sum(full_nll) / len(prompts), "rows": rows}
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
     kv_full = next((r["nll"] for r in m["runs"] if r["label"] == "full"), float("nan"))
@@ -290,6 +316,9 @@ def main():
           f"{tail} tokens, {out['layout']['continuation']} teacher-forced")
     print(f"full NLL: transformers {out['full_nll']:.4f}, kvcap's engine {kv_full:.4f} "
           f"(storage {setup.get('storage', '?')}; the same prompts give the same text)")
+    if len(prompts) == setup["prompts"] and m.get("prompts_sha256") not in (None, fed_sha256):
+        print(f"kvpress-reference: the prompts fed here hash to {fed_sha256}, the run's to "
+              f"{m['prompts_sha256']}: kvcap-report will not show these rows", file=sys.stderr)
     table = [("kvpress " + r["press"], r["retention"], r["realised_retention"], r["dnll"],
               r["kl"], r["next_token_agreement"]) for r in rows]
     if len(prompts) == setup["prompts"]:  # kvcap's rows cover the same prompts only then

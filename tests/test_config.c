@@ -208,6 +208,30 @@ static void test_shipped_smollm2(void **state)
     kvcap_calib_config_free(&c);
 }
 
+/* Every calibration config the demo runs loads, and the one that runs KVCapsule as its paper
+ * does asks for what the paper uses: dense maps, the pyramid schedule and trained keys. */
+static void test_demo_calib_configs(void **state)
+{
+    (void)state;
+    static const char *const files[] = {
+        "smollm2-135m-text-dense.calib.yaml",  "smollm2-135m-text-tiled.calib.yaml",
+        "smollm2-135m-text-tiled-trained.calib.yaml", "smollm2-135m-image-dense.calib.yaml",
+        "smollm2-135m-image-tiled.calib.yaml", "smollm2-135m-image-dense-paper.calib.yaml"};
+    for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
+        char path[512];
+        snprintf(path, sizeof path, SHIPPED "%s", files[i]);
+        struct kvcap_calib_config c;
+        assert_int_equal(kvcap_calib_config_load_file(path, &c), KVCAP_OK);
+        if (strstr(files[i], "paper")) {
+            assert_int_equal(c.buckets[0].structure, KVCAP_STRUCTURE_DENSE);
+            expect_pyramid(&c.schedule_keys, 0.6, 0.2);
+            expect_pyramid(&c.schedule_values, 0.6, 0.2);
+            assert_int_equal(c.keys.method, KVCAP_KEY_METHOD_TRAINED);
+        }
+        kvcap_calib_config_free(&c);
+    }
+}
+
 /* runtime.yaml spells out every default: loading it must give exactly the defaults. */
 static void assert_runtime_equal(const struct kvcap_runtime_config *a,
                                  const struct kvcap_runtime_config *b)
@@ -758,6 +782,7 @@ int main(void)
         cmocka_unit_test(test_shipped_qwen),
         cmocka_unit_test(test_shipped_llava),
         cmocka_unit_test(test_shipped_smollm2),
+        cmocka_unit_test(test_demo_calib_configs),
         cmocka_unit_test(test_shipped_runtime),
         cmocka_unit_test(test_calib_defaults),
         cmocka_unit_test(test_schedule_expand),

@@ -1062,10 +1062,12 @@ static void test_calibration_split(void **state)
                                  "the calibration photos"));
     assert_non_null(strstr(html, "The 16&thinsp;&times;&thinsp;16 tokens of a calibration photo"));
     free(html);
-    /* the held-out split, said or not: as before */
-    for (int k = 0; k < 2; k++) {
-        if (k == 0)
-            cJSON_ReplaceItemInObject(track, "photos_split", cJSON_CreateString("heldout"));
+    /* the held-out splits (development, test, or heldout as files before the test split
+     * named development), or none said: as before */
+    static const char *const held_splits[] = {"heldout", "development", "test", NULL};
+    for (int k = 0; k < 4; k++) {
+        if (held_splits[k])
+            cJSON_ReplaceItemInObject(track, "photos_split", cJSON_CreateString(held_splits[k]));
         else
             cJSON_DeleteItemFromObject(track, "photos_split");
         write_json(d.metrics, doc);
@@ -1080,7 +1082,8 @@ static void test_calibration_split(void **state)
     cJSON_AddStringToObject(track, "photos_split", "train");
     write_json(d.metrics, doc);
     assert_int_equal(kvcap_report_write(d.metrics, d.html, NULL), KVCAP_ERR_FORMAT);
-    assert_error_names(d.metrics, "track.photos_split: 'train' is not heldout or calibration");
+    assert_error_names(d.metrics,
+                       "track.photos_split: 'train' is not calibration, development or test");
     cJSON_Delete(doc);
     /* text: prompts from documents that are all calibration documents */
     doc = load_sample();
@@ -1107,21 +1110,54 @@ static void test_calibration_split(void **state)
 /* kvpress.json beside the metrics (scripts/kvpress-reference.sh): its presses beside kvcap's best
  * row and random eviction at each retention; another setup's file is named and not shown; a
  * malformed one is refused naming the file and the field. */
-static void write_kvpress(const char *dir, int prompts, const char *row0)
+
+/* What binds a kvpress.json to its run: the sample given the prompts_sha256 kvcap-eval writes
+ * (any 64 hex digits: the report compares, it does not recompute), and the fields
+ * kvpress_reference.py writes about its own run, as JSON text (NULL: left out, as an older
+ * script did). */
+#define SAMPLE_PROMPTS_SHA256 "bb1413116c3646a41fde9c9e2823f7f4e1651fb98edee55ed9f4a127e7b01b89"
+#define OTHER_PROMPTS_SHA256 "9a9b184c11fe3ecd25b8f33a65e42deffee721aaf49ad9876084f1c28bcf1779"
+struct kvpress_binding {
+    const char *track, *prompts_sha256, *retentions, *full_nll;
+};
+/* the sample's: a text run, full's nll 2.8473, retentions 0.2, 0.4, 0.6 */
+static const struct kvpress_binding BOUND = {"\"text\"", "\"" SAMPLE_PROMPTS_SHA256 "\"",
+                                             "[0.2]", "2.8481"};
+
+static cJSON *load_bound_sample(void)
 {
-    char path[700], text[8192];
+    cJSON *doc = load_sample();
+    cJSON_AddStringToObject(doc, "prompts_sha256", SAMPLE_PROMPTS_SHA256);
+    return doc;
+}
+
+static void write_kvpress_bound(const char *dir, int prompts, const char *row0,
+                                const struct kvpress_binding *b)
+{
+    char path[700], text[8192], bind[1024] = "";
+    const char *key[4] = {"track", "prompts_sha256", "retentions", "full_nll"};
+    const char *value[4] = {b->track, b->prompts_sha256, b->retentions, b->full_nll};
+    for (int i = 0; i < 4; i++)
+        if (value[i])
+            snprintf(bind + strlen(bind), sizeof bind - strlen(bind), "\"%s\": %s, ", key[i],
+                     value[i]);
     snprintf(path, sizeof path, "%s/kvpress.json", dir);
     snprintf(text, sizeof text,
              "{\"source\": \"kvpress\", \"kvpress_version\": \"0.5.5\", "
-             "\"transformers_version\": \"5.2.0\", \"prompts\": %d, "
+             "\"transformers_version\": \"5.2.0\", \"prompts\": %d, %s"
              "\"layout\": {\"head\": 16, \"span\": 256, \"tail\": 64, \"continuation\": 64}, "
              "\"rows\": [%s, {\"press\": \"snapkv\", \"retention\": 0.2, \"dnll\": 0.14, "
              "\"kl\": 0.13, \"next_token_agreement\": 0.84, \"realised_retention\": 0.199}]}",
-             prompts, row0);
+             prompts, bind, row0);
     FILE *f = fopen(path, "w");
     assert_non_null(f);
     fputs(text, f);
     fclose(f);
+}
+
+static void write_kvpress(const char *dir, int prompts, const char *row0)
+{
+    write_kvpress_bound(dir, prompts, row0, &BOUND);
 }
 
 static void test_outside_reference(void **state)
@@ -1129,7 +1165,7 @@ static void test_outside_reference(void **state)
     (void)state;
     struct dirs d;
     dirs_make(&d);
-    cJSON *doc = load_sample();
+    cJSON *doc = load_bound_sample();
     write_json(d.metrics, doc);
     cJSON_Delete(doc);
     const char *good = "{\"press\": \"kvzip\", \"retention\": 0.2, \"dnll\": 0.0181, "
@@ -1165,14 +1201,17 @@ static void test_outside_reference(void **state)
     if (kvcap_report_write(d.metrics, d.html, NULL) != KVCAP_OK)
         fail_msg("%s", kvcap_last_error());
     assert_non_null(html = slurp(d.html));
-    assert_non_null(strstr(html, "kvpress.json beside this report is not shown"));
+    assert_non_null(strstr(html, "kvpress.json beside this report is not shown: it was measured "
+                                 "on 8 prompts of 16 + 256 + 64 tokens, 64 continued, this run "
+                                 "on 24 of 16 + 256 + 64, 64 continued; rerun "
+                                 "scripts/kvpress-reference.sh on this folder.</p>"));
     assert_null(strstr(html, "kvpress kvzip</td>"));
     free(html);
     /* Per-prompt values on both sides: kvcap's best against each row, paired over the 24
      * prompts. kvcap's best is 0.02 nats of KL below the press on every prompt (a win beyond
      * any interval) and its |dNLL| 0.0105 above (a loss); the press's dNLL is negative on every
      * prompt, so only its size counts. */
-    doc = load_sample();
+    doc = load_bound_sample();
     cJSON *run;
     cJSON_ArrayForEach(run, cJSON_GetObjectItem(doc, "runs"))
     {
@@ -1224,6 +1263,177 @@ static void test_outside_reference(void **state)
     assert_int_equal(kvcap_report_write(d.metrics, d.html, NULL), KVCAP_ERR_FORMAT);
     assert_non_null(strstr(kvcap_last_error(), "kvpress.json"));
     assert_non_null(strstr(kvcap_last_error(), "rows[0].dnll"));
+    dirs_remove(&d);
+}
+
+/* kvpress.json is bound to its run: what kvpress_reference.py writes about the run it measured
+ * (track, the hash of the prompts it fed transformers, its retentions, its full-cache NLL) must
+ * be this run's, or its rows are left out and the page names the field and both values. A
+ * fabricated file naming another run's folder and a full-cache NLL of 99 was shown as "the same
+ * prompts" before. */
+static const char KVPRESS_ROW[] = "{\"press\": \"kvzip\", \"retention\": 0.2, \"dnll\": 0.0181, "
+                                  "\"kl\": 0.0291, \"next_token_agreement\": 0.917, "
+                                  "\"realised_retention\": 0.2}";
+
+/* The report of the bound sample (`doc`: NULL for it as is) beside a kvpress.json with binding
+ * `b`: no kvpress row, and the caption says `why` (its apostrophes as the page escapes them). */
+static void assert_kvpress_refused(cJSON *doc, const struct kvpress_binding *b, const char *why)
+{
+    struct dirs d;
+    dirs_make(&d);
+    cJSON *own = doc ? NULL : (doc = load_bound_sample());
+    write_json(d.metrics, doc);
+    cJSON_Delete(own);
+    write_kvpress_bound(d.in, 24, KVPRESS_ROW, b);
+    if (kvcap_report_write(d.metrics, d.html, NULL) != KVCAP_OK)
+        fail_msg("%s", kvcap_last_error());
+    char *html = slurp(d.html);
+    assert_non_null(html);
+    const char *caption = in_section(html, "Outside reference: kvpress",
+                                     "kvpress.json beside this report is not shown: ");
+    char esc[1024] = "";
+    for (const char *c = why; *c; c++)
+        snprintf(esc + strlen(esc), sizeof esc - strlen(esc), *c == '\'' ? "&#39;" : "%c", *c);
+    if (!caption || !strstr(caption, esc))
+        fail_msg("no caption saying: %s", esc);
+    assert_null(strstr(html, "kvpress kvzip</td>"));
+    assert_null(strstr(html, "kvpress snapkv</td>"));
+    assert_null(strstr(html, "Checked against this run"));
+    free(html);
+    dirs_remove(&d);
+}
+
+static void test_outside_accepted(void **state)
+{
+    (void)state;
+    struct dirs d;
+    dirs_make(&d);
+    cJSON *doc = load_bound_sample();
+    write_json(d.metrics, doc);
+    cJSON_Delete(doc);
+    /* full_nll 0.0049 above full's 2.8473: within the engines' tolerance */
+    struct kvpress_binding b = BOUND;
+    b.full_nll = "2.8522";
+    b.retentions = "[0.2, 0.6]";
+    write_kvpress_bound(d.in, 24, KVPRESS_ROW, &b);
+    if (kvcap_report_write(d.metrics, d.html, NULL) != KVCAP_OK)
+        fail_msg("%s", kvcap_last_error());
+    char *html = slurp(d.html);
+    assert_non_null(html);
+    assert_non_null(strstr(html, "kvpress kvzip</td><td>0.20</td>"));
+    assert_non_null(strstr(html, "kvpress snapkv</td>"));
+    assert_null(strstr(html, "kvpress.json beside this report is not shown"));
+    assert_non_null(strstr(html, "Checked against this run: the same track, prompts "
+                                 "(<code>prompts_sha256</code> bb1413116c36&hellip;) and "
+                                 "retentions; its full-cache NLL, 2.8522 nats/token, is within "
+                                 "0.005 of this run&rsquo;s 2.8473."));
+    free(html);
+    dirs_remove(&d);
+}
+
+static void test_outside_refused_track(void **state)
+{
+    (void)state;
+    struct kvpress_binding b = BOUND;
+    b.track = "\"image\"";
+    assert_kvpress_refused(NULL, &b, "its track image is not this run's text; rerun "
+                                     "scripts/kvpress-reference.sh on this folder");
+    /* an image-track run beside a text-track file */
+    cJSON *doc = load_bound_sample();
+    add_image_track(doc);
+    assert_kvpress_refused(doc, &BOUND, "its track text is not this run's image");
+    cJSON_Delete(doc);
+}
+
+static void test_outside_refused_hash(void **state)
+{
+    (void)state;
+    struct kvpress_binding b = BOUND;
+    b.prompts_sha256 = "\"" OTHER_PROMPTS_SHA256 "\"";
+    assert_kvpress_refused(NULL, &b, "its prompts_sha256 " OTHER_PROMPTS_SHA256 " is not this "
+                                     "run's " SAMPLE_PROMPTS_SHA256 "; rerun "
+                                     "scripts/kvpress-reference.sh on this folder");
+    /* HTML in a hostile hash is escaped */
+    b.prompts_sha256 = "\"<b>x</b>\"";
+    assert_kvpress_refused(NULL, &b, "its prompts_sha256 &lt;b&gt;x&lt;/b&gt; is not this run's");
+    /* this run's metrics.json without a hash (an older kvcap-eval): nothing to check against */
+    cJSON *doc = load_sample();
+    assert_kvpress_refused(doc, &BOUND, "this run's metrics.json has no prompts_sha256 (an older "
+                                        "kvcap-eval wrote it)");
+    cJSON_Delete(doc);
+}
+
+static void test_outside_refused_retention(void **state)
+{
+    (void)state;
+    struct kvpress_binding b = BOUND;
+    b.retentions = "[0.2, 0.3]"; /* the sample evaluated 0.2, 0.4 and 0.6 */
+    assert_kvpress_refused(NULL, &b, "its retention 0.3 is not one this run evaluated (0.2, 0.4, "
+                                     "0.6); rerun scripts/kvpress-reference.sh on this folder");
+    /* a row at a retention its own list does not name is checked too */
+    struct dirs d;
+    dirs_make(&d);
+    cJSON *doc = load_bound_sample();
+    write_json(d.metrics, doc);
+    cJSON_Delete(doc);
+    write_kvpress_bound(d.in, 24, "{\"press\": \"kvzip\", \"retention\": 0.5, \"dnll\": 0.01, "
+                                  "\"kl\": 0.02, \"next_token_agreement\": 0.9, "
+                                  "\"realised_retention\": 0.5}", &BOUND);
+    if (kvcap_report_write(d.metrics, d.html, NULL) != KVCAP_OK)
+        fail_msg("%s", kvcap_last_error());
+    char *html = slurp(d.html);
+    assert_non_null(html);
+    assert_non_null(strstr(html, "its retention 0.5 is not one this run evaluated"));
+    assert_null(strstr(html, "kvpress snapkv</td>"));
+    free(html);
+    dirs_remove(&d);
+}
+
+static void test_outside_refused_nll(void **state)
+{
+    (void)state;
+    struct kvpress_binding b = BOUND;
+    b.full_nll = "99"; /* the fabricated file's */
+    assert_kvpress_refused(NULL, &b, "its full_nll 99.0000 is not this run's full-cache nll "
+                                     "2.8473 (the two engines agree to within 0.005 nats/token "
+                                     "on the same weights and prompts); rerun "
+                                     "scripts/kvpress-reference.sh on this folder");
+    b.full_nll = "2.8422"; /* just beyond the tolerance, below */
+    assert_kvpress_refused(NULL, &b, "its full_nll 2.8422 is not this run's full-cache nll 2.8473");
+}
+
+static void test_outside_refused_older_file(void **state)
+{
+    (void)state;
+    /* as kvpress_reference.py wrote it before it bound its file to the run */
+    const struct kvpress_binding older = {NULL, NULL, NULL, "2.8473"};
+    assert_kvpress_refused(NULL, &older, "it was written by an older kvpress-reference.sh and "
+                                         "lacks prompts_sha256, track and retentions; rerun "
+                                         "scripts/kvpress-reference.sh on this folder");
+    struct kvpress_binding b = BOUND;
+    b.prompts_sha256 = NULL;
+    assert_kvpress_refused(NULL, &b, "it was written by an older kvpress-reference.sh and lacks "
+                                     "prompts_sha256;");
+    b = BOUND;
+    b.full_nll = NULL;
+    assert_kvpress_refused(NULL, &b, "lacks full_nll;");
+    /* present but malformed: an error naming the file and the field, nothing written */
+    struct dirs d;
+    dirs_make(&d);
+    cJSON *doc = load_bound_sample();
+    write_json(d.metrics, doc);
+    cJSON_Delete(doc);
+    b = BOUND;
+    b.prompts_sha256 = "42";
+    write_kvpress_bound(d.in, 24, KVPRESS_ROW, &b);
+    assert_int_equal(kvcap_report_write(d.metrics, d.html, NULL), KVCAP_ERR_FORMAT);
+    assert_non_null(strstr(kvcap_last_error(), "kvpress.json: prompts_sha256: expected a string"));
+    b = BOUND;
+    b.retentions = "[0.2, 1.5]";
+    write_kvpress_bound(d.in, 24, KVPRESS_ROW, &b);
+    assert_int_equal(kvcap_report_write(d.metrics, d.html, NULL), KVCAP_ERR_FORMAT);
+    assert_non_null(strstr(kvcap_last_error(), "kvpress.json: retentions[1]: expected a fraction"));
+    assert_int_equal(access(d.html, F_OK), -1);
     dirs_remove(&d);
 }
 
@@ -1323,6 +1533,87 @@ static void test_versus_random(void **state)
     assert_null(strstr(html, "random&rsquo;s</th>"));
     assert_null(strstr(html, "Against random eviction"));
     free(html);
+    dirs_remove(&d);
+}
+
+/* A run with a row chosen in advance (--shipped) on the test split, random eviction over seeds
+ * and FreeKV measured by what it reads: the headline compares the shipped row with the best
+ * paper method and names the best row as picked after the fact; the random row shows its
+ * seeds' range; FreeKV's row what it holds beside what it reads; a target it could not reach is
+ * said under its card; a split that is none of the three is refused by name. */
+static void test_preregistered_rows(void **state)
+{
+    (void)state;
+    struct dirs d;
+    dirs_make(&d);
+    cJSON *doc = load_sample();
+    cJSON *runs = cJSON_GetObjectItem(doc, "runs"), *run, *rnd = NULL;
+    cJSON_ArrayForEach(run, runs)
+    {
+        const char *id = cJSON_GetObjectItem(run, "id")->valuestring;
+        cJSON_AddBoolToObject(run, "shipped", !strcmp(cJSON_GetObjectItem(run, "label")->valuestring,
+                                                      "VL-Cache"));
+        if (!strcmp(id, "streaming@0.40"))
+            rnd = cJSON_Duplicate(run, 1);
+        if (!strcmp(id, "freekv@0.40"))
+            cJSON_AddNumberToObject(run, "held_retention", 1.45);
+    }
+    assert_non_null(rnd);
+    cJSON_ReplaceItemInObject(rnd, "id", cJSON_CreateString("random@0.40"));
+    cJSON_ReplaceItemInObject(rnd, "policy", cJSON_CreateString("random"));
+    cJSON_ReplaceItemInObject(rnd, "label", cJSON_CreateString("random"));
+    cJSON_ReplaceItemInObject(rnd, "shipped", cJSON_CreateFalse());
+    cJSON *seeds = cJSON_AddObjectToObject(rnd, "seeds");
+    cJSON_AddNumberToObject(seeds, "count", 3);
+    const double kl[3] = {0.0412, 0.0633, 0.0500}, dnll[3] = {0.01, 0.02, 0.015};
+    cJSON_AddItemToObject(seeds, "kl", cJSON_CreateDoubleArray(kl, 3));
+    cJSON_AddItemToObject(seeds, "nll_delta", cJSON_CreateDoubleArray(dnll, 3));
+    cJSON_AddItemToArray(runs, rnd);
+    cJSON *setup = cJSON_GetObjectItem(doc, "setup");
+    cJSON_AddStringToObject(setup, "split", "test");
+    cJSON_AddStringToObject(setup, "shipped", "VL-Cache");
+    cJSON *unreached = cJSON_AddArrayToObject(doc, "unreached"), *u = cJSON_CreateObject();
+    cJSON_AddStringToObject(u, "policy", "freekv");
+    cJSON_AddNumberToObject(u, "retention", 0.2);
+    cJSON_AddNumberToObject(u, "floor", 0.3515625);
+    cJSON_AddItemToArray(unreached, u);
+    set_per_prompt(doc, "kvcapsule-dense@0.40", 0, 0.0005); /* the best paper method at 0.4 */
+    set_per_prompt(doc, "vlcache@0.40", 0.01, 0.0005);      /* farther than it on every prompt */
+    write_json(d.metrics, doc);
+    if (kvcap_report_write(d.metrics, d.html, d.csv) != KVCAP_OK)
+        fail_msg("%s", kvcap_last_error());
+    char *html = slurp(d.html);
+    assert_non_null(html);
+    const char *summary = strstr(html, "<p class=\"summary\">");
+    assert_non_null(summary);
+    assert_non_null(strstr(summary, "on 24 test prompts"));
+    assert_non_null(strstr(summary, "<strong>Test split: documents never looked at before"));
+    assert_non_null(strstr(summary, "kvcap&rsquo;s shipped configuration, <strong>VL-Cache"
+                                    "</strong>, was chosen on calibration and development data "
+                                    "before this run"));
+    assert_non_null(strstr(summary, "best row here, picked after the fact"));
+    assert_non_null(strstr(summary, "the best paper method KVCapsule (dense) (80.2&nbsp;% task "
+                                    "accuracy, KL"));
+    assert_non_null(strstr(summary, "shipped minus it, KL"));
+    assert_non_null(strstr(summary, "farther from full"));
+    assert_null(strstr(summary, "Best when keeping")); /* no unlabelled post-hoc winner */
+    assert_non_null(strstr(html, "<span class=\"ship-tag\""));
+    const char *r40 = strstr(html, "title=\"random@0.40\">");
+    assert_non_null(r40);
+    assert_non_null(strstr(r40, "seeds 0.041&ndash;0.063</span>"));
+    const char *f40 = strstr(html, "title=\"freekv@0.40\">");
+    assert_non_null(f40);
+    assert_true(strstr(f40, "read; holds 145&nbsp;%") < strstr(f40, "</tr>"));
+    assert_non_null(strstr(html, "<b>freekv</b> has no row here: at its fewest pages it reads "
+                                 "35&nbsp;% of the span per step"));
+    free(html);
+    /* a split that is none of the three */
+    cJSON_ReplaceItemInObject(setup, "split", cJSON_CreateString("train"));
+    write_json(d.metrics, doc);
+    assert_int_equal(kvcap_report_write(d.metrics, d.html, d.csv), KVCAP_ERR_FORMAT);
+    assert_non_null(strstr(kvcap_last_error(), "setup.split: 'train' is not calibration, "
+                                               "development or test"));
+    cJSON_Delete(doc);
     dirs_remove(&d);
 }
 
@@ -1688,8 +1979,15 @@ int main(void)
         cmocka_unit_test(test_tracks_side_by_side),
         cmocka_unit_test(test_calibration_split),
         cmocka_unit_test(test_outside_reference),
+        cmocka_unit_test(test_outside_accepted),
+        cmocka_unit_test(test_outside_refused_track),
+        cmocka_unit_test(test_outside_refused_hash),
+        cmocka_unit_test(test_outside_refused_retention),
+        cmocka_unit_test(test_outside_refused_nll),
+        cmocka_unit_test(test_outside_refused_older_file),
         cmocka_unit_test(test_paired_interval),
         cmocka_unit_test(test_versus_random),
+        cmocka_unit_test(test_preregistered_rows),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,7 +1,8 @@
 #!/bin/sh
 # vision.sh SOURCE_DIR WORK_DIR — scripts/vision_features.py on 3 photos with a few crops: two runs
 # give byte-identical files with the shapes, boxes and metadata formats/SPEC.md section 7 gives;
-# a third run keeps the up-to-date files. Also --help and named usage errors. Uses the Python in
+# a third run keeps the up-to-date files; adding a test photo leaves the other photos' crops as
+# they were. Also --help and named usage errors. Uses the Python in
 # $KVCAP_PYTHON; skipped (77) when it lacks onnxruntime/pillow/onnx (bash scripts/setup-python.sh
 # --vision) or when the encoder or the photos are not cached (bash scripts/fetch-vision.sh).
 set -u
@@ -99,6 +100,9 @@ for g, n, path in ((16, 5, sys.argv[1] + "/features-g16.safetensors"),
     grid = x.reshape(n, g, g, 384)
     assert (grid[:, :, 1:] * grid[:, :, :-1]).sum(-1).mean() > 0.5
     assert json.loads(md["vision.photos"]) == ids, md["vision.photos"]
+    # each photo's split, the manifest's last column
+    assert json.loads(md["vision.splits"]) == ["calibration"] * 3, md
+    assert json.loads(md["vision.crops"])["test_count"] == 0, md["vision.crops"]  # no test photo
     assert md["vision.grid"] == str(g) and md["vision.input_px"] == str(14 * g), md
     assert md["vision.encoder_sha256"] == "198644e37de36674974f453a9aebfc0120b168b9414cce18d4dceb576fbdf355"
     assert json.loads(md["vision.crops"])["count"] == n
@@ -113,5 +117,36 @@ cmp -s "$work/a/features-g32.safetensors" "$work/b/features-g32.safetensors" || 
 for f in "$work"/a/*.tmp.*; do
   [ -e "$f" ] && fail "a temporary file was left: $f"
 done
+
+# A test photo gets crops of its own (--test-crops16) and changes no other photo's: the same
+# photo's crops, boxes and features with and without it.
+if [ -f "$cache/images/sklearn-china.jpg" ]; then
+  "$py" "$script" --photos mate-greenmeadow,sklearn-china --crops16 2 --test-crops16 1 --crops32 0 \
+    --test-crops32 0 -q --out "$work/t" 2>"$work/t.err" || fail "run with a test photo ($(cat "$work/t.err"))"
+  "$py" "$script" --photos mate-greenmeadow --crops16 2 --crops32 0 -q --out "$work/u" \
+    2>"$work/u.err" || fail "run without it ($(cat "$work/u.err"))"
+  "$py" - "$work/t/features-g16.safetensors" "$work/u/features-g16.safetensors" <<'PY' || fail "test photo"
+import json, sys
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import load_file
+
+t, u = load_file(sys.argv[1]), load_file(sys.argv[2])
+with safe_open(sys.argv[1], "np") as f:
+    md = f.metadata()
+assert json.loads(md["vision.photos"]) == ["mate-greenmeadow", "sklearn-china"], md
+assert json.loads(md["vision.splits"]) == ["calibration", "test"], md
+crops = json.loads(md["vision.crops"])
+assert crops["count"] == 2 and crops["test_count"] == 1, crops
+assert t["photo"].tolist() == [0, 0, 1], t["photo"]
+# china.jpg is 640 x 427: its one crop is the 427 px square nearest the centre (a tie: the first)
+assert t["box"].tolist() == u["box"].tolist() + [[0, 0, 427, 427]], t["box"]
+for k in ("features", "thumb"):
+    assert np.array_equal(t[k][:2], u[k]), k
+print("test photo ok")
+PY
+else
+  echo "note: $cache/images/sklearn-china.jpg not cached (bash scripts/fetch-vision.sh); test-photo check skipped"
+fi
 [ "$failures" -eq 0 ] || { echo "$failures failure(s)"; exit 1; }
 echo "vision features ok"
