@@ -76,35 +76,13 @@ while IFS=$'\t' read -r id pkg path sha _rest; do
 done <"$manifest"
 
 if [ ${#ids[@]} -gt 0 ]; then
-  command -v apt-get >/dev/null && command -v dpkg-deb >/dev/null ||
-    fail "apt-get and dpkg-deb are needed to fetch the photos (Debian packages)"
+  source "$repo/scripts/lib.sh"
   scratch
-  # apt downloads as the unprivileged _apt user when it can; as root into a private temp folder
-  # it cannot, and says so on every call: download as root directly.
-  apt_opts=()
-  [ "$(id -u)" -ne 0 ] || apt_opts=(-o APT::Sandbox::User=root)
-  updated=0
   bad=0
   for pkg in $(printf '%s\n' "${!needed[@]}" | sort); do
     say "downloading Debian package $pkg"
     dir="$tmp/deb/${pkg%%=*}"
-    mkdir -p "$dir"
-    if ! (cd "$dir" && apt-get download -q "${apt_opts[@]}" "$pkg" >/dev/null 2>"$dir/apt.err"); then
-      # A fresh machine has no package lists yet; refresh once when allowed to.
-      if [ "$updated" -eq 0 ] && [ "$(id -u)" -eq 0 ]; then
-        say "apt-get download failed; running apt-get update once"
-        apt-get update -qq >&2 || fail "apt-get update failed"
-        updated=1
-      fi
-      (cd "$dir" && apt-get download -q "${apt_opts[@]}" "$pkg" >/dev/null 2>"$dir/apt.err") || {
-        cat "$dir/apt.err" >&2
-        fail "apt-get download $pkg failed (is this Debian 12 with its main archive in the apt sources?)"
-      }
-    fi
-    deb=$(ls "$dir"/*.deb 2>/dev/null | head -n1)
-    [ -n "$deb" ] || fail "apt-get download $pkg produced no .deb"
-    dpkg-deb -x "$deb" "$dir/x" || fail "dpkg-deb -x $(basename "$deb") failed"
-    rm -f "$deb"
+    kvcap_deb_extract "$pkg" "$dir" || fail "cannot fetch $pkg (above)"
     for i in "${!ids[@]}"; do
       [ "${pkgs[$i]}" = "$pkg" ] || continue
       src="$dir/x/${paths[$i]}"

@@ -33,3 +33,33 @@ kvcap_build() {
   fi
   grep -i "warning" "$log" >&2 || true
 }
+
+# kvcap_deb_extract PKG=VERSION DIR: downloads that Debian package (never installs it) and
+# unpacks it into DIR/x; returns 1 with the reason on stderr when it cannot. A fresh machine
+# has no package lists yet: as root, `apt-get update` runs once per shell when a download fails.
+kvcap_deb_extract() {
+  local pkg=$1 dir=$2 deb opts=()
+  # apt downloads as the unprivileged _apt user when it can; as root into a private temp
+  # folder it cannot, and says so on every call: download as root directly.
+  [ "$(id -u)" -ne 0 ] || opts=(-o APT::Sandbox::User=root)
+  command -v apt-get >/dev/null && command -v dpkg-deb >/dev/null || {
+    echo "apt-get and dpkg-deb are needed to fetch $pkg (a Debian package)" >&2; return 1; }
+  mkdir -p "$dir"
+  if ! (cd "$dir" && apt-get download -q "${opts[@]}" "$pkg" >/dev/null 2>"$dir/apt.err"); then
+    if [ "${KVCAP_APT_UPDATED:-0}" -eq 0 ] && [ "$(id -u)" -eq 0 ]; then
+      echo "apt-get download $pkg failed; running apt-get update once" >&2
+      apt-get update -qq >&2 || { echo "apt-get update failed" >&2; return 1; }
+      KVCAP_APT_UPDATED=1
+    fi
+    (cd "$dir" && apt-get download -q "${opts[@]}" "$pkg" >/dev/null 2>"$dir/apt.err") || {
+      cat "$dir/apt.err" >&2
+      echo "apt-get download $pkg failed (is this Debian 12 with its main archive in the apt" \
+        "sources?)" >&2
+      return 1
+    }
+  fi
+  deb=$(ls "$dir"/*.deb 2>/dev/null | head -n1)
+  [ -n "$deb" ] || { echo "apt-get download $pkg produced no .deb" >&2; return 1; }
+  dpkg-deb -x "$deb" "$dir/x" || { echo "dpkg-deb -x $(basename "$deb") failed" >&2; return 1; }
+  rm -f "$deb"
+}
