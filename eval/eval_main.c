@@ -201,6 +201,7 @@ struct options {
     int random_seeds;   /* --random-seeds: random eviction's seeds, its row their mean */
     const char *shipped; /* --shipped: the label of the row chosen in advance, or NULL */
     const char *split;   /* --split (text track): calibration, development or test */
+    int split_set;
     enum kvcap_dtype storage;
     double retentions[MAX_RETENTIONS];
     int n_retentions;
@@ -338,7 +339,7 @@ static int parse_options(int argc, char **argv, struct options *o)
             break;
         case O_SHIPPED: o->shipped = optarg; break;
         case O_SPLIT:
-            o->split = optarg;
+            o->split = optarg, o->split_set = 1;
             if (strcmp(optarg, "calibration") && strcmp(optarg, "development") &&
                 strcmp(optarg, "test"))
                 rc = cli_usage_error("--split: '%s' is not calibration, development or test",
@@ -396,6 +397,15 @@ static int parse_options(int argc, char **argv, struct options *o)
         return cli_usage_error("--photos is for --track image");
     if (o->photos_set && o->record)
         return cli_usage_error("--photos is for run (record takes the calibration photos)");
+    if (o->split_set && o->track == TRACK_IMAGE)
+        return cli_usage_error("--split is for the text track (--photos names the image "
+                               "track's split)");
+    /* The test split is read once, by a run whose own row was fixed before it. */
+    if (!o->record && !o->shipped &&
+        (o->track == TRACK_IMAGE ? o->photos == KVVISION_TEST : !strcmp(o->split, "test")))
+        return cli_usage_error("the test split is for a run that names kvcap's configuration "
+                               "chosen in advance on the other splits: add --shipped LABEL "
+                               "(configs/shipped-*.yaml name it)");
     if (o->track == TRACK_IMAGE && !o->features) {
         const char *home = getenv("HOME");
         snprintf(o->features_default, sizeof o->features_default,

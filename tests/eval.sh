@@ -33,10 +33,20 @@ eval_bin="$bin/kvcap-eval"
 # every split's name is taken, and heldout, development's former name (the run then stops at
 # the missing model, after the options)
 for split in calibration development test heldout; do
-  "$eval_bin" run --out "$work/x" --track image --photos "$split" --model "$work/missing.gguf" \
+  "$eval_bin" run --out "$work/x" --track image --photos "$split" --model "$work/missing.gguf" --shipped kvzip \
     >"$work/photos3.out" 2>&1; rc=$?
   [ "$rc" -eq 1 ] && grep -q "missing.gguf" "$work/photos3.out" || fail "--photos $split: exit $rc"
 done
+# the test split only in a run that names the row chosen in advance
+"$eval_bin" run --out "$work/x" --track image --photos test >"$work/test1.out" 2>&1; rc=$?
+[ "$rc" -eq 2 ] && grep -q -- "add --shipped LABEL" "$work/test1.out" || fail "--photos test without --shipped: exit $rc"
+"$eval_bin" run --out "$work/x" --split test >"$work/test2.out" 2>&1; rc=$?
+[ "$rc" -eq 2 ] && grep -q -- "add --shipped LABEL" "$work/test2.out" || fail "--split test without --shipped: exit $rc"
+"$eval_bin" run --out "$work/x" --split final >"$work/test3.out" 2>&1; rc=$?
+[ "$rc" -eq 2 ] && grep -q -- "--split: 'final' is not calibration, development or test" "$work/test3.out" ||
+  fail "--split final: exit $rc"
+"$eval_bin" run --out "$work/x" --track image --split test >"$work/test4.out" 2>&1; rc=$?
+[ "$rc" -eq 2 ] && grep -q -- "--split is for the text track" "$work/test4.out" || fail "--split on images: exit $rc"
 "$eval_bin" record --out "$work/x" --model "$work/missing.gguf" >"$work/nomodel.out" 2>&1; rc=$?
 [ "$rc" -eq 1 ] && grep -q "missing.gguf" "$work/nomodel.out" || fail "missing model: exit $rc"
 # --out must not replace or mix with an input: an input folder, a folder holding the model for
