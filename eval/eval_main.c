@@ -2102,6 +2102,7 @@ static enum kvcap_status write_metrics(const struct options *o, const struct mod
     cJSON_AddStringToObject(root, "prompts_sha256", prompts_hash);
     /* the split the prompts come from; the row chosen in advance, if any */
     cJSON_AddStringToObject(setup, "split", im ? kvvision_split_name(o->photos) : o->split);
+    cJSON_AddNumberToObject(setup, "random_seeds", o->random_seeds);
     if (o->shipped)
         cJSON_AddStringToObject(setup, "shipped", o->shipped);
     cJSON_AddNumberToObject(setup, "threads", o->threads ? o->threads
@@ -2308,8 +2309,8 @@ static enum kvcap_status write_metrics(const struct options *o, const struct mod
         "the span bytes one decode step reads (digests and selected pages) over full's, and its "
         "pages are chosen so that this is the target's, nearest in whole pages; a target its "
         "digests and fewest pages already exceed by 5 % has no row (metrics.json: unreached). "
-        "Random eviction is run with 8 seeds: its row is their mean, prompt by prompt, and "
-        "seeds gives each seed's mean KL and dNLL.",
+        "Random eviction is run with setup.random_seeds seeds (8 by default): its row is "
+        "their mean, prompt by prompt, and seeds gives each seed's mean KL and dNLL.",
         "flashcache, vlcache and kvzip are the papers' methods (FlashCache section 3.2 with "
         "gamma 0.2, no protected tokens; VL-Cache with a recent window of 10 % of the budget at "
         "the end of the prompt and no sinks; KVzip scoring each token by the largest attention "

@@ -176,6 +176,7 @@ for p in m["prompt_ids"]:
     h.update(struct.pack("<%di" % len(p["ids"]), *p["ids"]))
 assert m["prompts_sha256"] == h.hexdigest(), m["prompts_sha256"]
 assert m["setup"]["split"] == "development" and m["setup"]["shipped"] == "kvzip+safeguard", m["setup"]
+assert m["setup"]["random_seeds"] == 2, m["setup"]
 print("metrics ok:", ", ".join(f'{r["id"]} {r["token_agreement"]:.2f}' for r in m["runs"]))
 PY
 
