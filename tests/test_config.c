@@ -232,6 +232,26 @@ static void test_demo_calib_configs(void **state)
     }
 }
 
+/* The shipped configurations (chosen in advance per span kind, configs/shipped-*.yaml) load,
+ * name the evaluation row they are, and set what that row runs. */
+static void test_shipped_runtime_configs(void **state)
+{
+    (void)state;
+    struct kvcap_runtime_config r;
+    assert_int_equal(kvcap_runtime_config_load_file(SHIPPED "shipped-text.yaml", &r), KVCAP_OK);
+    assert_int_equal(r.policy[KVCAP_SPAN_TEXT], KVCAP_POLICY_KVZIP);
+    assert_true(r.kvzip.safeguard == 0.5); /* kvzip+safeguard */
+    kvcap_runtime_config_free(&r);
+    FILE *f = fopen(SHIPPED "shipped-text.yaml", "r");
+    assert_non_null(f);
+    char line[256];
+    int named = 0;
+    while (fgets(line, sizeof line, f))
+        named |= !strcmp(line, "# kvcap-eval row: kvzip+safeguard\n");
+    fclose(f);
+    assert_true(named);
+}
+
 /* runtime.yaml spells out every default: loading it must give exactly the defaults. */
 static void assert_runtime_equal(const struct kvcap_runtime_config *a,
                                  const struct kvcap_runtime_config *b)
@@ -783,6 +803,7 @@ int main(void)
         cmocka_unit_test(test_shipped_llava),
         cmocka_unit_test(test_shipped_smollm2),
         cmocka_unit_test(test_demo_calib_configs),
+        cmocka_unit_test(test_shipped_runtime_configs),
         cmocka_unit_test(test_shipped_runtime),
         cmocka_unit_test(test_calib_defaults),
         cmocka_unit_test(test_schedule_expand),
