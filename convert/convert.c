@@ -218,10 +218,12 @@ enum kvcap_status kvcap_convert(const struct kvcap_convert_options *o,
         double *r = malloc(sizeof(double) * (size_t)L);
         st = r ? kvcap_schedule_expand(&o->keys, L, r)
                : kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "convert: out of memory");
+        /* The state's ratios went through its JSON header, which keeps 15 significant digits:
+         * a schedule is the same one when every layer agrees to well within that. */
         if (st == KVCAP_OK)
             for (int l = 0; l < L; l++)
-                keys_changed |= r[l] != s.r_keys[l];
-        if (st == KVCAP_OK)
+                keys_changed |= fabs(r[l] - s.r_keys[l]) > 1e-12;
+        if (st == KVCAP_OK && keys_changed)
             memcpy(s.r_keys, r, sizeof(double) * (size_t)L);
         free(r);
     }

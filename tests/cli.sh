@@ -3,6 +3,7 @@
 # --version, --inspect of each kind, and named errors with the right exit status.
 set -u
 bin=$1 data=$2 work=$3
+src_configs="$data/../../configs"
 rm -rf "$work" && mkdir -p "$work"
 failures=0
 fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
@@ -119,6 +120,14 @@ expect cal_unmatched 1 "4x4 grid (n = 16), which matches no bucket" "$calibrate"
 [ -e "$work/bad.kvcs" ] && fail "a failed calibration left bad.kvcs behind"
 expect cal_skip 1 "buckets\[0\] (16x16 dense): no training span" "$calibrate" --data "$work/synth" --out "$work/bad.kvcs" --skip-unmatched
 expect conv_run 0 "wrote $work/a.kvcap" "$convert" "$work/s.kvcs" --out "$work/a.kvcap" --keys uniform:0.25 --storage bf16
+# Trained key maps converted at the schedule they were trained at stay trained: the state's
+# pyramid ratios come back through its JSON header to 15 digits, and are still that schedule.
+sed -e 's/method: closed_form/method: trained/' -e 's/steps: 50, finetune_steps: 20/steps: 3, finetune_steps: 1/' \
+  "$src_configs/smollm2-135m.calib.yaml" >"$work/trained.yaml"
+expect cal_trained 0 "bucket  layer    r_k" "$calibrate" --config "$work/trained.yaml" --data "$work/synth16" --out "$work/trained.kvcs"
+expect conv_trained 0 "key maps as calibrated" "$convert" "$work/trained.kvcs" --out "$work/trained.kvcap" --keys pyramid:0.5:0.25
+grep -q "replaced by closed-form" "$work/conv_trained.out" && fail "conv_trained: the trained maps were refitted"
+expect conv_trained_prov 0 '"key_maps":"trained"' "$convert" --inspect "$work/trained.kvcap"
 # A ratio that keeps no point of a bucket is refused by name (it kept one row while the
 # summary said "mean retention 0.000"); nothing is written.
 expect conv_tiny_ratio 1 "keys: layer 0's ratio 1e-300 keeps none of the 256 points of bucket 0 (16x16)" \
