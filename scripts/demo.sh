@@ -169,6 +169,12 @@ text_track() {
   local split ship=()
   mapfile -t ship < <(shipped text)
   for split in $splits; do
+    if [ "$split" = test ] && [ ${#ship[@]} -eq 0 ]; then
+      echo "== text track: no shipped configuration chosen yet (configs/shipped-text.yaml), so its"
+      echo "   test split is not read: choose one on the development split first"
+      echo "   (python3 scripts/choose_shipped.py $dir/development/metrics.json)"
+      continue
+    fi
     echo "== text track, $split split: evaluate every policy x retention against full"
     echo "   (retrieval task, KL, NLL, attention)"
     local docs=(--corpus "$corpus" --docs "$development_docs")
@@ -224,6 +230,12 @@ image_track() {
   local split ship=()
   mapfile -t ship < <(shipped image)
   for split in $splits; do
+    if [ "$split" = test ] && [ ${#ship[@]} -eq 0 ]; then
+      echo "== image track: no shipped configuration chosen yet (configs/shipped-image.yaml), so its"
+      echo "   test split is not read: choose one on the development split first"
+      echo "   (python3 scripts/choose_shipped.py $dir/development/metrics.json)"
+      continue
+    fi
     echo "== image track, $split split: evaluate every policy x retention against full"
     # the test report shows the text track's test split and both development splits beside it
     local compare=() other others=(text/development)
@@ -242,11 +254,10 @@ image_track() {
 }
 
 text_track
-last=${splits##* }
-report="$out/text/$last/report.html"
-if [ -n "$features" ]; then
-  image_track
-  report="$out/image/$last/report.html"
-fi
+[ -z "$features" ] || image_track
+# the headline: the image track's test report, else the nearest one this run wrote
+for report in "$out"/{image/test,text/test,image/development,text/development}/report.html; do
+  [ ! -f "$report" ] || break
+done
 echo "== done: metrics in $out/*/{development,test}/metrics.json and metrics.csv; the report:"
 echo "$report"
