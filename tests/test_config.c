@@ -250,6 +250,20 @@ static void test_shipped_runtime_configs(void **state)
         named |= !strcmp(line, "# kvcap-eval row: kvzip+safeguard\n");
     fclose(f);
     assert_true(named);
+    /* image spans: KVCapsule with its worst tile exact (the artifact is the user's) */
+    struct kvcap_runtime_config i;
+    assert_int_equal(kvcap_runtime_config_load_file(SHIPPED "shipped-image.yaml", &i), KVCAP_OK);
+    assert_int_equal(i.policy[KVCAP_SPAN_VISION], KVCAP_POLICY_KVCAPSULE);
+    assert_int_equal(i.kvcapsule.exact_tiles, 1);
+    assert_non_null(strstr(i.artifact, "image-tiled.kvcap"));
+    kvcap_runtime_config_free(&i);
+    f = fopen(SHIPPED "shipped-image.yaml", "r");
+    assert_non_null(f);
+    named = 0;
+    while (fgets(line, sizeof line, f))
+        named |= !strcmp(line, "# kvcap-eval row: kvcapsule tiled+exact (closed-form keys)\n");
+    fclose(f);
+    assert_true(named);
 }
 
 /* runtime.yaml spells out every default: loading it must give exactly the defaults. */
