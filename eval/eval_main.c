@@ -1187,6 +1187,30 @@ static enum kvcap_status match_vlcache(const struct options *o, const struct mod
     return KVCAP_OK;
 }
 
+/* Held-out token t of every prompt into the cache at layer l (its K/V from full's prefill,
+ * the same in every run), and its queries into q [n_prompts][q_heads][head_dim]. */
+static enum kvcap_status fidelity_step(const struct model_ctx *mc, struct kvcap_cache *cache,
+                                       const struct prompt *prompts, int n_prompts, int l, int t,
+                                       float *q)
+{
+    const int H = mc->g.n_q_heads, d = mc->g.head_dim;
+    const size_t kd = (size_t)mc->g.n_kv_heads * d;
+    for (int p = 0; p < n_prompts; p++) {
+        const struct prompt *pr = &prompts[p];
+        const size_t n = (size_t)prompt_tokens(pr) + pr->n_fid;
+        const size_t at = ((size_t)l * n + prompt_tokens(pr) + t) * kd;
+        struct kvcap_tensor_view kv = {.base = pr->k + at, .dtype = KVCAP_DTYPE_F32,
+                                       .head_stride = d, .token_stride = (int64_t)kd};
+        struct kvcap_tensor_view vv = kv;
+        vv.base = pr->v + at;
+        KVCAP_TRY(kvcap_cache_append(cache, p, l, &kv, &vv));
+        for (int h = 0; h < H; h++)
+            memcpy(q + ((size_t)p * H + h) * d,
+                   pr->q_dec + (((size_t)l * H + h) * pr->n_fid + t) * d, d * sizeof *q);
+    }
+    return KVCAP_OK;
+}
+
 /* Bytes one decode step reads, all layers and prompts: the first held-out token appended (its
  * K/V from full's prefill, the same in every run) and attended with its queries. FreeKV selects
  * on that step synchronously, reading its page digests and the pages it attends. */
@@ -1195,7 +1219,7 @@ static enum kvcap_status step_read_bytes(const struct options *o, const struct m
                                          int n_prompts, double *bytes)
 {
     const int L = mc->g.n_layers, H = mc->g.n_q_heads, d = mc->g.head_dim;
-    const size_t kd = (size_t)mc->g.n_kv_heads * d, qrow = (size_t)n_prompts * H * d;
+    const size_t qrow = (size_t)n_prompts * H * d;
     *bytes = 0;
     struct kvcap_cache *cache = NULL;
     KVCAP_TRY(run_cache(o, mc, run, prompts, n_prompts, &cache));
@@ -1203,19 +1227,7 @@ static enum kvcap_status step_read_bytes(const struct options *o, const struct m
     enum kvcap_status s = q && out ? KVCAP_OK
                                    : kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "no memory for a step");
     for (int l = 0; s == KVCAP_OK && l < L; l++) {
-        for (int p = 0; s == KVCAP_OK && p < n_prompts; p++) {
-            const struct prompt *pr = &prompts[p];
-            const size_t n = (size_t)prompt_tokens(pr) + pr->n_fid;
-            const size_t at = ((size_t)l * n + prompt_tokens(pr)) * kd;
-            struct kvcap_tensor_view kv = {.base = pr->k + at, .dtype = KVCAP_DTYPE_F32,
-                                           .head_stride = d, .token_stride = (int64_t)kd};
-            struct kvcap_tensor_view vv = kv;
-            vv.base = pr->v + at;
-            s = kvcap_cache_append(cache, p, l, &kv, &vv);
-            for (int h = 0; h < H; h++)
-                memcpy(q + ((size_t)p * H + h) * d,
-                       pr->q_dec + (((size_t)l * H + h) * pr->n_fid) * d, d * sizeof *q);
-        }
+        s = fidelity_step(mc, cache, prompts, n_prompts, l, 0, q);
         struct kvcap_cache_stats st;
         if (s == KVCAP_OK)
             s = kvcap_cache_attend(cache, l, q, out);
@@ -1508,7 +1520,7 @@ static enum kvcap_status attention_fidelity(const struct options *o, const struc
 {
     const int L = mc->g.n_layers, H = mc->g.n_q_heads, d = mc->g.head_dim;
     const int n_fid = prompts[0].n_fid;
-    const size_t kd = (size_t)mc->g.n_kv_heads * d, qrow = (size_t)n_prompts * H * d;
+    const size_t qrow = (size_t)n_prompts * H * d;
     float *q = malloc(qrow * sizeof *q), *ref = malloc((size_t)L * n_fid * qrow * sizeof *ref);
     float *outp = malloc(qrow * sizeof *outp);
     enum kvcap_status s = KVCAP_OK;
@@ -1527,19 +1539,7 @@ static enum kvcap_status attention_fidelity(const struct options *o, const struc
             run->err_sum = run->cos_sum + L;
         for (int t = 0; s == KVCAP_OK && t < n_fid; t++)
             for (int l = 0; s == KVCAP_OK && l < L; l++) {
-                for (int p = 0; s == KVCAP_OK && p < n_prompts; p++) {
-                    const struct prompt *pr = &prompts[p];
-                    const size_t n = (size_t)prompt_tokens(pr) + pr->n_fid;
-                    const size_t at = ((size_t)l * n + prompt_tokens(pr) + t) * kd;
-                    struct kvcap_tensor_view kv = {.base = pr->k + at, .dtype = KVCAP_DTYPE_F32,
-                                                   .head_stride = d, .token_stride = (int64_t)kd};
-                    struct kvcap_tensor_view vv = kv;
-                    vv.base = pr->v + at;
-                    s = kvcap_cache_append(cache, p, l, &kv, &vv);
-                    for (int h = 0; h < H; h++)
-                        memcpy(q + ((size_t)p * H + h) * d,
-                               pr->q_dec + (((size_t)l * H + h) * n_fid + t) * d, d * sizeof *q);
-                }
+                s = fidelity_step(mc, cache, prompts, n_prompts, l, t, q);
                 float *dst = r == 0 ? ref + ((size_t)t * L + l) * qrow : outp;
                 if (s == KVCAP_OK)
                     s = kvcap_cache_attend(cache, l, q, dst);
