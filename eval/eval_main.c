@@ -31,12 +31,12 @@
 #include "formats/safetensors.h"
 #include "common/internal.h"
 #include "eval/generate.h"
-#include "eval/llama.h"
-#include "eval/report.h"
+#include "engine/llama.h"
+#include "report/report.h"
 #include "common/rng.h"
 #include "common/sha256.h"
-#include "eval/tokenizer.h"
-#include "eval/vision.h"
+#include "engine/tokenizer.h"
+#include "engine/vision.h"
 
 #define DEFAULT_MODEL_FILE "SmolLM2-135M-Instruct.Q4_1.gguf"
 #define DEFAULT_CORPUS "/usr/share/common-licenses"
@@ -1960,7 +1960,7 @@ static int held_photos_of(const struct image_set *im)
     return k.photos[KVVISION_DEVELOPMENT] + k.photos[KVVISION_TEST];
 }
 
-/* metrics.json's prompts_sha256 (eval/report.h): SHA-256 of what the engine was fed, prompt
+/* metrics.json's prompts_sha256 (report/report.h): SHA-256 of what the engine was fed, prompt
  * after prompt in prompt_ids' order: the ids prompt_ids lists (head, span, tail, continuation)
  * as int32 little-endian, then, on the image track (embd: [prompts][span][n_embd]), the span's
  * embeddings as float32 little-endian, as span_embeddings.safetensors holds them.

@@ -15,7 +15,7 @@
 #include "common/dtype.h"
 #include "common/internal.h"
 #include "eval/generate.h"
-#include "eval/llama.h"
+#include "engine/llama.h"
 #include "kvcap.h"
 
 #define GEN_MAX_SPANS 64

@@ -2,7 +2,8 @@
 """check-layout.py — the include graph of the source tree against its floors.
 
 Floors (README "Layout"): include/ → common/ → formats/, configs/, kernels/ → runtime/ → the
-tools (cli/, calibrate/, convert/, eval/) → tests/. A file may include files of its own folder
+tools (cli/, calibrate/, convert/; the evaluation's engine/ and report/, then eval/; bench/)
+→ tests/. A file may include files of its own folder
 and of the folders listed for it below, nothing else; and no set of files includes itself in a
 loop (a circle). Prints one line per violation and exits 1 when there is any, else prints
 nothing and exits 0. Usage: check-layout.py [REPO_ROOT]
@@ -23,8 +24,14 @@ ALLOWED = {
     "calibrate": {"include", "common", "formats", "configs", "kernels", "runtime", "cli"},
     "convert": {"include", "common", "formats", "configs", "kernels", "runtime", "cli",
                 "calibrate"},
+    # the evaluation: its model engine and its report stand apart (report/ knows no model), and
+    # kvcap-eval uses both
+    "engine": {"include", "common", "formats", "kernels", "runtime"},
+    "report": {"include", "common", "cli"},
     "eval": {"include", "common", "formats", "configs", "kernels", "runtime", "cli",
-             "calibrate", "convert"},
+             "calibrate", "convert", "engine", "report"},
+    "bench": {"include", "common", "formats", "configs", "kernels", "runtime", "cli",
+              "calibrate"},
 }
 SOURCE = re.compile(r"\.(c|h|cu|cuh)$")
 INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)

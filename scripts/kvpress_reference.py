@@ -19,7 +19,7 @@ prefill and in KVzip's reconstruction pass alike.
 
 kvpress.json says which run it was measured on, from what this script did, not copied from
 the metrics: the track, the SHA-256 of the prompts it fed transformers (prompts_sha256, defined
-as kvcap-eval's in eval/report.h), the retentions it ran and the full cache's NLL it measured;
+as kvcap-eval's in report/report.h), the retentions it ran and the full cache's NLL it measured;
 kvcap-report shows its rows only when all four are the run's.
 
 KVzip's press, as shipped, starts its replay (and the keys its softmax runs over, beyond 4
@@ -76,7 +76,7 @@ def load_model(gguf_path, workdir):
 
 
 def prompts_sha256(fed):
-    """metrics.json's prompts_sha256 (eval/report.h) of what this script feeds the model: for
+    """metrics.json's prompts_sha256 (report/report.h) of what this script feeds the model: for
     each (ids, span_embd) in prompt order, the ids (prompt then continuation) as int32
     little-endian, then, on the image track, the span's embeddings as float32 little-endian."""
     h = hashlib.sha256()

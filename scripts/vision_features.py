@@ -63,7 +63,7 @@ CROP_RULE = ("sides s//d (s = short side) for d in divisors, kept when >= input_
 THUMB = 64
 
 DTYPES = {"float16": "F16", "int32": "I32", "uint8": "U8"}
-# The manifest's last column; eval/vision.c reads these names back from vision.splits.
+# The manifest's last column; engine/vision.c reads these names back from vision.splits.
 SPLITS = ("calibration", "development", "test")
 COLUMNS = 8
 

@@ -1,4 +1,4 @@
-/* test_gguf.c — the GGUF v3 reader (eval/gguf.h): images built in memory by a small writer
+/* test_gguf.c — the GGUF v3 reader (engine/gguf.h): images built in memory by a small writer
  * below, metadata round trips and typed getters, tensor layout and alignment, dequantisation of
  * every supported type against hand-packed blocks, a bad-file corpus (one image per failure
  * class), truncation and byte-mutation sweeps, and the real SmolLM2 file when it is present. */
@@ -15,7 +15,7 @@
 
 #include <cmocka.h>
 
-#include "eval/gguf.h"
+#include "engine/gguf.h"
 #include "tests/test_util.h"
 #include "tests/test_status.h"
 
@@ -1494,7 +1494,7 @@ static void test_mutation_sweep(void **state)
 /* ---- The real model --------------------------------------------------------------------- */
 
 /* From tests/data/gguf/make_reference.py with the PyPI gguf package 0.19.0 (numpy 2.4.6):
- * GGUFReader + gguf.quants.dequantize, independent of eval/gguf.c. */
+ * GGUFReader + gguf.quants.dequantize, independent of engine/gguf.c. */
 static const struct real_ref {
     const char *name;
     uint32_t type;

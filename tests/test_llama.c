@@ -1,11 +1,11 @@
-/* test_llama.c — the reference engine (eval/llama.c):
+/* test_llama.c — the reference engine (engine/llama.c):
  *  - on a tiny random Llama written as a GGUF file here: prefill logits equal a naive scalar
  *    forward pass written from the GGUF conventions (raw, permuted Q/K rows rotated in adjacent
  *    pairs, as llama.cpp does), and decode steps through libkvcap caches (two caches of
  *    different batch sizes in one step) equal the same reference;
  *  - on SmolLM2-135M-Instruct when it is present: logits and greedy tokens equal llama.cpp's
  *    on the same file and on its F32 requantisation (tests/data/smollm2_reference.json, made by
- *    eval/reference/make_reference.py), decode steps going through a libkvcap cache. */
+ *    engine/reference/make_reference.py), decode steps going through a libkvcap cache. */
 #define _GNU_SOURCE /* memmem */
 #include <math.h>
 #include <setjmp.h>
@@ -19,12 +19,12 @@
 #include <cmocka.h>
 #include <cjson/cJSON.h>
 
-#include "eval/gguf.h"
-#include "eval/llama.h"
+#include "engine/gguf.h"
+#include "engine/llama.h"
 #include "common/rng.h"
 #include "tests/test_numeric.h"
 #include "tests/test_util.h"
-#include "eval/tokenizer.h"
+#include "engine/tokenizer.h"
 
 /* Tolerances. The engine runs in fp32 with fp32 accumulation (BLAS, libkvcap); the reference
  * accumulates in double. A wrong position, head or layout gives errors of order 1. */

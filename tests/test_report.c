@@ -25,7 +25,7 @@
 #include <cmocka.h>
 
 #include "common/internal.h"
-#include "eval/report.h"
+#include "report/report.h"
 #include "tests/test_util.h"
 
 #define SAMPLE KVCAP_TEST_DATA "/eval/metrics-sample.json"

@@ -1,8 +1,8 @@
-/* test_tokenizer.c — the byte-level BPE tokenizer (eval/tokenizer.h): a hand-made vocabulary of
+/* test_tokenizer.c — the byte-level BPE tokenizer (engine/tokenizer.h): a hand-made vocabulary of
  * a few tokens and merges for each rule (rank order, leftmost first, byte fallback, digit split,
  * special tokens, invalid UTF-8, decoding, named errors), GGUF images built in memory for
  * kvtok_create_gguf, and the real SmolLM2 vocabulary against the ids llama.cpp gives
- * (tests/data/smollm2_reference.json, made by eval/reference/make_reference.py), with the
+ * (tests/data/smollm2_reference.json, made by engine/reference/make_reference.py), with the
  * encode speed on ~1 MB of English text printed. */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -17,7 +17,7 @@
 #include <cjson/cJSON.h>
 #include <cmocka.h>
 
-#include "eval/tokenizer.h"
+#include "engine/tokenizer.h"
 #include "tests/test_status.h"
 
 /* ---- Helpers ---------------------------------------------------------------------------- */

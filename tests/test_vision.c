@@ -1,4 +1,4 @@
-/* test_vision.c — photo feature files and the closed-form projector (eval/vision.c): the split
+/* test_vision.c — photo feature files and the closed-form projector (engine/vision.c): the split
  * by photo (read from vision.splits, or by index in older files), the reader's refusals, and
  * the projector's defining properties. */
 #include <math.h>
@@ -19,7 +19,7 @@
 #include "formats/safetensors.h"
 #include "common/dtype.h"
 #include "tests/test_util.h"
-#include "eval/vision.h"
+#include "engine/vision.h"
 
 enum { CROPS = 12, GRID = 4, TOKENS = GRID * GRID, DIM = 6, VOCAB = 300, EMBD = 8 };
 

@@ -1,15 +1,15 @@
-/* fuzz_gguf.c — the GGUF v3 reader (eval/gguf.c) over hostile bytes, in memory: every key is
+/* fuzz_gguf.c — the GGUF v3 reader (engine/gguf.c) over hostile bytes, in memory: every key is
  * read through every typed getter, arrays element by element and converted, every tensor is
- * found again and dequantised, and what kvcap-eval builds from the file (eval/tokenizer.c,
- * eval/llama.c) loads or fails with a status. */
+ * found again and dequantised, and what kvcap-eval builds from the file (engine/tokenizer.c,
+ * engine/llama.c) loads or fails with a status. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "tests/fuzz/fuzz_common.h"
-#include "eval/gguf.h"
-#include "eval/llama.h"
-#include "eval/tokenizer.h"
+#include "engine/gguf.h"
+#include "engine/llama.h"
+#include "engine/tokenizer.h"
 
 /* Bounds on the work per input: array elements read one by one, elements converted, and
  * tensor elements dequantised. */

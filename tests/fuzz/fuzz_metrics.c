@@ -1,4 +1,4 @@
-/* fuzz_metrics.c — kvcap-report's reader of metrics.json (eval/report.c) over hostile text:
+/* fuzz_metrics.c — kvcap-report's reader of metrics.json (report/report.c) over hostile text:
  * any input either renders to HTML and a well-formed CSV or fails with a status naming the
  * field, without leaking, and never leaves a file behind on failure. */
 #include <stdint.h>
@@ -7,7 +7,7 @@
 #include <unistd.h>
 
 #include "tests/fuzz/fuzz_common.h"
-#include "eval/report.h"
+#include "report/report.h"
 
 /* Every CSV record (RFC 4180: quoted fields may hold commas, quotes doubled, line breaks) has
  * as many fields as the header, whatever the strings of the JSON held. */

@@ -19,7 +19,7 @@
 #include "runtime/artifact.h"
 #include "configs/config.h"
 #include "formats/dataset.h"
-#include "eval/report.h"
+#include "report/report.h"
 #include "common/rng.h"
 #include "formats/safetensors.h"
 #include "common/dtype.h"

@@ -1,4 +1,4 @@
-/* bench_common.h — what kvcap-bench and kvcap-bench-cuda share: a random KVCapsule artifact
+/* common.h — what kvcap-bench and kvcap-bench-cuda share: a random KVCapsule artifact
  * (timing only) and a runtime config written to a temporary file. */
 #ifndef KVCAP_BENCH_COMMON_H
 #define KVCAP_BENCH_COMMON_H

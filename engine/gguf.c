@@ -23,7 +23,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "eval/gguf.h"
+#include "engine/gguf.h"
 #include "common/internal.h"
 #include "formats/safetensors.h" /* kvcap_convert_to_f32, kvcap_f16_to_f32 */
 

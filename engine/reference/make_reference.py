@@ -19,7 +19,7 @@ tokens next to text) where pre-tokenizer details show.
 Command line (from the repository root; the GGUF is the Q4_1 file of
 HuggingFaceTB/SmolLM2-135M-Instruct, sha256 recorded in the output):
 
-    python3 eval/reference/make_reference.py \\
+    python3 engine/reference/make_reference.py \\
         ~/.cache/kvcap/models/SmolLM2-135M-Instruct.Q4_1.gguf tests/data/smollm2_reference.json
 
 Made with llama-cpp-python 0.3.36 (pip, built from source on CPU: libllama 0.5.0-dev,

@@ -21,7 +21,7 @@
 #include <string.h>
 
 #include "common/internal.h"
-#include "eval/tokenizer.h"
+#include "engine/tokenizer.h"
 
 /* Unicode White_Space, the set llama.cpp's unicode_cpt_flags treat as whitespace. PCRE2's
  * \s under PCRE2_UCP also matches U+180E, which llama.cpp (and Unicode since 6.3) does not. */

@@ -1,4 +1,4 @@
-/* bench_cuda.h — the device helpers of kvcap-bench-cuda (eval/bench_cuda_util.cu) that the
+/* cuda.h — the device helpers of kvcap-bench-cuda (bench/cuda_util.cu) that the
  * CUDA runtime has no call for: filling a buffer with reproducible random values in a storage
  * dtype, reading a buffer without writing it (to push a benchmark's data out of the L2 cache
  * without leaving dirty lines whose write-back would land in the next timed call), and keeping

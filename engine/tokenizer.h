@@ -8,7 +8,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "eval/gguf.h"
+#include "engine/gguf.h"
 #include "kvcap.h"
 
 /* Token types as GGUF stores them (tokenizer.ggml.token_type). */

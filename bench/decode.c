@@ -1,4 +1,4 @@
-/* bench_decode.c — kvcap-bench: replays prefill + N decode steps for each policy (the policies
+/* decode.c — kvcap-bench: replays prefill + N decode steps for each policy (the policies
  * taking turns step by step) and prints, per policy, time per decode step, bytes read per step,
  * achieved GB/s against this machine's read bandwidth measured in the same run, bytes held, and
  * the same against `full` as ratios; and
@@ -22,7 +22,7 @@
 #include "common/rng.h"
 #include "formats/schema.h"
 #include "calibrate/synth.h"
-#include "eval/bench_common.h"
+#include "bench/common.h"
 
 static void usage(FILE *out)
 {

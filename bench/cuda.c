@@ -1,4 +1,4 @@
-/* bench_cuda.c — kvcap-bench-cuda: the GPU benchmark. Decode attention time of plain
+/* cuda.c — kvcap-bench-cuda: the GPU benchmark. Decode attention time of plain
  * flash-decoding and fused KVCapsule (tiled maps) over 8K–128K tokens at batch 1 and 8, with the
  * bytes each reads and the bandwidth it achieves next to a device-to-device copy measured in the
  * same run; FlashCache's compression time; FreeKV's decode step over every layer with the share
@@ -16,8 +16,8 @@
 #include <cuda_runtime.h>
 
 #include "kernels/attention.h"
-#include "eval/bench_cuda.h"
-#include "eval/bench_common.h"
+#include "bench/cuda.h"
+#include "bench/common.h"
 #include "cli/cli.h"
 #include "kernels/cuda/attention_cuda.h"
 #include "kernels/cuda/freekv_cuda.h"
@@ -112,7 +112,7 @@ static void cu_check(cudaError_t e, const char *what, int line)
 {
     if (e == cudaSuccess)
         return;
-    fprintf(stderr, TOOL ": error: %s: %s (bench_cuda.c:%d)\n", what, cudaGetErrorString(e), line);
+    fprintf(stderr, TOOL ": error: %s: %s (bench/cuda.c:%d)\n", what, cudaGetErrorString(e), line);
     exit(1);
 }
 #define CU(call) cu_check((call), #call, __LINE__)
@@ -122,7 +122,7 @@ static void kv_check(enum kvcap_status st, const char *what, int line)
     if (st == KVCAP_OK)
         return;
     const char *msg = kvcap_last_error();
-    fprintf(stderr, TOOL ": error: %s: %s (bench_cuda.c:%d)\n", what,
+    fprintf(stderr, TOOL ": error: %s: %s (bench/cuda.c:%d)\n", what,
             msg[0] ? msg : kvcap_status_str(st), line);
     exit(1);
 }

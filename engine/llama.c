@@ -1,7 +1,7 @@
 /* llama.c — the Llama-family reference engine of llama.h. Straightforward fp32 code: every
  * product of activations and weights is one sgemm over all tokens (prefill) or all rows of the
  * batch (decode), so the weights are read once per step whatever the batch size. */
-#include "eval/llama.h"
+#include "engine/llama.h"
 
 #include <cblas.h>
 #include <math.h>
@@ -9,7 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "eval/gguf.h"
+#include "engine/gguf.h"
 #include "common/internal.h"
 #include "kernels/rope.h"
 

@@ -12,7 +12,7 @@
 
 #include <stdint.h>
 
-#include "eval/gguf.h"
+#include "engine/gguf.h"
 #include "kvcap.h"
 
 struct kvllama_hparams {

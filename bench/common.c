@@ -1,11 +1,11 @@
-/* bench_common.c — see bench_common.h. */
+/* common.c — see common.h. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
 
 #include "common/internal.h"
 #include "common/rng.h"
-#include "eval/bench_common.h"
+#include "bench/common.h"
 #include "runtime/artifact.h"
 
 static enum kvcap_status random_artifact(const char *path, const struct kvcap_model_geometry *g,

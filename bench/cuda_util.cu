@@ -1,9 +1,9 @@
-// bench_cuda_util.cu — device helpers of kvcap-bench-cuda (bench_cuda.h): random fill in a
+// cuda_util.cu — device helpers of kvcap-bench-cuda (cuda.h): random fill in a
 // storage dtype, a read-only pass that evicts the L2 cache between timed calls, and a timed spin.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "eval/bench_cuda.h"
+#include "bench/cuda.h"
 
 namespace {
 

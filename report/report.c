@@ -16,7 +16,7 @@
 #include <cjson/cJSON.h>
 
 #include "common/internal.h"
-#include "eval/report.h"
+#include "report/report.h"
 
 /* Bounds that keep a hostile file from asking for absurd allocations or drawings. */
 enum {

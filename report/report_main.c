@@ -6,7 +6,7 @@
 #include <string.h>
 
 #include "cli/cli.h"
-#include "eval/report.h"
+#include "report/report.h"
 
 static void usage(FILE *out)
 {

@@ -1,4 +1,4 @@
-/* bench_calibrate.c — kvcap-bench-calibrate: times calibration at a realistic scale against
+/* calibrate.c — kvcap-bench-calibrate: times calibration at a realistic scale against
  * this machine's own ceilings measured in the same run: Gram accumulation vs the best dsyrk
  * rate (and, on a CUDA device, vs cuBLAS DSYRK/DGEMM and the host-to-device copy rate), value
  * PCA vs a bare LAPACKE_dsyevd of the same size, and the total wall time; with a CUDA device

@@ -9,7 +9,7 @@
 
 #include "common/internal.h"
 #include "formats/safetensors.h"
-#include "eval/vision.h"
+#include "engine/vision.h"
 
 static const char *const k_split_names[KVVISION_N_SPLITS] = {"calibration", "development",
                                                               "test"};
