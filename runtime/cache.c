@@ -171,17 +171,6 @@ enum kvcap_status kvcap_cache_create(const struct kvcap_cache_params *p, struct 
     return KVCAP_OK;
 }
 
-void kvcap_cache_parallel(struct kvcap_cache *c, int n_tasks, kvcap_task_fn fn, void *ctx)
-{
-    if (c->parallel_for && n_tasks > 1)
-        c->parallel_for(c->parallel_user, n_tasks, fn, ctx);
-    else if (c->parallel_for) /* one task: nothing to share, no engine round trip */
-        for (int t = 0; t < n_tasks; t++)
-            fn(ctx, t, 0);
-    else
-        kvcap_pool_run(c->pool, n_tasks, fn, ctx);
-}
-
 void kvcap_cache_free(struct kvcap_cache *c)
 {
     if (!c)

@@ -11,6 +11,30 @@
 #include "kernels/capsule_prefill.h"
 #include "kernels/rope.h"
 #include "runtime/cache_internal.h"
+#include "runtime/pool.h"
+
+/* ---- Work sharing and row stores ---------------------------------------------------------- */
+
+void kvcap_cache_parallel(struct kvcap_cache *c, int n_tasks, kvcap_task_fn fn, void *ctx)
+{
+    if (c->parallel_for && n_tasks > 1)
+        c->parallel_for(c->parallel_user, n_tasks, fn, ctx);
+    else if (c->parallel_for) /* one task: nothing to share, no engine round trip */
+        for (int t = 0; t < n_tasks; t++)
+            fn(ctx, t, 0);
+    else
+        kvcap_pool_run(c->pool, n_tasks, fn, ctx);
+}
+
+/* Stores f32 rows ([n][d]) as rows [r0, r0+n) of head h. */
+static void segment_store(const struct kvcap_cache *c, struct kvcap_segment *seg, int head, int r0,
+                          int n, const float *k, const float *v)
+{
+    size_t d = (size_t)c->g.head_dim, es = kvcap_dtype_size(c->storage);
+    size_t off = ((size_t)head * (size_t)seg->cap + (size_t)r0) * d * es;
+    kvcap_convert_from_f32(c->storage, k, (size_t)n * d, (char *)seg->k + off);
+    kvcap_convert_from_f32(c->storage, v, (size_t)n * d, (char *)seg->v + off);
+}
 
 /* ---- Prefill ------------------------------------------------------------------------------ */
 
@@ -51,7 +75,7 @@ static enum kvcap_status host_fill(struct kvcap_cache *c, struct kvcap_segment *
             int t = tokens ? tokens[j] : j;
             kvcap_view_read(k, h, t, 1, d, kr);
             kvcap_view_read(v, h, t, 1, d, vr);
-            kvcap_segment_store(c, seg, h, j, 1, kr, vr);
+            segment_store(c, seg, h, j, 1, kr, vr);
         }
     free(kr);
     seg->n_rows = n;
@@ -156,7 +180,7 @@ static enum kvcap_status host_append(struct kvcap_cache *c, int seq, int layer,
         if (grow_to > 0)
             st = kvcap_segment_reserve(c, gen, grow_to);
         for (int h = 0; st == KVCAP_OK && h < H; h++)
-            kvcap_segment_store(c, gen, h, row, 1, buf + (size_t)h * d, vb + (size_t)h * d);
+            segment_store(c, gen, h, row, 1, buf + (size_t)h * d, vb + (size_t)h * d);
         if (st == KVCAP_OK && row == gen->n_rows)
             gen->n_rows++;
     }

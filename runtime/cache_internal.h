@@ -53,9 +53,6 @@ enum kvcap_status kvcap_view_check_finite(const struct kvcap_tensor_view *v, con
 
 /* Plain-row storage of a segment: (re)allocates room for `cap` rows per head, keeping rows. */
 enum kvcap_status kvcap_segment_reserve(struct kvcap_cache *c, struct kvcap_segment *seg, int cap);
-/* Stores f32 rows ([n][d]) as rows [r0, r0+n) of head h. */
-void kvcap_segment_store(const struct kvcap_cache *c, struct kvcap_segment *seg, int head, int r0,
-                         int n, const float *k, const float *v);
 /* Copies tokens of the view into rows: every token in tokens[0..n) of the span (NULL: 0..n-1). */
 enum kvcap_status kvcap_segment_fill(struct kvcap_cache *c, struct kvcap_segment *seg,
                                      const struct kvcap_tensor_view *k,
@@ -172,7 +169,8 @@ enum kvcap_status kvcap_cache_freekv(struct kvcap_cache *c, struct kvcap_seq_lay
                                      struct kvcap_freekv **out);
 
 /* Runs fn(ctx, task, thread) for every task on the engine's threads (params.parallel_for) or
- * on the cache's pool; returns when all are done. */
+ * on the cache's pool; returns when all are done. The host store's (cache_host.c), used by it
+ * and by the policies that score on the host. */
 void kvcap_cache_parallel(struct kvcap_cache *c, int n_tasks, kvcap_task_fn fn, void *ctx);
 /* Frees a segment's stored state through the cache's store (not the struct). */
 void kvcap_segment_release(const struct kvcap_cache *c, struct kvcap_segment *seg);

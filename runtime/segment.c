@@ -27,15 +27,6 @@ enum kvcap_status kvcap_segment_fill_pending(struct kvcap_cache *c, int seq, int
     return KVCAP_OK;
 }
 
-void kvcap_segment_store(const struct kvcap_cache *c, struct kvcap_segment *seg, int head, int r0,
-                         int n, const float *k, const float *v)
-{
-    size_t d = (size_t)c->g.head_dim, es = kvcap_dtype_size(c->storage);
-    size_t off = ((size_t)head * (size_t)seg->cap + (size_t)r0) * d * es;
-    kvcap_convert_from_f32(c->storage, k, (size_t)n * d, (char *)seg->k + off);
-    kvcap_convert_from_f32(c->storage, v, (size_t)n * d, (char *)seg->v + off);
-}
-
 enum kvcap_status kvcap_segment_fill(struct kvcap_cache *c, struct kvcap_segment *seg,
                                      const struct kvcap_tensor_view *k,
                                      const struct kvcap_tensor_view *v, const int *tokens, int n)
