@@ -1,4 +1,4 @@
-/* fuzz_metrics.c — kvcap-report's reader of metrics.json (report/report.c) over hostile text:
+/* fuzz_metrics.c — kvcap-report's reader of metrics.json (report/metrics.c) over hostile text:
  * any input either renders to HTML and a well-formed CSV or fails with a status naming the
  * field, without leaking, and never leaves a file behind on failure. */
 #include <stdint.h>
