@@ -2,7 +2,7 @@
  * kvcap.h), parsing, the float storage test every reader and kernel applies, bit-exact scalar
  * conversions between F16/BF16/F64 and the F32 every kernel computes in, and the scalar element
  * load of the readable oracles. Needs include/ only. The ISA-dispatched bulk loader is a kernel
- * (kvcap_load_f32, kernels/attention.h); the device loads are in kernels/cuda/common.cuh. */
+ * (kvcap_load_f32, kernels/load.h); the device loads are in kernels/cuda/common.cuh. */
 #ifndef KVCAP_DTYPE_H
 #define KVCAP_DTYPE_H
 

@@ -8,8 +8,8 @@
  *    K and V are read once per block whatever the group size;
  *  - two kernel sets, chosen per call with __builtin_cpu_supports: AVX2+FMA+F16C intrinsics
  *    (target attribute, no -march flags) that convert F16/BF16 in registers as they load, and
- *    portable C that converts each block into a 16 KiB stack buffer (the same code as
- *    kvcap_load_f32) and lets the compiler vectorise at the default target.
+ *    portable C that converts each block into a 16 KiB stack buffer (kernels/load.h) and
+ *    lets the compiler vectorise at the default target; kernels/load.c probes the CPU.
  *
  * Limits: d in 1..ATTN_MAX_D (4096). Every entry point returns a status: outside the limits,
  * with NULL inputs or with too little scratch (capsule) it is KVCAP_ERR_INVALID_ARGUMENT; the
@@ -24,19 +24,18 @@
  * bodies, portable then AVX2; the run-time dispatch; the fast entry points. */
 #include <limits.h>
 #include <math.h>
-#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include <cblas.h>
 
 #include "kernels/attention.h"
+#include "kernels/load.h"
 #include "common/internal.h"
 #include "common/dtype.h"
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
 #  define ATTN_X86 1
-#  include <cpuid.h>
 #  include <immintrin.h>
 #else
 #  define ATTN_X86 0
@@ -404,42 +403,6 @@ ATTN_INLINE float exp2_approx(float x)
 
 /* ---- Kernel bodies in portable C (also inlined into the AVX2 set for loads and tails) ------ */
 
-ATTN_INLINE void load_body(enum kvcap_dtype dtype, const void *src, size_t n, float *dst)
-{
-    const unsigned char *s = src;
-    switch (dtype) {
-    case KVCAP_DTYPE_F32:
-        if (n)
-            memcpy(dst, src, n * sizeof(float));
-        break;
-    case KVCAP_DTYPE_F16:
-        for (size_t i = 0; i < n; i++) {
-            uint16_t h;
-            memcpy(&h, s + 2 * i, 2);
-            dst[i] = kvcap_f16_to_f32_fast(h);
-        }
-        break;
-    case KVCAP_DTYPE_BF16:
-        for (size_t i = 0; i < n; i++) {
-            uint16_t b;
-            memcpy(&b, s + 2 * i, 2);
-            dst[i] = kvcap_bits_f32((uint32_t)b << 16);
-        }
-        break;
-    case KVCAP_DTYPE_F64:
-        for (size_t i = 0; i < n; i++) {
-            double v;
-            memcpy(&v, s + 8 * i, 8);
-            dst[i] = (float)v;
-        }
-        break;
-    default: /* not a float type: callers never pass one; zeros rather than garbage */
-        if (n)
-            memset(dst, 0, n * sizeof(float));
-        break;
-    }
-}
-
 /* Block softmax for one query group: sc [nr][8] raw dot products -> sc = scaled scores ->
  * probabilities exp(s - m_new); m8/s8 (running max and sum per lane) are updated and alpha8
  * receives the factor exp(m_old - m_new) by which the caller must rescale its o (0 when the
@@ -597,10 +560,10 @@ static const float *block_f32(enum kvcap_dtype dt, const void *rows, size_t stri
     }
     const unsigned char *b = rows;
     if (stride == (size_t)d) /* contiguous rows: one conversion for the block */
-        load_body(dt, b, (size_t)nr * d, buf);
+        kvcap_load_f32_portable(dt, b, (size_t)nr * d, buf);
     else
         for (int j = 0; j < nr; j++)
-            load_body(dt, b + (size_t)j * stride * 2, (size_t)d, buf + (size_t)j * d);
+            kvcap_load_f32_portable(dt, b + (size_t)j * stride * 2, (size_t)d, buf + (size_t)j * d);
     *ld = (size_t)d;
     return buf;
 }
@@ -703,11 +666,6 @@ static void accum_generic(enum kvcap_dtype dt, const void *v, size_t vs, int nr,
             ol[c] = a;
         }
     }
-}
-
-static void load_generic(enum kvcap_dtype dtype, const void *src, size_t n, float *dst)
-{
-    load_body(dtype, src, n, dst);
 }
 
 static void softmax_generic(float *sc, int nr, float scale, float *m8, float *s8, float *a8)
@@ -1093,20 +1051,6 @@ static ATTN_AVX2 void accum_avx2(enum kvcap_dtype dt, const void *v, size_t vs, 
 #  undef ATTN_ACCUM_CALL
 }
 
-static ATTN_AVX2 void load_avx2(enum kvcap_dtype dtype, const void *src, size_t n, float *dst)
-{
-    if (dtype != KVCAP_DTYPE_F16) {
-        load_body(dtype, src, n, dst);
-        return;
-    }
-    const unsigned char *s = src;
-    size_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(dst + i,
-                         _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + 2 * i))));
-    load_body(dtype, s + 2 * i, n - i, dst + i);
-}
-
 /* exp_approx on 8 lanes (with FMA; the same constants and the same 0 below -87). */
 ATTN_AVX2_INLINE __m256 exp_avx2(__m256 x)
 {
@@ -1477,7 +1421,6 @@ struct attn_isa {
                    int d, float *out, int ls);
     void (*accum)(enum kvcap_dtype dt, const void *v, size_t vs, int nr, const float *w, int nq,
                   int d, float *o, int ls);
-    void (*load)(enum kvcap_dtype dtype, const void *src, size_t n, float *dst);
     void (*softmax)(float *sc, int nr, float scale, float *m8, float *s8, float *a8);
     void (*bias_max)(float *s, float b, const float *sq, float *cmax, size_t n, float scale);
     void (*exp_cols)(float *s, const float *cmax, float *csum, size_t n);
@@ -1495,59 +1438,23 @@ struct attn_isa {
 };
 
 static const struct attn_isa isa_generic = {
-    scores_generic,   accum_generic,    load_generic,       softmax_generic,
+    scores_generic,   accum_generic,    softmax_generic,
     bias_max_generic, exp_cols_generic, tile_maps_generic, tile_factors_generic,
     tile_scale_generic, NULL,           NULL};
 #if ATTN_X86
 static const struct attn_isa isa_avx2 = {
-    scores_avx2,   accum_avx2,        load_avx2,      softmax_avx2, bias_max_avx2,
+    scores_avx2,   accum_avx2,        softmax_avx2, bias_max_avx2,
     exp_cols_avx2, tile_maps_avx2,    tile_factors_avx2, tile_scale_avx2, span_max_avx2,
     span_values_avx2};
 #endif
 
-static atomic_int attn_simd_enabled = 1;
-
-/* Test hook (not API, hence not in attention.h): 0 forces the portable kernels, 1 restores the
- * run-time choice. Returns the previous setting. Lets one test program check both paths. */
-int kvcap_attention_set_simd(int enabled);
-int kvcap_attention_set_simd(int enabled)
-{
-    return atomic_exchange_explicit(&attn_simd_enabled, enabled ? 1 : 0, memory_order_relaxed);
-}
-
-#if ATTN_X86
-/* AVX2 and FMA with OS support for the YMM state (what __builtin_cpu_supports checks), and
- * F16C from CPUID leaf 1 (clang's __builtin_cpu_supports does not know "f16c"). */
-static int cpu_has_avx2_set(void)
-{
-    __builtin_cpu_init();
-    unsigned a, b, c, d;
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
-}
-#endif
-
-/* Probed once (CPUID traps to the hypervisor in a VM: microseconds); racing first calls store
- * the same value. 0: not probed yet, 1: portable only, 2: the AVX2 set is usable. */
-static atomic_int attn_cpu_level = 0;
-
 static const struct attn_isa *attn_isa(void)
 {
 #if ATTN_X86
-    int level = atomic_load_explicit(&attn_cpu_level, memory_order_relaxed);
-    if (level == 0) {
-        level = cpu_has_avx2_set() ? 2 : 1;
-        atomic_store_explicit(&attn_cpu_level, level, memory_order_relaxed);
-    }
-    if (level == 2 && atomic_load_explicit(&attn_simd_enabled, memory_order_relaxed))
+    if (kvcap_kernels_avx2())
         return &isa_avx2;
 #endif
     return &isa_generic;
-}
-
-void kvcap_load_f32(enum kvcap_dtype dtype, const void *src, size_t n, float *dst)
-{
-    attn_isa()->load(dtype, src, n, dst);
 }
 
 /* Row j of a row set in storage dtype. */

@@ -88,8 +88,4 @@ enum kvcap_status kvcap_capsule_attend(const struct kvcap_capsule_maps *maps,
 size_t kvcap_capsule_scratch_floats(const struct kvcap_capsule_maps *maps, int n_spans,
                                     int max_tiles, int nq, int d);
 
-/* Loads n elements of a float tensor as f32 (vectorised for F16/BF16); the fast path shared
- * by the kernels. */
-void kvcap_load_f32(enum kvcap_dtype dtype, const void *src, size_t n, float *dst);
-
 #endif

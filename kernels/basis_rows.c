@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "kernels/basis_rows.h"
+#include "kernels/load.h"
 #include "common/dtype.h"
 #include "common/internal.h"
 

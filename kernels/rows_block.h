@@ -11,6 +11,7 @@
 #include "common/dtype.h"
 #include "common/internal.h"
 #include "kernels/attention.h"
+#include "kernels/load.h"
 
 /* The checks of n_chunks chunks of key rows of d channels (an empty chunk may have k NULL);
  * *m receives the number of keys. Errors name the function `fn` and the chunk. */

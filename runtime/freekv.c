@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "runtime/freekv.h"
+#include "kernels/load.h"
 #include "common/internal.h"
 #include "common/dtype.h"
 

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "kernels/attention.h"
+#include "kernels/load.h"
 #include "kernels/expected.h"
 #include "kernels/rope.h"
 #include "runtime/cache_internal.h"

@@ -3,6 +3,7 @@
 #include <math.h>
 #include <stdlib.h>
 
+#include "kernels/load.h"
 #include "runtime/cache_internal.h"
 
 static const void *view_row(const struct kvcap_tensor_view *v, int head, int token)

@@ -16,12 +16,11 @@
 #include <cblas.h>
 
 #include "kernels/attention.h"
+#include "kernels/load.h"
 #include "common/rng.h"
 #include "common/dtype.h"
 #include "tests/test_numeric.h"
 
-/* Test hook in kernels/attention.c: 0 forces the portable kernels, 1 the run-time choice. */
-int kvcap_attention_set_simd(int enabled);
 
 /* Fast kernels accumulate in f32 (blocks of rows, exp to ~1 ulp) where the oracles use double;
  * with outputs that are not cancellation-dominated (values have a non-zero mean) the error is
@@ -247,16 +246,16 @@ static void rows_sweep(int with_ref)
 static void test_rows_simd(void **state)
 {
     (void)state;
-    kvcap_attention_set_simd(1);
+    kvcap_kernels_set_simd(1);
     rows_sweep(1);
 }
 
 static void test_rows_portable(void **state)
 {
     (void)state;
-    kvcap_attention_set_simd(0);
+    kvcap_kernels_set_simd(0);
     rows_sweep(0); /* the oracles are ISA-independent: checked once, in test_rows_simd */
-    kvcap_attention_set_simd(1);
+    kvcap_kernels_set_simd(1);
 }
 
 /* ---- KVCapsule ------------------------------------------------------------------------------ */
@@ -543,16 +542,16 @@ static void capsule_sweep(int full)
 static void test_capsule_simd(void **state)
 {
     (void)state;
-    kvcap_attention_set_simd(1);
+    kvcap_kernels_set_simd(1);
     capsule_sweep(1);
 }
 
 static void test_capsule_portable(void **state)
 {
     (void)state;
-    kvcap_attention_set_simd(0);
+    kvcap_kernels_set_simd(0);
     capsule_sweep(0);
-    kvcap_attention_set_simd(1);
+    kvcap_kernels_set_simd(1);
 }
 
 /* Fused spans and plain rows in one softmax: rows first then capsule into the same partial,
@@ -754,7 +753,7 @@ static void test_large_scores(void **state)
     naive_attention(q, k, v, n, nq, d, 1.0f, want);
     struct kvcap_rows rows = {k, v, KVCAP_DTYPE_F32, (size_t)d, n};
     for (int simd = 0; simd < 2; simd++) {
-        kvcap_attention_set_simd(simd);
+        kvcap_kernels_set_simd(simd);
         struct part fast = part_new(nq, d), ref = part_new(nq, d);
         rows_fast(&rows, q, nq, d, 1.0f, fast.p);
         rows_ref(&rows, q, nq, d, 1.0f, ref.p);
@@ -779,7 +778,7 @@ static void test_large_scores(void **state)
         free(fast.buf);
         free(ref.buf);
     }
-    kvcap_attention_set_simd(1);
+    kvcap_kernels_set_simd(1);
     /* F16 keys with q of magnitude 1e3: scores ~1e4 with gaps of ~1e3, the softmax is one-hot */
     uint16_t *kh = malloc(sizeof(uint16_t) * (size_t)n * d), *vh = malloc(sizeof(uint16_t) * (size_t)n * d);
     assert_true(kh && vh);
@@ -816,7 +815,7 @@ static void test_softmax_weights(void **state)
     v[0] = 1.0f;
     v[8 + 1] = 1.0f;
     for (int simd = 0; simd < 2; simd++) {
-        kvcap_attention_set_simd(simd);
+        kvcap_kernels_set_simd(simd);
         for (float x = 0.0f; x < 80.0f; x += 0.173f) {
             k[0] = x;
             struct kvcap_rows rows = {k, v, KVCAP_DTYPE_F32, (size_t)d, 2};
@@ -830,7 +829,7 @@ static void test_softmax_weights(void **state)
             free(p.buf);
         }
     }
-    kvcap_attention_set_simd(1);
+    kvcap_kernels_set_simd(1);
 }
 
 static void test_single_row(void **state)
@@ -898,53 +897,10 @@ static void test_empty_partials(void **state)
     free(full.buf);
 }
 
-/* kvcap_load_f32 agrees with the bit-exact converters on every 16-bit pattern, both paths. */
-static void test_load_f32(void **state)
-{
-    (void)state;
-    uint16_t *all = malloc(sizeof(uint16_t) * 65536);
-    float *got = alloc_f(65536), *want = alloc_f(65536);
-    assert_non_null(all);
-    for (uint32_t i = 0; i < 65536; i++)
-        all[i] = (uint16_t)i;
-    static const enum kvcap_dtype types[] = {KVCAP_DTYPE_F16, KVCAP_DTYPE_BF16, 0};
-    for (int simd = 0; simd < 2; simd++) {
-        kvcap_attention_set_simd(simd);
-        for (int t = 0; t < 2; t++) {
-            assert_int_equal(kvcap_convert_to_f32(types[t], all, 65536, want), KVCAP_OK);
-            /* odd start and length exercise the vector tails */
-            kvcap_load_f32(types[t], all, 1, got);
-            kvcap_load_f32(types[t], all + 1, 65535, got + 1);
-            for (uint32_t i = 0; i < 65536; i++) {
-                if (isnan(want[i])) {
-                    assert_true(isnan(got[i]));
-                    continue;
-                }
-                uint32_t a, b;
-                memcpy(&a, &got[i], 4);
-                memcpy(&b, &want[i], 4);
-                if (a != b)
-                    fail_msg("%s 0x%04x: got %a want %a (simd %d)", kvcap_dtype_name(types[t]),
-                             i, (double)got[i], (double)want[i], simd);
-            }
-        }
-        float src[37], dst[37];
-        for (int i = 0; i < 37; i++)
-            src[i] = (float)i - 18.5f;
-        kvcap_load_f32(KVCAP_DTYPE_F32, src, 37, dst);
-        assert_memory_equal(src, dst, sizeof src);
-    }
-    kvcap_attention_set_simd(1);
-    free(all);
-    free(got);
-    free(want);
-}
-
 int main(void)
 {
     openblas_set_num_threads(1);
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_load_f32),
         cmocka_unit_test(test_empty_partials),
         cmocka_unit_test(test_single_row),
         cmocka_unit_test(test_softmax_weights),
