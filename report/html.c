@@ -1104,6 +1104,8 @@ enum kvcap_status kvcap_report_write_tracks(const char *const *metrics_paths, in
         st = report_load(&others[i - 1], metrics_paths[i]);
         if (st == KVCAP_OK)
             other_ptrs[loaded++] = &others[i - 1];
+        else /* what it read before the error */
+            report_free(&others[i - 1]);
     }
     if (st == KVCAP_OK && loaded)
         r.others = other_ptrs;

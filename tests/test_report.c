@@ -1016,6 +1016,11 @@ static void test_tracks_side_by_side(void **state)
     write_json(d.metrics, doc);
     assert_int_equal(kvcap_report_write(d.metrics, d.html, NULL), KVCAP_ERR_FORMAT);
     assert_error_names(d.metrics, "rows x cols (16 x 15) is not n_tokens (256)");
+    /* the same file as a second track: refused by name, and what was read of it freed (the
+     * sanitizer build's leak check) */
+    const char *bad_second[2] = {SAMPLE, d.metrics};
+    assert_int_equal(kvcap_report_write_tracks(bad_second, 2, d.html, NULL), KVCAP_ERR_FORMAT);
+    assert_error_names(d.metrics, "rows x cols (16 x 15) is not n_tokens (256)");
     cJSON_Delete(doc);
 
     /* one track: no such section; a bad kind is named */
