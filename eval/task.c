@@ -1,0 +1,225 @@
+/* task.c — the retrieval task: a key-value line inside the span, asked for in the tail. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli/cli.h"
+#include "common/internal.h"
+#include "common/rng.h"
+#include "engine/tokenizer.h"
+#include "eval/eval.h"
+
+/* ---- The retrieval task ------------------------------------------------------------------- */
+/* Key-value retrieval inside the compressed span: the span holds lines "The code of the <name>
+ * is <4 digits>." with distinct names; the tail asks for one of them and the answer is read
+ * from a few greedy tokens. The asked line sits at one of TASK_DEPTHS depths of the span.
+ * Scored by exact match against the true code and against full's answer; greedy answers of a
+ * few tokens do not cascade the way a long continuation does. */
+static const char *const k_task_names[] = {
+    "tiger",  "apple",  "river", "candle", "pencil", "garden", "rocket", "violin", "forest",
+    "castle", "mirror", "dragon", "island", "winter", "silver", "hammer", "pillow", "basket",
+    "bridge", "monkey", "orange", "planet", "rabbit", "saddle", "tomato", "wallet", "anchor",
+    "bottle", "carpet", "donkey", "engine", "falcon", "ginger", "helmet", "jacket", "kettle",
+    "ladder", "magnet", "needle", "parrot"};
+enum { TASK_NAMES = sizeof k_task_names / sizeof *k_task_names };
+
+void task_free(struct task *t)
+{
+    for (int i = 0; t->prompts && i < t->n; i++)
+        prompt_free(&t->prompts[i]);
+    free(t->ids), free(t->prompts), free(t->truth), free(t->depth), free(t->bin);
+    free(t->full_answer);
+    memset(t, 0, sizeof *t);
+}
+
+/* Appends the tokens of text to ids[*n ..], at most cap in all; returns how many it had. */
+static enum kvcap_status append_text(const struct model_ctx *mc, const char *text, int32_t *ids,
+                                     int *n, int cap, int *got)
+{
+    int32_t *t = NULL;
+    size_t m = 0;
+    KVCAP_TRY(kvtok_encode(mc->tok, text, strlen(text), 1, &t, &m));
+    *got = (int)m;
+    for (size_t i = 0; i < m && *n < cap; i++)
+        ids[(*n)++] = t[i];
+    free(t);
+    return KVCAP_OK;
+}
+
+/* Builds query i: the head, then exactly `span` tokens of held-out text (`filler`, at least
+ * span tokens) with TASK_NEEDLES code lines at random depths, the asked one at depth bin
+ * i % TASK_DEPTHS, then the question as the tail. */
+static enum kvcap_status task_build_one(const struct options *o, const struct model_ctx *mc,
+                                        const int32_t *filler, struct task *t, int i, int *head,
+                                        int *tail)
+{
+    struct kvcap_rng rng;
+    kvcap_rng_seed(&rng, 0x6b76636170ull + (uint64_t)i);
+    int name[TASK_NEEDLES];
+    for (int k = 0; k < TASK_NEEDLES; k++) {
+        int fresh;
+        do {
+            name[k] = (int)kvcap_rng_below(&rng, TASK_NAMES);
+            fresh = 1;
+            for (int j = 0; j < k; j++)
+                fresh &= name[j] != name[k];
+        } while (!fresh);
+    }
+    int32_t *line[TASK_NEEDLES] = {0};
+    size_t len[TASK_NEEDLES] = {0};
+    int code[TASK_NEEDLES], at[TASK_NEEDLES], total = 0;
+    enum kvcap_status s = KVCAP_OK;
+    for (int k = 0; s == KVCAP_OK && k < TASK_NEEDLES; k++) {
+        char text[96];
+        code[k] = 1000 + (int)kvcap_rng_below(&rng, 9000);
+        snprintf(text, sizeof text, "\nThe code of the %s is %04d.\n", k_task_names[name[k]],
+                 code[k]);
+        s = kvtok_encode(mc->tok, text, strlen(text), 0, &line[k], &len[k]);
+        total += (int)len[k];
+    }
+    if (s == KVCAP_OK && total * 2 > o->span)
+        s = kvcap_fail(KVCAP_ERR_INVALID_ARGUMENT, "--span %d: too short for the retrieval task "
+                       "(%d needle tokens)", o->span, total);
+    /* Line 0 is asked: its start at the bin's depth; the others where they do not overlap. */
+    t->bin[i] = i % TASK_DEPTHS;
+    at[0] = (int)lround((t->bin[i] + 0.5) / TASK_DEPTHS * (o->span - (int)len[0]));
+    for (int k = 1; s == KVCAP_OK && k < TASK_NEEDLES; k++) {
+        int ok;
+        do {
+            at[k] = (int)kvcap_rng_below(&rng, (uint64_t)(o->span - (int)len[k] + 1));
+            ok = 1;
+            for (int j = 0; j < k; j++)
+                ok &= at[k] + (int)len[k] <= at[j] || at[j] + (int)len[j] <= at[k];
+        } while (!ok);
+    }
+    int32_t *ids = t->ids + (size_t)i * t->max_len;
+    int n = 0, got = 0;
+    if (s == KVCAP_OK)
+        s = append_text(mc, "<|im_start|>user\nRead the text, then answer the question.\n\n", ids,
+                        &n, t->max_len, &got);
+    *head = n;
+    for (int pos = 0, f = 0; s == KVCAP_OK && pos < o->span;) {
+        int k = 0;
+        while (k < TASK_NEEDLES && at[k] != pos)
+            k++;
+        if (k < TASK_NEEDLES) {
+            memcpy(ids + n, line[k], len[k] * sizeof *ids);
+            n += (int)len[k], pos += (int)len[k];
+        } else {
+            ids[n++] = filler[f++], pos++;
+        }
+    }
+    for (int k = 0; k < TASK_NEEDLES; k++)
+        free(line[k]);
+    KVCAP_TRY(s);
+    t->depth[i] = (double)at[0] / o->span;
+    snprintf(t->truth[i], sizeof t->truth[i], "%04d", code[0]);
+    char q[256];
+    snprintf(q, sizeof q, "\nWhat is the code of the %s?<|im_end|>\n<|im_start|>assistant\n"
+             "The code of the %s is", k_task_names[name[0]], k_task_names[name[0]]);
+    KVCAP_TRY(append_text(mc, q, ids, &n, t->max_len, &got));
+    KVCAP_RETURN_IF(n >= t->max_len, KVCAP_ERR_INTERNAL, "task prompt too long");
+    *tail = n - *head - o->span;
+    return KVCAP_OK;
+}
+
+enum kvcap_status task_build(const struct options *o, const struct model_ctx *mc,
+                             const struct corpus *corpus, struct task *t)
+{
+    memset(t, 0, sizeof *t);
+    t->n = o->task_queries;
+    t->max_len = o->span + 256;
+    t->ids = calloc((size_t)t->n * t->max_len, sizeof *t->ids);
+    t->prompts = calloc((size_t)t->n, sizeof *t->prompts);
+    t->truth = calloc((size_t)t->n, sizeof *t->truth);
+    t->depth = calloc((size_t)t->n, sizeof *t->depth);
+    t->bin = calloc((size_t)t->n, sizeof *t->bin);
+    t->full_answer = calloc((size_t)t->n, sizeof *t->full_answer);
+    if (!t->ids || !t->prompts || !t->truth || !t->depth || !t->bin || !t->full_answer)
+        return kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "no memory for the retrieval task");
+    for (int i = 0; i < t->n; i++) {
+        int head = 0, tail = 0;
+        KVCAP_TRY(task_build_one(o, mc, corpus->chunks[i % corpus->n_chunks].ids, t, i, &head,
+                                 &tail));
+        /* the layout only: task_run prefills a batch at a time */
+        t->prompts[i] = (struct prompt){.ids = t->ids + (size_t)i * t->max_len, .head = head,
+                                        .span = o->span, .tail = tail};
+    }
+    return KVCAP_OK;
+}
+
+/* The answer in a few generated tokens: the first run of digits after leading spaces. */
+static void task_answer(const struct model_ctx *mc, const int32_t *tokens, char *out, size_t cap)
+{
+    char text[256];
+    generated_text(mc, tokens, TASK_ANSWER_TOKENS, text, sizeof text);
+    const char *p = text;
+    while (*p == ' ')
+        p++;
+    size_t n = 0;
+    while (p[n] >= '0' && p[n] <= '9' && n + 1 < cap)
+        n++;
+    memcpy(out, p, n);
+    out[n] = '\0';
+}
+
+/* Every run answers every query (in batches of prompts, all runs batched together). */
+enum kvcap_status task_run(const struct options *o, const struct model_ctx *mc,
+                           struct run *runs, int n_runs, struct task *t)
+{
+    const int batch = 16;
+    int32_t **out = calloc((size_t)n_runs, sizeof *out);
+    enum kvcap_status s = out ? KVCAP_OK : kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "no memory");
+    for (int r = 0; s == KVCAP_OK && r < n_runs; r++) {
+        runs[r].answers = calloc((size_t)t->n * TASK_ANSWER_TOKENS, sizeof(int32_t));
+        runs[r].task_correct_depth = calloc(TASK_DEPTHS, sizeof(double));
+        if (!runs[r].answers || !runs[r].task_correct_depth)
+            s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "no memory");
+    }
+    for (int first = 0; s == KVCAP_OK && first < t->n; first += batch) {
+        const int nb = t->n - first < batch ? t->n - first : batch;
+        for (int r = 0; r < n_runs; r++)
+            out[r] = runs[r].answers + (size_t)first * TASK_ANSWER_TOKENS;
+        struct prompt *pr = t->prompts + first;
+        struct cli_progress bar;
+        cli_progress_begin(&bar, "retrieval task, prefill", o->quiet);
+        for (int i = 0; s == KVCAP_OK && i < nb; i++) {
+            s = prompt_prefill(mc, pr[i].ids, pr[i].head, pr[i].span, pr[i].tail, 0,
+                               runs_take(runs, n_runs, POST_PROMPT), &pr[i]);
+            if (s == KVCAP_OK && runs_take(runs, n_runs, POST_REPLAY))
+                s = prompt_replay(mc, &pr[i]);
+            cli_progress_update(&bar, first + i + 1, t->n);
+        }
+        if (s == KVCAP_OK)
+            s = phase_setup(o, mc, runs, n_runs, pr, nb, 0);
+        for (int r = 0; s == KVCAP_OK && r < n_runs; r++) {
+            double bytes = 0;
+            s = span_bytes(runs[r].cache, &bytes);
+            runs[r].task_span_bytes += bytes;
+        }
+        char what[64];
+        snprintf(what, sizeof what, "retrieval task, queries %d-%d of %d", first + 1,
+                 first + nb, t->n);
+        if (s == KVCAP_OK)
+            s = decode_phase(o, mc, runs, n_runs, t->prompts + first, nb, DECODE_GREEDY,
+                             TASK_ANSWER_TOKENS, out, 0, what);
+        phase_teardown(runs, n_runs);
+        for (int i = 0; i < nb; i++) /* K/V of 64 prompts would hold ~0.9 GB at once */
+            prompt_free(&pr[i]);
+    }
+    for (int i = 0; s == KVCAP_OK && i < t->n; i++)
+        task_answer(mc, runs[0].answers + (size_t)i * TASK_ANSWER_TOKENS, t->full_answer[i],
+                    sizeof t->full_answer[i]);
+    for (int r = 0; s == KVCAP_OK && r < n_runs; r++)
+        for (int i = 0; i < t->n; i++) {
+            char a[16];
+            task_answer(mc, runs[r].answers + (size_t)i * TASK_ANSWER_TOKENS, a, sizeof a);
+            const int ok = !strcmp(a, t->truth[i]);
+            runs[r].task_correct += ok;
+            runs[r].task_correct_depth[t->bin[i]] += ok;
+            runs[r].task_same += !strcmp(a, t->full_answer[i]);
+        }
+    free(out);
+    return s;
+}
