@@ -177,7 +177,10 @@ enum kvcap_status prompt_prefill_image(const struct model_ctx *mc, const int32_t
 enum kvcap_status prompt_prefill(const struct model_ctx *mc, const int32_t *ids, int head,
                                  int span, int tail, int n_fid, int all_queries,
                                  struct prompt *p);
-enum kvcap_status prompt_replay(const struct model_ctx *mc, struct prompt *p);
+/* KVzip's reconstruction pass of p (its queries into p->q_replay). timed: the pass and a bare
+ * prefill also take turns REPLAY_TIMINGS times, replay_s the least difference (what the pass
+ * costs an engine); untimed: the pass once, replay_s NaN. */
+enum kvcap_status prompt_replay(const struct model_ctx *mc, struct prompt *p, int timed);
 void prompt_free(struct prompt *p);
 enum kvcap_status prompt_to_cache(const struct model_ctx *mc, const struct prompt *p,
                                   struct kvcap_cache *cache, int seq, enum post_queries post);

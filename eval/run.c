@@ -555,7 +555,7 @@ int cmd_run(const struct options *opt, int argc, char **argv)
         struct cli_progress bar;
         cli_progress_begin(&bar, "reconstruction pass (kvzip)", o->quiet);
         for (int p = 0; s == KVCAP_OK && p < n_prompts; p++) {
-            s = prompt_replay(&mc, &prompts[p]);
+            s = prompt_replay(&mc, &prompts[p], 1);
             cli_progress_update(&bar, p + 1, n_prompts);
         }
     }

@@ -188,7 +188,7 @@ enum kvcap_status task_run(const struct options *o, const struct model_ctx *mc,
             s = prompt_prefill(mc, pr[i].ids, pr[i].head, pr[i].span, pr[i].tail, 0,
                                runs_take(runs, n_runs, POST_PROMPT), &pr[i]);
             if (s == KVCAP_OK && runs_take(runs, n_runs, POST_REPLAY))
-                s = prompt_replay(mc, &pr[i]);
+                s = prompt_replay(mc, &pr[i], 0); /* timed on the prompts only */
             cli_progress_update(&bar, first + i + 1, t->n);
         }
         if (s == KVCAP_OK)
