@@ -54,6 +54,7 @@ struct options {
     int task_queries, threads, quiet;
     int random_seeds;   /* --random-seeds: random eviction's seeds, its row their mean */
     const char *shipped; /* --shipped: the label of the row chosen in advance, or NULL */
+    int headline;        /* --rows headline: full, the papers' methods, random, the shipped row */
     const char *split;   /* --split (text track): calibration, development or test */
     int split_set;
     enum kvcap_dtype storage;

@@ -87,6 +87,9 @@ static void usage(FILE *out)
             "                           development data, as kvcap's shipped configuration for\n"
             "                           this span kind (configs/shipped-*.yaml); the report's\n"
             "                           headline compares it with the papers' methods\n"
+            "      --rows SET           run: all (default): every row, kvcap's variants included;\n"
+            "                           headline: full, the papers' methods, random eviction\n"
+            "                           and the --shipped row (a variant artifact is refused)\n"
             "      --random-seeds N     run: random eviction's seeds, 1..16 (default 8); its row\n"
             "                           is their mean, prompt by prompt\n"
             "      --compare FILE       run: another track's metrics.json (repeatable), shown\n"
@@ -198,7 +201,7 @@ int parse_options(int argc, char **argv, struct options *o)
     enum { O_SPAN = 256, O_HEAD, O_TAIL, O_DECODE, O_MAXCH, O_ART, O_RET, O_PROMPTS, O_GEN,
            O_STORAGE, O_THREADS, O_COMMAND, O_CALIB_DOCS, O_CONT, O_FID, O_TASK, O_TRACK,
            O_FEATURES, O_COMPARE, O_ART_EXACT, O_EXACT_TILES, O_PHOTOS, O_KVZIP_BASIS,
-           O_SEEDS, O_SHIPPED, O_SPLIT };
+           O_SEEDS, O_SHIPPED, O_SPLIT, O_ROWS };
     static const struct option longopts[] = {
         {"model", required_argument, 0, 'm'},   {"corpus", required_argument, 0, 'C'},
         {"docs", required_argument, 0, 'D'},    {"out", required_argument, 0, 'o'},
@@ -226,6 +229,7 @@ int parse_options(int argc, char **argv, struct options *o)
         {"photos", required_argument, 0, O_PHOTOS},
         {"random-seeds", required_argument, 0, O_SEEDS},
         {"shipped", required_argument, 0, O_SHIPPED},
+        {"rows", required_argument, 0, O_ROWS},
         {"split", required_argument, 0, O_SPLIT},
         {"quiet", no_argument, 0, 'q'},         {"version", no_argument, 0, 'V'},
         {"help", no_argument, 0, 'h'},          {0, 0, 0, 0}};
@@ -260,6 +264,11 @@ int parse_options(int argc, char **argv, struct options *o)
             rc = cli_parse_int(optarg, "--random-seeds", 1, RANDOM_SEEDS_MAX, &o->random_seeds);
             break;
         case O_SHIPPED: o->shipped = optarg; break;
+        case O_ROWS:
+            if (strcmp(optarg, "all") && strcmp(optarg, "headline"))
+                rc = cli_usage_error("--rows: '%s' is not all or headline", optarg);
+            o->headline = !strcmp(optarg, "headline");
+            break;
         case O_SPLIT:
             o->split = optarg, o->split_set = 1;
             if (strcmp(optarg, "calibration") && strcmp(optarg, "development") &&

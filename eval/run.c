@@ -95,6 +95,27 @@ static void freekv_yaml(struct run *r, int pages, int span)
  * inside the span; vlcache+uniform: every layer keeps the budget; tiled/pyramid KVCapsule
  * maps, exact tiles). FreeKV attends the pages nearest the target (pages of 8: one sink page,
  * two window pages, the rest chosen). */
+/* --rows headline: full, the papers' methods, random and the shipped row stay, in their order;
+ * an artifact row that is one of kvcap's variants and not shipped was given for nothing, and is
+ * refused by name rather than dropped in silence. */
+static enum kvcap_status keep_headline(struct run *runs, int *n_runs)
+{
+    int n = 0;
+    for (int r = 0; r < *n_runs; r++) {
+        if (runs[r].extension && !runs[r].shipped) {
+            if (runs[r].art)
+                return kvcap_fail(KVCAP_ERR_INVALID_ARGUMENT,
+                                  "--rows headline: '%s' is one of kvcap's variants and not the "
+                                  "--shipped row; leave its artifact out, or use --rows all",
+                                  runs[r].label);
+            continue;
+        }
+        runs[n++] = runs[r];
+    }
+    *n_runs = n;
+    return KVCAP_OK;
+}
+
 static int build_runs(const struct options *o, struct kvcap_artifact **arts, struct run *runs)
 {
     int n = 0;
@@ -531,6 +552,8 @@ int cmd_run(const struct options *opt, int argc, char **argv)
     int n_shipped = 0;
     for (int r = 0; o->shipped && r < n_runs; r++)
         n_shipped += runs[r].shipped = !strcmp(runs[r].label, o->shipped);
+    if (s == KVCAP_OK && o->headline) /* kvcap's variants leave, but the shipped one */
+        s = keep_headline(runs, &n_runs);
     if (s == KVCAP_OK && o->shipped && !n_shipped)
         s = kvcap_fail(KVCAP_ERR_INVALID_ARGUMENT,
                        "--shipped: no row is labelled '%s' (a label such as kvzip+safeguard, "
