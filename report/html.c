@@ -1011,7 +1011,7 @@ static const char CSS[] =
     "table.runs td.l{white-space:normal;min-width:170px}\n"
     "td.off,.key.off{background:#fde8bf;color:#8a4b00}\n"
     "th.sec,td.sec{color:#7a8392}\n"
-    ".rank-grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(560px,1fr));gap:14px}\n"
+    ".rank-grid{display:grid;grid-template-columns:repeat(auto-fill,minmax(660px,1fr));gap:14px}\n"
     ".rank-card{border:1px solid var(--line);border-radius:8px;overflow:hidden}\n"
     ".rank-head{background:#1d2330;color:#fff;font-weight:700;padding:6px 12px;font-size:15px}\n"
     ".rank-head .unit{color:#c9d0db}\n"
