@@ -24,6 +24,9 @@ eval_bin="$bin/kvcap-eval"
 "$eval_bin" run --out "$work/x" --exact-tiles 2 >"$work/exact.out" 2>&1; rc=$?
 [ "$rc" -eq 2 ] && grep -q -- "--exact-tiles: no --kvcapsule-exact run" "$work/exact.out" ||
   fail "--exact-tiles without --kvcapsule-exact: exit $rc"
+"$eval_bin" run --out "$work/x" --rows some >"$work/rows.out" 2>&1; rc=$?
+[ "$rc" -eq 2 ] && grep -q -- "--rows: 'some' is not all or headline" "$work/rows.out" ||
+  fail "bad --rows: exit $rc"
 "$eval_bin" run --out "$work/x" --photos calibration >"$work/photos.out" 2>&1; rc=$?
 [ "$rc" -eq 2 ] && grep -q -- "--photos is for --track image" "$work/photos.out" ||
   fail "--photos on the text track: exit $rc"
@@ -272,6 +275,36 @@ for t in (held, cal):
 PY
   grep -q "These prompts come from the photos the compressors were fitted on" \
     "$work/ical/report.html" || fail "calibration-photo report does not say so"
+  # --rows headline: full, the papers' methods, random and the shipped row, each the same as
+  # in the run of every row; a variant's artifact that would leave the run is refused by name
+  ship="kvcapsule tiled+exact (closed-form keys)"
+  "$eval_bin" run -q --track image --photos calibration --features "$features" --model "$model" \
+    --corpus "$corpus" --docs Apache-2.0 --tail 8 --prompts 1 --generate 4 --continuation 8 \
+    --fidelity-steps 2 --retentions 0.4 --rows headline --shipped "$ship" \
+    --kvcapsule-exact "tiled:0.4:$work/iexact.kvcap" --out "$work/ihead" >/dev/null ||
+    fail "--rows headline run"
+  python3 - "$work/ical/metrics.json" "$work/ihead/metrics.json" "$ship" <<'PY' ||
+import json, sys
+every, head = (json.load(open(p))["runs"] for p in sys.argv[1:3])
+labels = [r["label"] for r in head]
+assert all(not r["extension"] or r["label"] == sys.argv[3] for r in head), labels
+assert sys.argv[3] in labels and "full" in labels and "random" in labels, labels
+drop = ("ms", "_s", "seconds", "time", "prefill_cost", "compress", "hidden")
+def same(r):
+    return {k: v for k, v in r.items() if not any(t in k for t in drop)}
+by_id = {r["id"]: r for r in every}
+common = [r for r in head if r["id"] in by_id]
+assert len(common) == len(head) - 1, labels  # all but the shipped row, which ical lacks
+for r in common:
+    assert same(r) == same(by_id[r["id"]]), r["id"]
+PY
+    fail "--rows headline: not the headline rows, or not as in the run of every row"
+  "$eval_bin" run -q --track image --photos calibration --features "$features" --model "$model" \
+    --corpus "$corpus" --docs Apache-2.0 --prompts 1 --retentions 0.4 --rows headline \
+    --kvcapsule "tiled:0.4:$work/itiled.kvcap" --out "$work/ihead2" >"$work/ihead2.out" 2>&1 &&
+    fail "--rows headline took a variant's artifact"
+  grep -q "kvcapsule tiled (closed-form keys)' is one of kvcap's variants" "$work/ihead2.out" ||
+    fail "--rows headline: the refused artifact is not named"
 else
   echo "SKIP: image track ($features not found; bash scripts/fetch-vision.sh and" \
     "scripts/vision_features.py make it)"
