@@ -254,6 +254,7 @@ uint64_t kvllama_weight_bytes(const struct kvllama_model *m) { return m->weight_
 /* ---- Shared blocks ------------------------------------------------------------------------ */
 static void rms_norm(const float *x, const float *w, float *y, int rows, int n, float eps)
 {
+#pragma omp parallel for schedule(static) if (rows >= 32)
     for (int r = 0; r < rows; r++) {
         const float *xr = x + (size_t)r * n;
         float *yr = y + (size_t)r * n;
@@ -276,6 +277,7 @@ static void linear(const float *x, const float *w, float *y, int rows, int in, i
 
 static void swiglu(float *gate, const float *up, size_t n)
 {
+#pragma omp parallel for schedule(static) if (n >= 65536)
     for (size_t i = 0; i < n; i++) {
         float g = gate[i];
         gate[i] = g / (1.0f + expf(-g)) * up[i];
@@ -319,33 +321,38 @@ static enum kvcap_status check_ids(const struct kvllama_model *m, const int32_t 
 }
 
 /* ---- Prefill ------------------------------------------------------------------------------ */
-/* Causal attention of n tokens, all heads: att[n][H*d] from q[n][H*d], k,v[n][KV*d]. */
+/* Causal attention of n new tokens after n_past earlier ones, all heads: att[n][H*d] from
+ * q[n][H*d] and k,v[n_past + n][KV*d] (the earlier tokens' rows first); new token i attends
+ * rows 0 .. n_past + i. scores holds n x (n_past + n). */
 static void causal_attention(const struct kvllama_hparams *hp, const float *q, const float *k,
-                             const float *v, float *scores, float *att, int n)
+                             const float *v, float *scores, float *att, int n, int n_past)
 {
     const int d = hp->head_dim, H = hp->n_heads, KV = hp->n_kv_heads, G = H / KV;
+    const int T = n_past + n;
     const float scale = 1.0f / sqrtf((float)d);
     for (int hq = 0; hq < H; hq++) {
         const int hk = hq / G;
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, n, d, scale, q + hq * d, H * d,
-                    k + hk * d, KV * d, 0.0f, scores, n);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, T, d, scale, q + hq * d, H * d,
+                    k + hk * d, KV * d, 0.0f, scores, T);
+#pragma omp parallel for schedule(static) if (n >= 64)
         for (int i = 0; i < n; i++) {
-            float *row = scores + (size_t)i * n;
+            float *row = scores + (size_t)i * T;
+            const int last = n_past + i;
             float mx = row[0];
-            for (int j = 1; j <= i; j++)
+            for (int j = 1; j <= last; j++)
                 mx = row[j] > mx ? row[j] : mx;
             double sum = 0.0;
-            for (int j = 0; j <= i; j++) {
+            for (int j = 0; j <= last; j++) {
                 row[j] = expf(row[j] - mx);
                 sum += row[j];
             }
             float inv = (float)(1.0 / sum);
-            for (int j = 0; j <= i; j++)
+            for (int j = 0; j <= last; j++)
                 row[j] *= inv;
-            for (int j = i + 1; j < n; j++)
+            for (int j = last + 1; j < T; j++)
                 row[j] = 0.0f;
         }
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, n, 1.0f, scores, n,
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, n, d, T, 1.0f, scores, T,
                     v + hk * d, KV * d, 0.0f, att + hq * d, H * d);
     }
 }
@@ -358,64 +365,62 @@ enum kvcap_status kvllama_prefill(const struct kvllama_model *m, const int32_t *
 
 enum kvcap_status kvllama_reconstruct(const struct kvllama_model *m, const int32_t *ids, int P,
                                       const int32_t *prefix, int n_prefix,
-                                      const struct kvllama_embd_span *image, float *q,
-                                      float *lse)
+                                      const struct kvllama_embd_span *image,
+                                      const struct kvllama_past *past, float *q, float *lse)
 {
     KVCAP_RETURN_IF(!m || !ids || !q || !lse || P < 1 || n_prefix < 0 || (n_prefix && !prefix),
                     KVCAP_ERR_INVALID_ARGUMENT,
                     "kvllama_reconstruct: NULL argument, P < 1 or n_prefix < 0");
+    KVCAP_RETURN_IF(past && past->n != P, KVCAP_ERR_INVALID_ARGUMENT,
+                    "kvllama_reconstruct: the past holds %d tokens, the prompt %d", past->n, P);
     const struct kvllama_hparams *hp = &m->hp;
-    const int R = n_prefix + P, n = P + R;
+    const int R = n_prefix + P;
+    /* the tokens prefilled here: the prompt and the pass, or the pass after the prompt's K/V */
+    const int first = past ? 0 : P, n = first + R;
     const size_t L = (size_t)hp->n_layers, H = (size_t)hp->n_heads, d = (size_t)hp->head_dim;
     const size_t kd = (size_t)hp->n_kv_heads * d;
     int32_t *all = malloc(sizeof *all * (size_t)n);
     float *k = malloc(sizeof *k * L * (size_t)n * kd);
+    float *scores = malloc(sizeof *scores * (size_t)R * R);
     enum kvcap_status s = KVCAP_OK;
-    if (!all || !k)
+    if (!all || !k || !scores)
         s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "llama: no memory for the reconstruction pass");
     if (s == KVCAP_OK) {
-        memcpy(all, ids, sizeof *all * (size_t)P);
-        memcpy(all + P, prefix, sizeof *all * (size_t)n_prefix);
-        memcpy(all + P + n_prefix, ids, sizeof *all * (size_t)P);
+        memcpy(all, ids, sizeof *all * (size_t)first);
+        memcpy(all + first, prefix, sizeof *all * (size_t)n_prefix);
+        memcpy(all + first + n_prefix, ids, sizeof *all * (size_t)P);
         struct kvllama_embd_span spans[2];
+        int n_spans = 0;
+        if (image && !past)
+            spans[n_spans++] = *image;
         if (image) {
-            spans[0] = *image;
-            spans[1] = *image;
-            spans[1].at += P + n_prefix;
+            spans[n_spans] = *image;
+            spans[n_spans++].at += first + n_prefix;
         }
         struct kvllama_prefill_out out = {k, NULL, q, R, NULL, 0};
-        s = kvllama_prefill_spans(m, all, n, spans, image ? 2 : 0, &out);
+        s = kvllama_prefill_after(m, past, all, n, spans, n_spans, &out);
     }
     /* Each pass query's log-sum-exp over the pass's keys up to itself (positions P .. P+i). */
     const int G = (int)(H / (size_t)hp->n_kv_heads);
     const float scale = 1.0f / sqrtf((float)d);
-    int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) reduction(| : failed)
-    for (size_t lh = 0; lh < (s == KVCAP_OK ? L * H : 0); lh++) {
+    for (size_t lh = 0; s == KVCAP_OK && lh < L * H; lh++) {
         const size_t l = lh / H, kvh = lh % H / (size_t)G;
-        float *sc = malloc(sizeof *sc * (size_t)R);
-        failed |= !sc;
-        for (int i = 0; sc && i < R; i++) {
-            const float *qi = q + (lh * (size_t)R + (size_t)i) * d;
+        const float *keys = k + (l * (size_t)n + (size_t)first) * kd + kvh * d; /* the pass's */
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, R, R, (int)d, scale,
+                    q + lh * (size_t)R * d, (int)d, keys, (int)kd, 0.0f, scores, R);
+#pragma omp parallel for schedule(static) if (R >= 64)
+        for (int i = 0; i < R; i++) {
+            const float *row = scores + (size_t)i * R;
             float mx = -INFINITY;
-            for (int j = 0; j <= i; j++) {
-                const float *kj = k + (l * (size_t)n + (size_t)(P + j)) * kd + kvh * d;
-                float dot = 0;
-                for (size_t c = 0; c < d; c++)
-                    dot += qi[c] * kj[c];
-                sc[j] = dot * scale;
-                mx = sc[j] > mx ? sc[j] : mx;
-            }
+            for (int j = 0; j <= i; j++)
+                mx = row[j] > mx ? row[j] : mx;
             double z = 0;
             for (int j = 0; j <= i; j++)
-                z += exp((double)(sc[j] - mx));
+                z += exp((double)(row[j] - mx));
             lse[lh * (size_t)R + (size_t)i] = mx + (float)log(z);
         }
-        free(sc);
     }
-    if (s == KVCAP_OK && failed)
-        s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "llama: no memory for the reconstruction scores");
-    free(all), free(k);
+    free(all), free(k), free(scores);
     return s;
 }
 
@@ -435,9 +440,23 @@ enum kvcap_status kvllama_prefill_spans(const struct kvllama_model *m, const int
                                         const struct kvllama_embd_span *spans, int n_spans,
                                         struct kvllama_prefill_out *out)
 {
+    return kvllama_prefill_after(m, NULL, ids, n, spans, n_spans, out);
+}
+
+enum kvcap_status kvllama_prefill_after(const struct kvllama_model *m,
+                                        const struct kvllama_past *past, const int32_t *ids,
+                                        int n, const struct kvllama_embd_span *spans,
+                                        int n_spans, struct kvllama_prefill_out *out)
+{
     KVCAP_RETURN_IF(!m || !ids || !out || n < 1 || n_spans < 0 || (n_spans > 0 && !spans),
                     KVCAP_ERR_INVALID_ARGUMENT,
                     "kvllama_prefill: NULL argument, n < 1 or n_spans < 0");
+    KVCAP_RETURN_IF(past && (!past->k || !past->v || past->n < 1 ||
+                             past->layer_stride < past->n),
+                    KVCAP_ERR_INVALID_ARGUMENT,
+                    "kvllama_prefill_after: the past K/V is NULL, empty or its layer stride is "
+                    "below its %d tokens", past ? past->n : 0);
+    const int n_past = past ? past->n : 0;
     for (int i = 0; i < n_spans; i++) {
         const struct kvllama_embd_span *sp = &spans[i];
         const int from = i ? spans[i - 1].at + spans[i - 1].n : 0;
@@ -447,8 +466,9 @@ enum kvcap_status kvllama_prefill_spans(const struct kvllama_model *m, const int
                         "after the previous span", i, sp->at, sp->at + sp->n, n);
     }
     const struct kvllama_hparams *hp = &m->hp;
-    KVCAP_RETURN_IF(n > hp->n_ctx, KVCAP_ERR_INVALID_ARGUMENT,
-                    "kvllama_prefill: %d tokens exceed the context length %d", n, hp->n_ctx);
+    KVCAP_RETURN_IF(n_past + n > hp->n_ctx, KVCAP_ERR_INVALID_ARGUMENT,
+                    "kvllama_prefill: %d tokens exceed the context length %d", n_past + n,
+                    hp->n_ctx);
     KVCAP_RETURN_IF(out->q_tail && (out->n_q_tail < 1 || out->n_q_tail > n),
                     KVCAP_ERR_INVALID_ARGUMENT, "kvllama_prefill: n_q_tail %d not in [1, %d]",
                     out->n_q_tail, n);
@@ -462,14 +482,16 @@ enum kvcap_status kvllama_prefill_spans(const struct kvllama_model *m, const int
     }
     const int E = hp->n_embd, F = hp->n_ff, d = hp->head_dim, H = hp->n_heads;
     const int KV = hp->n_kv_heads, QD = H * d, KD = KV * d;
-    const size_t N = (size_t)n;
+    const size_t N = (size_t)n, T = (size_t)n_past + N;
     float *x = malloc(N * E * sizeof *x), *h = malloc(N * E * sizeof *h);
     float *q = malloc(N * QD * sizeof *q), *att = malloc(N * QD * sizeof *att);
-    float *k = malloc(N * KD * sizeof *k), *v = malloc(N * KD * sizeof *v);
+    /* every token's K/V, the past's rows first; the new ones' at k, v */
+    float *kc = malloc(T * KD * sizeof *kc), *vc = malloc(T * KD * sizeof *vc);
+    float *k = kc ? kc + (size_t)n_past * KD : NULL, *v = vc ? vc + (size_t)n_past * KD : NULL;
     float *gate = malloc(N * F * sizeof *gate), *up = malloc(N * F * sizeof *up);
-    float *scores = malloc(N * N * sizeof *scores);
+    float *scores = malloc(N * T * sizeof *scores);
     enum kvcap_status s = KVCAP_OK;
-    if (!x || !h || !q || !att || !k || !v || !gate || !up || !scores) {
+    if (!x || !h || !q || !att || !kc || !vc || !gate || !up || !scores) {
         s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "llama: no memory to prefill %d tokens", n);
         goto done;
     }
@@ -491,13 +513,19 @@ enum kvcap_status kvllama_prefill_spans(const struct kvllama_model *m, const int
     }
     for (int l = 0; l < hp->n_layers; l++) {
         const struct llama_layer *ly = &m->layers[l];
+        if (past) {
+            const size_t at = (size_t)l * past->layer_stride * KD;
+            memcpy(kc, past->k + at, (size_t)n_past * KD * sizeof *kc);
+            memcpy(vc, past->v + at, (size_t)n_past * KD * sizeof *vc);
+        }
         rms_norm(x, ly->attn_norm, h, n, E, hp->rms_eps);
         linear(h, ly->wq, q, n, E, QD, 0);
         linear(h, ly->wk, k, n, E, KD, 0);
         linear(h, ly->wv, v, n, E, KD, 0);
+#pragma omp parallel for schedule(static)
         for (int t = 0; t < n; t++) {
-            kvcap_rope_rotate(&m->geometry, q + (size_t)t * QD, (size_t)H, (size_t)d, t);
-            kvcap_rope_rotate(&m->geometry, k + (size_t)t * KD, (size_t)KV, (size_t)d, t);
+            kvcap_rope_rotate(&m->geometry, q + (size_t)t * QD, (size_t)H, (size_t)d, n_past + t);
+            kvcap_rope_rotate(&m->geometry, k + (size_t)t * KD, (size_t)KV, (size_t)d, n_past + t);
         }
         if (out->k)
             memcpy(out->k + (size_t)l * N * KD, k, N * KD * sizeof *k);
@@ -511,7 +539,7 @@ enum kvcap_status kvllama_prefill_spans(const struct kvllama_model *m, const int
                     memcpy(dst + ((size_t)hq * nq + t) * d,
                            q + (size_t)(n - nq + t) * QD + (size_t)hq * d, d * sizeof *q);
         }
-        causal_attention(hp, q, k, v, scores, att, n);
+        causal_attention(hp, q, kc, vc, scores, att, n, n_past);
         linear(att, ly->wo, x, n, QD, E, 1);
         ffn_block(m, ly, x, h, gate, up, n);
     }
@@ -520,7 +548,7 @@ enum kvcap_status kvllama_prefill_spans(const struct kvllama_model *m, const int
         output_logits(m, x + (size_t)(n - nl) * E, h, nl, out->logits);
     }
 done:
-    free(x); free(h); free(q); free(att); free(k); free(v); free(gate); free(up); free(scores);
+    free(x); free(h); free(q); free(att); free(kc); free(vc); free(gate); free(up); free(scores);
     return s;
 }
 
@@ -600,6 +628,7 @@ enum kvcap_status kvllama_decode(struct kvllama_decoder *dec, struct kvllama_gro
         linear(dec->h, ly->wq, dec->q, rows, E, QD, 0);
         linear(dec->h, ly->wk, dec->k, rows, E, KD, 0);
         linear(dec->h, ly->wv, dec->v, rows, E, KD, 0);
+#pragma omp parallel for schedule(static) if (rows >= 8)
         for (int r = 0; r < rows; r++) {
             kvcap_rope_rotate(&m->geometry, dec->q + (size_t)r * QD, (size_t)H, (size_t)d, pos[r]);
             kvcap_rope_rotate(&m->geometry, dec->k + (size_t)r * KD, (size_t)KV, (size_t)d,

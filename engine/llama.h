@@ -77,6 +77,22 @@ enum kvcap_status kvllama_prefill_spans(const struct kvllama_model *m, const int
                                         const struct kvllama_embd_span *spans, int n_spans,
                                         struct kvllama_prefill_out *out);
 
+/* K/V a prefill continues from: the n tokens at positions 0 .. n-1 in kvllama_prefill_out's
+ * layout with layer_stride tokens per layer (layer l's rows at k + l * layer_stride *
+ * n_kv_heads * head_dim), e.g. a prompt's prefill that also holds later tokens. */
+struct kvllama_past {
+    const float *k, *v;
+    int n, layer_stride;
+};
+
+/* The prefill of n more tokens (at positions past->n ..) attending the past's K/V as well as
+ * each other causally; past NULL: kvllama_prefill_spans. What it hands back (k, v, q_tail,
+ * logits) is the new tokens'; the spans' positions count from the first new token. */
+enum kvcap_status kvllama_prefill_after(const struct kvllama_model *m,
+                                        const struct kvllama_past *past, const int32_t *ids,
+                                        int n, const struct kvllama_embd_span *spans,
+                                        int n_spans, struct kvllama_prefill_out *out);
+
 /* KVzip's context-reconstruction pass (arXiv 2505.23416): the P prompt tokens `ids`, then the
  * n_prefix tokens `prefix` (the instruction to repeat the context and the chat turn to the
  * assistant), then the prompt again, R = n_prefix + P tokens after the prompt. `image` (NULL:
@@ -84,12 +100,13 @@ enum kvcap_status kvllama_prefill_spans(const struct kvllama_model *m, const int
  * their rotated queries q: [n_layers][n_heads][R][head_dim] and each query's log-sum-exp of
  * its scores (scaled by 1/sqrt(head_dim)) over the pass's keys up to itself, lse:
  * [n_layers][n_heads][R] (what a cache holding only the prompt lacks of the query's softmax;
- * kvcap_cache_add_post_queries_lse's layout). The model prefills prompt and pass together:
- * an engine that continues from its prompt cache does the pass's part only. */
+ * kvcap_cache_add_post_queries_lse's layout). With `past` (the prompt's K/V, past->n == P) the
+ * pass continues from the prompt's cache, as an engine does; NULL: the prompt is prefilled
+ * again first. */
 enum kvcap_status kvllama_reconstruct(const struct kvllama_model *m, const int32_t *ids, int P,
                                       const int32_t *prefix, int n_prefix,
-                                      const struct kvllama_embd_span *image, float *q,
-                                      float *lse);
+                                      const struct kvllama_embd_span *image,
+                                      const struct kvllama_past *past, float *q, float *lse);
 
 /* The token-embedding table, [n_vocab][n_embd] f32 (dequantised). */
 const float *kvllama_token_embeddings(const struct kvllama_model *m);

@@ -156,8 +156,8 @@ struct prompt {
                             * token's query (expected_attention), kept by the prefill when
                             * asked (all_queries), else NULL */
     double prefill_s; /* the model's prefill of the prompt */
-    double replay_s;  /* the reconstruction pass beyond a prefill of the prompt (NaN: not
-                       * measurable above the timing noise) */
+    double replay_s;  /* the reconstruction pass, continuing from the prompt's K/V (NaN: not
+                       * timed) */
 };
 
 /* Tokens of a prompt: head + span + tail. */
@@ -178,9 +178,9 @@ enum kvcap_status prompt_prefill_image(const struct model_ctx *mc, const int32_t
 enum kvcap_status prompt_prefill(const struct model_ctx *mc, const int32_t *ids, int head,
                                  int span, int tail, int n_fid, int all_queries,
                                  struct prompt *p);
-/* KVzip's reconstruction pass of p (its queries into p->q_replay). timed: the pass and a bare
- * prefill also take turns REPLAY_TIMINGS times, replay_s the least difference (what the pass
- * costs an engine); untimed: the pass once, replay_s NaN. */
+/* KVzip's reconstruction pass of p (its queries into p->q_replay), continuing from p's K/V.
+ * timed: the pass runs REPLAY_TIMINGS times, replay_s the least (what the pass costs an
+ * engine); untimed: the pass once, replay_s NaN. */
 enum kvcap_status prompt_replay(const struct model_ctx *mc, struct prompt *p, int timed);
 void prompt_free(struct prompt *p);
 enum kvcap_status prompt_to_cache(const struct model_ctx *mc, const struct prompt *p,

@@ -33,13 +33,13 @@ enum kvcap_status decode_phase(const struct options *o, const struct model_ctx *
     struct kvllama_decoder *dec = NULL;
     struct kvllama_group *groups = calloc((size_t)n_runs, sizeof *groups);
     float *logits = malloc((size_t)rows * V * sizeof *logits);
-    int32_t *ids = malloc((size_t)rows * sizeof *ids);
+    int32_t *ids = malloc((size_t)rows * sizeof *ids), *top = malloc((size_t)rows * sizeof *top);
     int *pos = malloc((size_t)rows * sizeof *pos);
     /* forced: each row's log-normaliser and its KL from full's row of the same prompt */
     double *lse = forced ? malloc((size_t)rows * 2 * sizeof *lse) : NULL;
     double *kl = lse ? lse + rows : NULL;
     enum kvcap_status s = KVCAP_OK;
-    if (!groups || !logits || !ids || !pos || (forced && !lse))
+    if (!groups || !logits || !ids || !top || !pos || (forced && !lse))
         s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "no memory for %d decode rows", rows);
     if (s == KVCAP_OK)
         s = kvllama_decoder_create(mc->model, rows, &dec);
@@ -47,15 +47,15 @@ enum kvcap_status decode_phase(const struct options *o, const struct model_ctx *
     for (int r = 0; s == KVCAP_OK && r < n_runs; r++)
         for (int p = 0; p < n_prompts; p++) {
             const struct prompt *pr = &prompts[p];
-            const int32_t top = kvllama_argmax(pr->logits, V);
-            const int32_t first = forced ? pr->ids[prompt_tokens(pr)] : top;
+            const int32_t best = kvllama_argmax(pr->logits, V);
+            const int32_t first = forced ? pr->ids[prompt_tokens(pr)] : best;
             ids[r * n_prompts + p] = first;
             if (forced) {
                 const double nll = -kvllama_log_prob(pr->logits, V, first);
                 runs[r].nll_sum += nll;
                 runs[r].prompt_nll[p] += nll;
                 runs[r].nll_count++;
-                runs[r].forced_top1[(size_t)p * steps] = top;
+                runs[r].forced_top1[(size_t)p * steps] = best;
             } else {
                 out[r][(size_t)p * steps] = first;
             }
@@ -73,10 +73,15 @@ enum kvcap_status decode_phase(const struct options *o, const struct model_ctx *
         s = kvllama_decode(dec, groups, n_runs, ids, pos, logits);
         /* The slow part: passes over the vocabulary, so rows in parallel (full's rows, the
          * first n_prompts, before the KL that reads them). */
-        if (s == KVCAP_OK && forced) {
+        if (s == KVCAP_OK) {
 #pragma omp parallel for schedule(dynamic, 4)
-            for (int row = 0; row < rows; row++)
-                lse[row] = kvllama_log_sum_exp(logits + (size_t)row * V, V);
+            for (int row = 0; row < rows; row++) {
+                top[row] = kvllama_argmax(logits + (size_t)row * V, V);
+                if (forced)
+                    lse[row] = kvllama_log_sum_exp(logits + (size_t)row * V, V);
+            }
+        }
+        if (s == KVCAP_OK && forced) {
 #pragma omp parallel for schedule(dynamic, 4)
             for (int row = 0; row < rows; row++)
                 kl[row] = row < n_prompts
@@ -99,9 +104,9 @@ enum kvcap_status decode_phase(const struct options *o, const struct model_ctx *
                     runs[r].kl_sum += kl[row];
                     runs[r].prompt_kl[p] += kl[row];
                     runs[r].nll_count++;
-                    runs[r].forced_top1[(size_t)p * steps + t + 1] = kvllama_argmax(lg, V);
+                    runs[r].forced_top1[(size_t)p * steps + t + 1] = top[row];
                 } else {
-                    next = kvllama_argmax(lg, V);
+                    next = top[row];
                     out[r][(size_t)p * steps + t + 1] = next;
                 }
                 ids[row] = next;
@@ -125,7 +130,7 @@ enum kvcap_status decode_phase(const struct options *o, const struct model_ctx *
                                              st.freekv_pages_recalled, steps - 1};
     }
     kvllama_decoder_free(dec);
-    free(groups), free(logits), free(ids), free(pos), free(lse);
+    free(groups), free(logits), free(ids), free(top), free(pos), free(lse);
     return s;
 }
 

@@ -186,7 +186,7 @@ void rpt_render_table(struct buf *b, const struct report *r)
              "are all layers after prefill over full's (FreeKV keeps the whole span in host "
              "memory). Prefill cost is the compression work per prompt (scoring and eviction, "
              "KVCapsule's projection onto its bases, FreeKV's paging of the span; for kvzip "
-             "also its context-reconstruction pass, the model run over the prompt again; not "
+             "also its context-reconstruction pass, the model run after the prompt's cache; not "
              "the storing of rows every policy does) over the model's prefill of the prompt. "
              "FreeKV's column holds the shares of (step, KV head) pairs whose "
              "speculative selection was corrected, re-selected synchronously, or fully hidden. "
