@@ -7,6 +7,7 @@ set -euo pipefail
 PACKAGES=(
   build-essential cmake pkg-config
   libopenblas-dev liblapacke-dev
+  libopenblas0-openmp # OpenBLAS on OpenMP's threads, the build CMakeLists.txt loads
   libyaml-dev libcjson-dev libkissfft-dev libcmocka-dev libpcre2-dev
   python3 python3-venv
   clang libclang-rt-14-dev libomp-dev # the libFuzzer harnesses (scripts/fuzz.sh)
