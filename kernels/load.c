@@ -1,4 +1,4 @@
-/* load.c — the bulk f32 loader and the kernels' CPU probe (see load.h). */
+/* load.c — the bulk f32 loader and storer and the kernels' CPU probe (see load.h). */
 #include <stdatomic.h>
 
 #include "kernels/load.h"
@@ -69,4 +69,29 @@ void kvcap_load_f32(enum kvcap_dtype dtype, const void *src, size_t n, float *ds
     }
 #endif
     kvcap_load_f32_portable(dtype, src, n, dst);
+}
+
+#if LOAD_X86
+/* Round to nearest even, as kvcap_f32_to_f16: the same bits for every input (NaNs quieted with
+ * their top payload bits kept, overflow to infinity, subnormals exact). */
+__attribute__((target("avx2,fma,f16c"))) static void store_f16_avx2(const float *src, size_t n,
+                                                                      unsigned char *d)
+{
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(d + 2 * i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    kvcap_convert_from_f32(KVCAP_DTYPE_F16, src + i, n - i, d + 2 * i);
+}
+#endif
+
+void kvcap_store_f32(enum kvcap_dtype dtype, const float *src, size_t n, void *dst)
+{
+#if LOAD_X86
+    if (dtype == KVCAP_DTYPE_F16 && kvcap_kernels_avx2()) {
+        store_f16_avx2(src, n, dst);
+        return;
+    }
+#endif
+    kvcap_convert_from_f32(dtype, src, n, dst);
 }

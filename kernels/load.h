@@ -1,6 +1,6 @@
 /* load.h — float tensors of any storage dtype read as f32, the first step of every host kernel
  * and of the runtime's row reads: the portable conversion (inlined into the kernels' blocks) and
- * the bulk loader, F16 through F16C where the CPU has it. Also the one CPU probe the dispatching
+ * the bulk loader, F16 through F16C where the CPU has it; and the bulk store back. Also the one CPU probe the dispatching
  * kernels share (AVX2 + FMA + F16C) and its test switch. */
 #ifndef KVCAP_KERNELS_LOAD_H
 #define KVCAP_KERNELS_LOAD_H
@@ -60,6 +60,11 @@ KVCAP_LOAD_INLINE void kvcap_load_f32_portable(enum kvcap_dtype dtype, const voi
 /* The same as kvcap_load_f32_portable, F16 eight at a time with F16C where the CPU has the
  * AVX2 set (and the SIMD kernels are not switched off). */
 void kvcap_load_f32(enum kvcap_dtype dtype, const void *src, size_t n, float *dst);
+
+/* The reverse, the runtime's row stores: n f32 values into dst in dtype, the same bits as
+ * kvcap_convert_from_f32 (whose dtypes it takes), F16 eight at a time with F16C where the CPU
+ * has the AVX2 set. */
+void kvcap_store_f32(enum kvcap_dtype dtype, const float *src, size_t n, void *dst);
 
 /* 1 when the host kernels' AVX2 set may run: the CPU has AVX2, FMA and F16C with OS support
  * for the YMM state, and kvcap_kernels_set_simd has not switched it off. Probed once. */

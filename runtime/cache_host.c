@@ -9,6 +9,7 @@
 
 #include "kernels/basis_rows.h"
 #include "kernels/capsule_prefill.h"
+#include "kernels/load.h"
 #include "kernels/rope.h"
 #include "runtime/cache_internal.h"
 #include "runtime/pool.h"
@@ -32,8 +33,8 @@ static void segment_store(const struct kvcap_cache *c, struct kvcap_segment *seg
 {
     size_t d = (size_t)c->g.head_dim, es = kvcap_dtype_size(c->storage);
     size_t off = ((size_t)head * (size_t)seg->cap + (size_t)r0) * d * es;
-    kvcap_convert_from_f32(c->storage, k, (size_t)n * d, (char *)seg->k + off);
-    kvcap_convert_from_f32(c->storage, v, (size_t)n * d, (char *)seg->v + off);
+    kvcap_store_f32(c->storage, k, (size_t)n * d, (char *)seg->k + off);
+    kvcap_store_f32(c->storage, v, (size_t)n * d, (char *)seg->v + off);
 }
 
 /* ---- Prefill ------------------------------------------------------------------------------ */
