@@ -239,6 +239,43 @@ enum kvcap_status run_cache(const struct options *o, const struct model_ctx *mc,
     return s;
 }
 
+/* fn(run, ctx) for every run, two runs (or as many as OpenMP has threads) at a time: each
+ * run's cache is its own and the model and prompts are only read. Each cache's own parallel
+ * loops then run on the thread that calls it, so nothing measured in time may run here. The
+ * first failure's status and message (kvcap_last_error is per thread) are returned. */
+static enum kvcap_status each_run(struct run *runs, int n_runs,
+                                  enum kvcap_status (*fn)(struct run *run, void *ctx), void *ctx)
+{
+    enum kvcap_status first = KVCAP_OK;
+    char message[512] = "";
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int r = 0; r < n_runs; r++) {
+        int failed;
+#pragma omp atomic read
+        failed = first;
+        if (failed)
+            continue;
+        const enum kvcap_status s = fn(&runs[r], ctx);
+        if (s != KVCAP_OK) {
+#pragma omp critical(each_run_error)
+            if (first == KVCAP_OK) {
+                snprintf(message, sizeof message, "%s", kvcap_last_error());
+#pragma omp atomic write
+                first = s;
+            }
+        }
+    }
+    return first == KVCAP_OK ? KVCAP_OK : kvcap_fail(first, "%s", message);
+}
+
+struct setup_ctx {
+    const struct options *o;
+    const struct model_ctx *mc;
+    const struct prompt *prompts;
+    int n_prompts;
+    double full_span;
+};
+
 /* VL-Cache's Algorithm 1 clips layer budgets at 1 without redistributing, so it holds fewer
  * tokens than its nominal alpha. For an equal-budget comparison, bisect alpha until the span
  * bytes held on the evaluation's prompts are the target's within 1 %. */
@@ -269,6 +306,14 @@ static enum kvcap_status match_vlcache(const struct options *o, const struct mod
     }
     vlcache_yaml(run, best);
     return KVCAP_OK;
+}
+
+static enum kvcap_status match_vlcache_one(struct run *run, void *ctx)
+{
+    const struct setup_ctx *c = ctx;
+    return run->match_vlcache
+               ? match_vlcache(c->o, c->mc, run, c->prompts, c->n_prompts, c->full_span)
+               : KVCAP_OK;
 }
 
 /* Bytes one decode step reads, all layers and prompts: the first held-out token appended (its
@@ -354,6 +399,14 @@ static enum kvcap_status match_freekv(const struct options *o, const struct mode
     return KVCAP_OK;
 }
 
+static enum kvcap_status setup_one(struct run *run, void *ctx)
+{
+    const struct setup_ctx *c = ctx;
+    KVCAP_TRY(run_cache(c->o, c->mc, run, c->prompts, c->n_prompts, &run->cache));
+    run->group = (struct kvllama_group){.cache = run->cache, .n_seqs = c->n_prompts};
+    return KVCAP_OK;
+}
+
 /* Creates every run's cache for the prompts and hands each prompt over; measures bytes and
  * the realised retention: the span's bytes held over full's (for eviction policies the share
  * of span tokens kept; FreeKV holds every token in its store and attends a budget of them). */
@@ -361,6 +414,10 @@ enum kvcap_status phase_setup(const struct options *o, const struct model_ctx *m
                               struct run *runs, int n_runs, const struct prompt *prompts,
                               int n_prompts, int measure)
 {
+    if (!measure) { /* nothing timed: the runs' caches side by side */
+        struct setup_ctx c = {o, mc, prompts, n_prompts, 0};
+        return each_run(runs, n_runs, setup_one, &c);
+    }
     for (int r = 0; r < n_runs; r++) {
         struct run *run = &runs[r];
         KVCAP_TRY(run_cache(o, mc, run, prompts, n_prompts, &run->cache));
@@ -591,9 +648,10 @@ int cmd_run(const struct options *opt, int argc, char **argv)
             s = span_bytes(c, &full_span);
         kvcap_cache_free(c);
     }
-    for (int r = 0; s == KVCAP_OK && r < n_runs; r++)
-        if (runs[r].match_vlcache)
-            s = match_vlcache(o, &mc, &runs[r], prompts, n_prompts, full_span);
+    if (s == KVCAP_OK) {
+        struct setup_ctx c = {o, &mc, prompts, n_prompts, full_span};
+        s = each_run(runs, n_runs, match_vlcache_one, &c);
+    }
     /* FreeKV by what it reads; a target it cannot read as little as has no row, and is named */
     struct unreached unreached[MAX_RETENTIONS];
     int n_unreached = 0;
