@@ -11,27 +11,30 @@
 # designs and settings were chosen on it) and test (new documents and photos, chosen by the rules
 # in scripts/eval-texts.tsv and scripts/vision-photos.tsv, looked at only by the final report).
 # Each track records K/V on its calibration split through libkvcap's record mode, calibrates
-# KVCapsule compressors, converts them, and evaluates the headline rows against `full` in one
-# batched run per split at equal realised retention: kvcap's shipped configuration for the span
-# kind (configs/shipped-{text,image}.yaml, chosen before the test split was run), the papers'
-# methods and random eviction; --all adds every one of kvcap's variants. Output goes
-# to build/eval/{image,text}/{development,test}/; the headline report (the image track's test
-# split, with the text track's and both development splits beside it) is printed last. A
+# KVCapsule compressors, converts them, and evaluates the headline rows on the test split
+# against `full` in one batched run at equal realised retention: kvcap's shipped configuration
+# for the span kind (configs/shipped-{text,image}.yaml, chosen on the development split before
+# the test split was run), the papers' methods and random eviction; --all adds every one of
+# kvcap's variants and the development split. Output goes to
+# build/demo/{image,text}/{development,test}/; the headline report (the image track's test
+# split, with the text track's and any development split beside it) is printed last. A
 # kvpress.json in a run folder (scripts/kvpress-reference.sh) is kept across runs; the report
 # shows it only when it was measured on the same prompts.
 # Each phase's time is printed at the end.
 # Usage: bash scripts/demo.sh [--all] [--quick] [--track text|image] [--split development|test]
-#   --all        the whole matrix: every row, kvcap's variants and their artifacts included
+#   --all        the whole matrix: every row, kvcap's variants and their artifacts included,
+#                on the development and the test split
 #   --quick      fewer prompts and tokens, one retention: a smoke test
 #   --track T    one track only (--text-only: --track text, no photo or encoder download)
-#   --split S    evaluate one split only: development (to choose a design on) or test
+#   --split S    evaluate this split: development (to choose a design on) or test (the
+#                default; with --all both)
 # A track or split not run keeps the folder an earlier run left, for the reports to show beside.
 set -euo pipefail
 args="$*"
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 prompts=8 continuation=256 generate=64 queries=64 retentions="0.2 0.4 0.6"
-quick=0 all=0 tracks="text image" splits="development test"
+quick=0 all=0 tracks="text image" splits=""
 usage="usage: bash scripts/demo.sh [--all] [--quick] [--track text|image] [--split development|test]"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -74,7 +77,7 @@ phase "set-up and build"
 kvcap_prepare
 kvcap_build "$KVCAP_ROOT/build" "release" -DCMAKE_BUILD_TYPE=Release
 bin="$KVCAP_ROOT/build"
-out="$KVCAP_ROOT/build/eval"
+out="$KVCAP_ROOT/build/demo"
 corpus=/usr/share/common-licenses
 calib_docs="GPL-3,GPL-2,LGPL-2.1,LGPL-3,GFDL-1.3,MPL-1.1,GPL-1"
 development_docs="Apache-2.0,MPL-2.0,Artistic,CC0-1.0"
@@ -88,6 +91,10 @@ shipped() {
   row=$(sed -n 's/^# kvcap-eval row: //p' "$KVCAP_ROOT/configs/shipped-$1.yaml" 2>/dev/null)
   [ -z "$row" ] || printf '%s\n' --shipped "$row"
 }
+if [ -z "$splits" ]; then
+  splits=test
+  [ "$all" -eq 0 ] || splits="development test"
+fi
 command="bash scripts/demo.sh${args:+ $args}"
 rows=headline
 [ "$all" -eq 0 ] || rows=all
@@ -252,31 +259,32 @@ image_track() {
   # the trained maps hold at the schedule they were trained at: converted at it, kept as trained
   convert "$dir" dense-pyramid "$dir/dense-paper.kvcs" pyramid:0.6:0.2 pyramid:0.6:0.2 0.4
   # the value basis without calibration: the 2-D DCT low-pass of each 4 x 4 tile, same bytes
-  for r in $retentions; do
-    [ "$all" -eq 1 ] || break
-    convert "$dir" tiled-dct "$dir/tiled.kvcs" "$(tile_uniform "$r")" "$(tile_uniform "$r")" \
-      "$r" --value-basis dct
-  done
+  if [ "$all" -eq 1 ]; then
+    for r in $retentions; do
+      convert "$dir" tiled-dct "$dir/tiled.kvcs" "$(tile_uniform "$r")" "$(tile_uniform "$r")" \
+        "$r" --value-basis dct
+    done
+  fi
   for r in $retentions; do # the attention-sink tile kept exact (kvcapsule.exact_tiles: 1)
     x=$(exact_ratio "$r")
     "$bin/kvcap-convert" "$dir/tiled.kvcs" --out "$dir/tiled-exact-$r.kvcap" \
       --keys "$(tile_uniform "$x")" --values "$(tile_uniform "$x")" >/dev/null
     artifacts+=(--kvcapsule-exact "tiled:$r:$dir/tiled-exact-$r.kvcap")
   done
-  for r in $retentions; do
-    [ "$all" -eq 1 ] || break
-    convert "$dir" tiled "$dir/tiled.kvcs" "$(tile_uniform "$r")" "$(tile_uniform "$r")" "$r"
-  done
-  # kvzip+basis: KVzip's keys with the values in the tiled value basis at half the retention
-  # (its value state is then a quarter of the span's bytes; the keys buy the rest). Only the
-  # basis is used: the key maps are converted alike to keep the file small.
-  for r in $retentions; do
-    [ "$all" -eq 1 ] || break
-    x=$(awk "BEGIN {print $r / 2}")
-    "$bin/kvcap-convert" "$dir/tiled.kvcs" --out "$dir/kvzip-basis-$r.kvcap" \
-      --keys "$(tile_uniform "$x")" --values "$(tile_uniform "$x")" >/dev/null
-    artifacts+=(--kvzip-basis "tiled:$r:$dir/kvzip-basis-$r.kvcap")
-  done
+  if [ "$all" -eq 1 ]; then
+    for r in $retentions; do
+      convert "$dir" tiled "$dir/tiled.kvcs" "$(tile_uniform "$r")" "$(tile_uniform "$r")" "$r"
+    done
+    # kvzip+basis: KVzip's keys with the values in the tiled value basis at half the retention
+    # (its value state is then a quarter of the span's bytes; the keys buy the rest). Only the
+    # basis is used: the key maps are converted alike to keep the file small.
+    for r in $retentions; do
+      x=$(awk "BEGIN {print $r / 2}")
+      "$bin/kvcap-convert" "$dir/tiled.kvcs" --out "$dir/kvzip-basis-$r.kvcap" \
+        --keys "$(tile_uniform "$x")" --values "$(tile_uniform "$x")" >/dev/null
+      artifacts+=(--kvzip-basis "tiled:$r:$dir/kvzip-basis-$r.kvcap")
+    done
+  fi
   local split ship=()
   mapfile -t ship < <(shipped image)
   for split in $splits; do

@@ -6,13 +6,13 @@
 # table (dNLL and KL against the full cache, next-token agreement, realised retention) and
 # writes kvpress.json beside the run's metrics.json.
 # Usage: bash scripts/kvpress-reference.sh [RUN_DIR] [kvpress_reference.py options]
-#   RUN_DIR: a `kvcap-eval run` output (default build/eval/text, the demo's).
+#   RUN_DIR: a `kvcap-eval run` output (default build/demo/text/test, the demo's).
 # Makes its own venv (${KVCAP_KVPRESS_VENV:-<repo>/.venv-kvpress}): kvpress 0.5.5 needs
 # transformers < 5.3, the project venv has a newer one. About 2 minutes per retention for the
 # seven presses on the demo's 8 prompts (2 cores).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-run=${1:-$root/build/eval/text}
+run=${1:-$root/build/demo/text/test}
 [ $# -gt 0 ] && shift
 if [ ! -f "$run/metrics.json" ]; then
   echo "kvpress-reference: $run/metrics.json not found (run scripts/demo.sh, or kvcap-eval run --out DIR)" >&2
