@@ -1,17 +1,26 @@
 #!/usr/bin/env bash
-# Builds kvcap and runs the whole test suite: a release build, then the same suite under
-# AddressSanitizer + UndefinedBehaviorSanitizer, then the tests that start threads (ctest label
-# `threads`: the cache's pool, FreeKV's selection thread, record mode, logging) under
-# ThreadSanitizer (build-tsan/, those targets only: 1.5-2 minutes on two cores with the build),
-# then a short run of every fuzz harness (scripts/fuzz.sh, 15 s each, two at a time: about three
-# minutes on two cores with the build).
+# Builds kvcap and runs the test suite: a release build and every test, then the tests that
+# start threads (ctest label `threads`: the cache's pool, FreeKV's selection thread, record
+# mode, logging) under ThreadSanitizer (build-tsan/, those targets only: 1.5-2 minutes on two
+# cores with the build).
+# --sanitizers runs what CI adds (.ci/run): the whole suite under AddressSanitizer +
+# UndefinedBehaviorSanitizer (build-sanitize/), then a short run of every fuzz harness
+# (scripts/fuzz.sh, 15 s each, two at a time: about three minutes on two cores with the build).
 # Installs what it needs first (scripts/setup.sh; scripts/setup-python.sh for the interop and
 # vision tests; the model, photos and vision features for the real-model tests).
-# Usage: bash scripts/test.sh [--fast]   (--fast: release build only)
+# Usage: bash scripts/test.sh [--fast | --sanitizers]
+#   --fast        the release build and its tests only
+#   --sanitizers  ASan + UBSan over every test, then the fuzz smoke run (no release build)
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
-fast=0
-[ "${1:-}" = "--fast" ] && fast=1
+mode=default
+case "${1:-}" in
+  "") ;;
+  --fast) mode=fast ;;
+  --sanitizers) mode=sanitizers ;;
+  -h | --help) sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+  *) echo "usage: bash scripts/test.sh [--fast | --sanitizers]" >&2; exit 2 ;;
+esac
 
 kvcap_prepare
 python=$(bash "$KVCAP_ROOT/scripts/setup-python.sh" --vision --hf || true)
@@ -64,12 +73,13 @@ run_tsan() {
     OMP_NUM_THREADS=1 ctest --test-dir "$dir" -L threads --output-on-failure -j"$(nproc)"
 }
 
-run_suite "$KVCAP_ROOT/build" "release" -DCMAKE_BUILD_TYPE=Release
-if [ "$fast" -eq 0 ]; then
+if [ "$mode" = sanitizers ]; then
   ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
     run_suite "$KVCAP_ROOT/build-sanitize" "sanitize (ASan+UBSan)" \
     -DCMAKE_BUILD_TYPE=Debug -DKVCAP_SANITIZE=ON
-  run_tsan
   echo "== fuzz: smoke run"
   bash "$KVCAP_ROOT/scripts/fuzz.sh" --seconds 15 --jobs 2
+  exit 0
 fi
+run_suite "$KVCAP_ROOT/build" "release" -DCMAKE_BUILD_TYPE=Release
+[ "$mode" = fast ] || run_tsan
