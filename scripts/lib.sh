@@ -1,6 +1,11 @@
 # lib.sh — sourced by demo.sh and test.sh: installs prerequisites and configures + builds a tree.
 # shellcheck shell=bash
 KVCAP_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# OpenMP threads (kvcap's loops, OpenBLAS's OpenMP build) that wait sleep instead of spinning:
+# ctest runs two tests at once, and libgomp's default spin took the cores from the other test
+# (test_eval 559 s and test_hf 497 s side by side on two cores; 230 s and 262 s passive). A
+# single evaluation runs as fast either way (149 s and 147 s). A value already set is kept.
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 
 # kvcap_pip: prints a pip to download wheels with (the project's venv first, then the system's,
 # else the venv made by scripts/setup-python.sh); prints nothing when there is none.
