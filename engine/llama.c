@@ -371,41 +371,36 @@ enum kvcap_status kvllama_reconstruct(const struct kvllama_model *m, const int32
     KVCAP_RETURN_IF(!m || !ids || !q || !lse || P < 1 || n_prefix < 0 || (n_prefix && !prefix),
                     KVCAP_ERR_INVALID_ARGUMENT,
                     "kvllama_reconstruct: NULL argument, P < 1 or n_prefix < 0");
-    KVCAP_RETURN_IF(past && past->n != P, KVCAP_ERR_INVALID_ARGUMENT,
-                    "kvllama_reconstruct: the past holds %d tokens, the prompt %d", past->n, P);
+    KVCAP_RETURN_IF(!past || past->n != P, KVCAP_ERR_INVALID_ARGUMENT,
+                    "kvllama_reconstruct: the past holds %d tokens, the prompt %d",
+                    past ? past->n : 0, P);
     const struct kvllama_hparams *hp = &m->hp;
-    const int R = n_prefix + P;
-    /* the tokens prefilled here: the prompt and the pass, or the pass after the prompt's K/V */
-    const int first = past ? 0 : P, n = first + R;
+    const int R = n_prefix + P; /* the pass, prefilled after the prompt's K/V */
     const size_t L = (size_t)hp->n_layers, H = (size_t)hp->n_heads, d = (size_t)hp->head_dim;
     const size_t kd = (size_t)hp->n_kv_heads * d;
-    int32_t *all = malloc(sizeof *all * (size_t)n);
-    float *k = malloc(sizeof *k * L * (size_t)n * kd);
+    int32_t *all = malloc(sizeof *all * (size_t)R);
+    float *k = malloc(sizeof *k * L * (size_t)R * kd);
     float *scores = malloc(sizeof *scores * (size_t)R * R);
     enum kvcap_status s = KVCAP_OK;
     if (!all || !k || !scores)
         s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "llama: no memory for the reconstruction pass");
     if (s == KVCAP_OK) {
-        memcpy(all, ids, sizeof *all * (size_t)first);
-        memcpy(all + first, prefix, sizeof *all * (size_t)n_prefix);
-        memcpy(all + first + n_prefix, ids, sizeof *all * (size_t)P);
-        struct kvllama_embd_span spans[2];
-        int n_spans = 0;
-        if (image && !past)
-            spans[n_spans++] = *image;
+        memcpy(all, prefix, sizeof *all * (size_t)n_prefix);
+        memcpy(all + n_prefix, ids, sizeof *all * (size_t)P);
+        struct kvllama_embd_span again = {0};
         if (image) {
-            spans[n_spans] = *image;
-            spans[n_spans++].at += first + n_prefix;
+            again = *image;
+            again.at += n_prefix;
         }
         struct kvllama_prefill_out out = {k, NULL, q, R, NULL, 0};
-        s = kvllama_prefill_after(m, past, all, n, spans, n_spans, &out);
+        s = kvllama_prefill_after(m, past, all, R, image ? &again : NULL, image ? 1 : 0, &out);
     }
     /* Each pass query's log-sum-exp over the pass's keys up to itself (positions P .. P+i). */
     const int G = (int)(H / (size_t)hp->n_kv_heads);
     const float scale = 1.0f / sqrtf((float)d);
     for (size_t lh = 0; s == KVCAP_OK && lh < L * H; lh++) {
         const size_t l = lh / H, kvh = lh % H / (size_t)G;
-        const float *keys = k + (l * (size_t)n + (size_t)first) * kd + kvh * d; /* the pass's */
+        const float *keys = k + l * (size_t)R * kd + kvh * d;
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, R, R, (int)d, scale,
                     q + lh * (size_t)R * d, (int)d, keys, (int)kd, 0.0f, scores, R);
 #pragma omp parallel for schedule(static) if (R >= 64)

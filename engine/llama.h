@@ -100,9 +100,8 @@ enum kvcap_status kvllama_prefill_after(const struct kvllama_model *m,
  * their rotated queries q: [n_layers][n_heads][R][head_dim] and each query's log-sum-exp of
  * its scores (scaled by 1/sqrt(head_dim)) over the pass's keys up to itself, lse:
  * [n_layers][n_heads][R] (what a cache holding only the prompt lacks of the query's softmax;
- * kvcap_cache_add_post_queries_lse's layout). With `past` (the prompt's K/V, past->n == P) the
- * pass continues from the prompt's cache, as an engine does; NULL: the prompt is prefilled
- * again first. */
+ * kvcap_cache_add_post_queries_lse's layout). The pass continues from `past`, the prompt's K/V
+ * (past->n == P), as an engine continues from its cache. */
 enum kvcap_status kvllama_reconstruct(const struct kvllama_model *m, const int32_t *ids, int P,
                                       const int32_t *prefix, int n_prefix,
                                       const struct kvllama_embd_span *image,

@@ -1,7 +1,7 @@
 /* load.h — float tensors of any storage dtype read as f32, the first step of every host kernel
  * and of the runtime's row reads: the portable conversion (inlined into the kernels' blocks) and
- * the bulk loader, F16 through F16C where the CPU has it; and the bulk store back. Also the one CPU probe the dispatching
- * kernels share (AVX2 + FMA + F16C) and its test switch. */
+ * the bulk loader, F16 through F16C where the CPU has it; and the bulk store back. Also the one
+ * CPU probe the dispatching kernels share (AVX2 + FMA + F16C) and its test switch. */
 #ifndef KVCAP_KERNELS_LOAD_H
 #define KVCAP_KERNELS_LOAD_H
 
