@@ -561,35 +561,70 @@ enum kvcap_status kvcap_calibrate(const struct kvcap_calib_config *cfg,
         /* Training runs where the Grams ran. Under AUTO a unit the device cannot take (e.g.
          * not enough memory) trains on the CPU with a warning, and so do the units after it. */
         enum kvcap_calib_device train_device = device;
+        struct kvcap_key_maps *out = calloc(n_units, sizeof *out);
+        struct kvcap_train_report *tr = calloc(n_units, sizeof *tr);
+        if (st == KVCAP_OK && (!out || !tr))
+            st = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "calibrate: out of memory");
+        const int gelu = cfg->keys.activation == KVCAP_ACTIVATION_GELU;
+        size_t first_cpu = 0; /* units from here on train on the CPU */
+        for (; st == KVCAP_OK && train_device == KVCAP_CALIB_DEVICE_CUDA && first_cpu < n_units;
+             first_cpu++) {
+            const size_t i = first_cpu;
+            st = kvcap_calib_cuda_keys_train(acc[i].train, acc[i].train_cap, acc[i].train_cols,
+                                             val[i], val_cap[i], val_cols[i], &cfg->keys.train,
+                                             gelu, &state->units[i].keys, &out[i], &tr[i],
+                                             o->device == KVCAP_CALIB_DEVICE_AUTO);
+            if (st == KVCAP_OK && !tr[i].on_device)
+                train_device = KVCAP_CALIB_DEVICE_CPU;
+            report_progress(o, "train", (int64_t)i + 1, (int64_t)n_units);
+            if (st == KVCAP_OK && !tr[i].on_device) {
+                first_cpu++;
+                break;
+            }
+        }
+        /* On the CPU the units train side by side, one per thread (each one's BLAS then runs on
+         * its thread alone): each trains as it would alone, to the same bits. */
+        enum kvcap_status first_error = st;
+        char message[512] = "";
+        int64_t done = (int64_t)first_cpu;
+        if (st == KVCAP_OK) {
+#pragma omp parallel for schedule(dynamic, 1)
+            for (size_t i = first_cpu; i < n_units; i++) {
+                enum kvcap_status failed;
+#pragma omp atomic read
+                failed = first_error;
+                if (failed != KVCAP_OK)
+                    continue;
+                const enum kvcap_status s = kvcap_keys_train(
+                    acc[i].train, acc[i].train_cap, acc[i].train_cols, val[i], val_cap[i],
+                    val_cols[i], &cfg->keys.train, gelu, &state->units[i].keys, &out[i], &tr[i]);
+#pragma omp critical(calibrate_train)
+                {
+                    if (s != KVCAP_OK && first_error == KVCAP_OK) {
+                        snprintf(message, sizeof message, "%s", kvcap_last_error());
+                        first_error = s;
+                    }
+                    report_progress(o, "train", ++done, (int64_t)n_units);
+                }
+            }
+        }
+        if (st == KVCAP_OK && first_error != KVCAP_OK)
+            st = kvcap_fail(first_error, "%s", message);
+        /* The trained maps replace the closed-form ones, logged in unit order. */
         for (size_t i = 0; st == KVCAP_OK && i < n_units; i++) {
             struct kvcap_calib_unit *u = &state->units[i];
-            struct kvcap_key_maps out;
-            struct kvcap_train_report tr;
-            int gelu = cfg->keys.activation == KVCAP_ACTIVATION_GELU;
-            if (train_device == KVCAP_CALIB_DEVICE_CUDA) {
-                st = kvcap_calib_cuda_keys_train(acc[i].train, acc[i].train_cap, acc[i].train_cols,
-                                                 val[i], val_cap[i], val_cols[i], &cfg->keys.train,
-                                                 gelu, &u->keys, &out, &tr,
-                                                 o->device == KVCAP_CALIB_DEVICE_AUTO);
-                if (st == KVCAP_OK && !tr.on_device)
-                    train_device = KVCAP_CALIB_DEVICE_CPU;
-            } else {
-                st = kvcap_keys_train(acc[i].train, acc[i].train_cap, acc[i].train_cols, val[i],
-                                      val_cap[i], val_cols[i], &cfg->keys.train, gelu, &u->keys,
-                                      &out, &tr);
-            }
-            if (st == KVCAP_OK) {
-                kvcap_key_maps_free(&u->keys);
-                u->keys = out;
-                int l = (int)(i / ((size_t)H * B)), h = (int)(i / (size_t)B % (size_t)H);
-                kvcap_log(KVCAP_LOG_INFO,
-                          "l%d.h%d.b%d: trained keys: validation MSE %.4g -> %.4g (closed form "
-                          "%s)",
-                          l, h, (int)(i % (size_t)B), tr.init_val_mse, tr.final_val_mse,
-                          tr.kept_init ? "kept" : "improved on");
-            }
-            report_progress(o, "train", (int64_t)i + 1, (int64_t)n_units);
+            kvcap_key_maps_free(&u->keys);
+            u->keys = out[i];
+            memset(&out[i], 0, sizeof out[i]);
+            int l = (int)(i / ((size_t)H * B)), h = (int)(i / (size_t)B % (size_t)H);
+            kvcap_log(KVCAP_LOG_INFO,
+                      "l%d.h%d.b%d: trained keys: validation MSE %.4g -> %.4g (closed form %s)",
+                      l, h, (int)(i % (size_t)B), tr[i].init_val_mse, tr[i].final_val_mse,
+                      tr[i].kept_init ? "kept" : "improved on");
         }
+        for (size_t i = 0; out && i < n_units; i++)
+            kvcap_key_maps_free(&out[i]);
+        free(out), free(tr);
         for (size_t i = 0; val && i < n_units; i++)
             free(val[i]);
         free(val), free(val_cols), free(val_cap), free(val_spans);

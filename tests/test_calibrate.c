@@ -16,6 +16,8 @@
 
 #include <cmocka.h>
 
+#include <omp.h>
+
 #include <cblas.h>
 #include <lapacke.h>
 
@@ -323,6 +325,24 @@ static void test_trained_never_worse(void **state)
         if (!(kt <= kc * (1 + 1e-4) + 1e-7))
             fail_msg("unit %d: trained k_rel %g worse than closed form %g", i, kt, kc);
     }
+    /* Units train side by side, one per thread, each to the bits it would reach alone: one
+     * thread gives the same maps as two. */
+    const int threads = omp_get_max_threads();
+    omp_set_num_threads(threads > 1 ? 1 : 2);
+    struct kvcap_calib_state s1;
+    calibrate(&trained, dirs, 1, &s1);
+    omp_set_num_threads(threads);
+    for (int i = 0; i < 8; i++) {
+        const struct kvcap_key_maps *a = &st.units[i].keys, *b = &s1.units[i].keys;
+        assert_int_equal(a->rk, b->rk);
+        assert_int_equal(a->h, b->h);
+        assert_memory_equal(a->mask, b->mask, sizeof *a->mask * (size_t)a->rk);
+        assert_memory_equal(a->w1, b->w1, sizeof *a->w1 * (size_t)a->rk * a->h);
+        assert_memory_equal(a->b1, b->b1, sizeof *a->b1 * (size_t)a->h);
+        assert_memory_equal(a->w2, b->w2, sizeof *a->w2 * (size_t)a->h * a->m);
+        assert_memory_equal(a->b2, b->b2, sizeof *a->b2 * (size_t)a->m);
+    }
+    kvcap_calib_state_free(&s1);
     kvcap_calib_state_free(&sc);
     kvcap_calib_state_free(&st);
     kvcap_calib_config_free(&closed);
