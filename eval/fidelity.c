@@ -8,14 +8,14 @@
 #include "engine/llama.h"
 #include "eval/eval.h"
 
-/* KL(p || q) of the softmaxes of two logit vectors, given their log-normalisers. */
-static double kl_logits(const float *p, double lse_p, const float *q, double lse_q, int n)
+/* KL(p || q) of two softmaxes, p given as its log-probabilities lp and probabilities pp (full's
+ * row, shared by every run's row of the same prompt: worked out once), q as logits and their
+ * log-normaliser. */
+static double kl_logits(const double *lp, const double *pp, const float *q, double lse_q, int n)
 {
     double kl = 0;
-    for (int i = 0; i < n; i++) {
-        const double lp = p[i] - lse_p;
-        kl += exp(lp) * (lp - (q[i] - lse_q));
-    }
+    for (int i = 0; i < n; i++)
+        kl += pp[i] * (lp[i] - (q[i] - lse_q));
     return kl > 0 ? kl : 0.0;
 }
 
@@ -38,8 +38,10 @@ enum kvcap_status decode_phase(const struct options *o, const struct model_ctx *
     /* forced: each row's log-normaliser and its KL from full's row of the same prompt */
     double *lse = forced ? malloc((size_t)rows * 2 * sizeof *lse) : NULL;
     double *kl = lse ? lse + rows : NULL;
+    /* forced: full's log-probabilities and probabilities, prompt by prompt */
+    double *ref = forced ? malloc((size_t)n_prompts * V * 2 * sizeof *ref) : NULL;
     enum kvcap_status s = KVCAP_OK;
-    if (!groups || !logits || !ids || !top || !pos || (forced && !lse))
+    if (!groups || !logits || !ids || !top || !pos || (forced && (!lse || !ref)))
         s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "no memory for %d decode rows", rows);
     if (s == KVCAP_OK)
         s = kvllama_decoder_create(mc->model, rows, &dec);
@@ -82,13 +84,22 @@ enum kvcap_status decode_phase(const struct options *o, const struct model_ctx *
             }
         }
         if (s == KVCAP_OK && forced) {
+#pragma omp parallel for schedule(static)
+            for (int p = 0; p < n_prompts; p++) {
+                const float *lg = logits + (size_t)p * V;
+                double *lp = ref + (size_t)p * V * 2, *pp = lp + V;
+                for (int i = 0; i < V; i++) {
+                    lp[i] = lg[i] - lse[p];
+                    pp[i] = exp(lp[i]);
+                }
+            }
 #pragma omp parallel for schedule(dynamic, 4)
-            for (int row = 0; row < rows; row++)
+            for (int row = 0; row < rows; row++) {
+                const double *lp = ref + (size_t)(row % n_prompts) * V * 2;
                 kl[row] = row < n_prompts
                               ? 0.0
-                              : kl_logits(logits + (size_t)(row % n_prompts) * V,
-                                          lse[row % n_prompts], logits + (size_t)row * V,
-                                          lse[row], V);
+                              : kl_logits(lp, lp + V, logits + (size_t)row * V, lse[row], V);
+            }
         }
         for (int r = 0; s == KVCAP_OK && r < n_runs; r++)
             for (int p = 0; p < n_prompts; p++) {
@@ -130,7 +141,7 @@ enum kvcap_status decode_phase(const struct options *o, const struct model_ctx *
                                              st.freekv_pages_recalled, steps - 1};
     }
     kvllama_decoder_free(dec);
-    free(groups), free(logits), free(ids), free(top), free(pos), free(lse);
+    free(groups), free(logits), free(ids), free(top), free(pos), free(lse), free(ref);
     return s;
 }
 
