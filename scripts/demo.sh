@@ -12,19 +12,23 @@
 # in scripts/eval-texts.tsv and scripts/vision-photos.tsv, looked at only by the final report).
 # Each track records K/V on its calibration split through libkvcap's record mode, calibrates
 # KVCapsule compressors, converts them, and evaluates the headline rows on the test split
-# against `full` in one batched run at equal realised retention: kvcap's shipped configuration
-# for the span kind (configs/shipped-{text,image}.yaml, chosen on the development split before
-# the test split was run), the papers' methods and random eviction; --all adds every one of
-# kvcap's variants and the development split. Output goes to
+# against `full` in one batched run at equal realised retention (40 % of a span's bytes by
+# default): kvcap's shipped configuration for the span kind (configs/shipped-{text,image}.yaml,
+# chosen on the development split before the test split was run), the papers' methods and
+# random eviction; --all adds every one of kvcap's variants, the retentions 20 % and 60 % and
+# the development split. Output goes to
 # build/demo/{image,text}/{development,test}/; the headline report (the image track's test
 # split, with the text track's and any development split beside it) is printed last. A
 # kvpress.json in a run folder (scripts/kvpress-reference.sh) is kept across runs; the report
 # shows it only when it was measured on the same prompts.
 # Each phase's time is printed at the end.
 # Usage: bash scripts/demo.sh [--all] [--quick] [--track text|image] [--split development|test]
+#                              [--retentions LIST]
 #   --all        the whole matrix: every row, kvcap's variants and their artifacts included,
-#                on the development and the test split
-#   --quick      fewer prompts and tokens, one retention: a smoke test
+#                at retentions 0.2, 0.4 and 0.6, on the development and the test split
+#   --quick      fewer prompts and tokens: a smoke test
+#   --retentions LIST
+#                the retentions to evaluate, e.g. 0.2,0.4 (default 0.4; with --all 0.2,0.4,0.6)
 #   --track T    one track only (--text-only: --track text, no photo or encoder download)
 #   --split S    evaluate this split: development (to choose a design on) or test (the
 #                default; with --all both)
@@ -33,13 +37,18 @@ set -euo pipefail
 args="$*"
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
-prompts=8 continuation=256 generate=64 queries=64 retentions="0.2 0.4 0.6"
+prompts=8 continuation=256 generate=64 queries=64 retentions=""
 quick=0 all=0 tracks="text image" splits=""
-usage="usage: bash scripts/demo.sh [--all] [--quick] [--track text|image] [--split development|test]"
+usage="usage: bash scripts/demo.sh [--all] [--quick] [--track text|image] [--split development|test] [--retentions LIST]"
 while [ $# -gt 0 ]; do
   case "$1" in
+    -h | --help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     --all) all=1 ;;
-    --quick) quick=1 prompts=2 continuation=32 generate=16 queries=8 retentions="0.4" ;;
+    --quick) quick=1 prompts=2 continuation=32 generate=16 queries=8 ;;
+    --retentions)
+      [[ "${2:-}" =~ ^0?\.[0-9]+(,0?\.[0-9]+)*$ ]] || { echo "$usage" >&2; exit 2; }
+      retentions=${2//,/ }
+      shift ;;
     --text-only) tracks=text ;;
     --track)
       case "${2:-}" in
@@ -91,6 +100,10 @@ shipped() {
   row=$(sed -n 's/^# kvcap-eval row: //p' "$KVCAP_ROOT/configs/shipped-$1.yaml" 2>/dev/null)
   [ -z "$row" ] || printf '%s\n' --shipped "$row"
 }
+if [ -z "$retentions" ]; then
+  retentions=0.4
+  [ "$all" -eq 0 ] || retentions="0.2 0.4 0.6"
+fi
 if [ -z "$splits" ]; then
   splits=test
   [ "$all" -eq 0 ] || splits="development test"
