@@ -365,12 +365,13 @@ enum kvcap_status kvllama_prefill(const struct kvllama_model *m, const int32_t *
 
 enum kvcap_status kvllama_reconstruct(const struct kvllama_model *m, const int32_t *ids, int P,
                                       const int32_t *prefix, int n_prefix,
-                                      const struct kvllama_embd_span *image,
+                                      const struct kvllama_embd_span *spans, int n_spans,
                                       const struct kvllama_past *past, float *q, float *lse)
 {
-    KVCAP_RETURN_IF(!m || !ids || !q || !lse || P < 1 || n_prefix < 0 || (n_prefix && !prefix),
+    KVCAP_RETURN_IF(!m || !ids || !q || !lse || P < 1 || n_prefix < 0 || (n_prefix && !prefix) ||
+                        n_spans < 0 || (n_spans && !spans),
                     KVCAP_ERR_INVALID_ARGUMENT,
-                    "kvllama_reconstruct: NULL argument, P < 1 or n_prefix < 0");
+                    "kvllama_reconstruct: NULL argument, P < 1, n_prefix < 0 or n_spans < 0");
     KVCAP_RETURN_IF(!past || past->n != P, KVCAP_ERR_INVALID_ARGUMENT,
                     "kvllama_reconstruct: the past holds %d tokens, the prompt %d",
                     past ? past->n : 0, P);
@@ -381,19 +382,19 @@ enum kvcap_status kvllama_reconstruct(const struct kvllama_model *m, const int32
     int32_t *all = malloc(sizeof *all * (size_t)R);
     float *k = malloc(sizeof *k * L * (size_t)R * kd);
     float *scores = malloc(sizeof *scores * (size_t)R * R);
+    struct kvllama_embd_span *again = malloc(sizeof *again * (size_t)(n_spans ? n_spans : 1));
     enum kvcap_status s = KVCAP_OK;
-    if (!all || !k || !scores)
+    if (!all || !k || !scores || !again)
         s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "llama: no memory for the reconstruction pass");
     if (s == KVCAP_OK) {
         memcpy(all, prefix, sizeof *all * (size_t)n_prefix);
         memcpy(all + n_prefix, ids, sizeof *all * (size_t)P);
-        struct kvllama_embd_span again = {0};
-        if (image) {
-            again = *image;
-            again.at += n_prefix;
+        for (int i = 0; i < n_spans; i++) { /* the prompt's spans, in its second copy */
+            again[i] = spans[i];
+            again[i].at += n_prefix;
         }
         struct kvllama_prefill_out out = {k, NULL, q, R, NULL, 0};
-        s = kvllama_prefill_after(m, past, all, R, image ? &again : NULL, image ? 1 : 0, &out);
+        s = kvllama_prefill_after(m, past, all, R, again, n_spans, &out);
     }
     /* Each pass query's log-sum-exp over the pass's keys up to itself (positions P .. P+i). */
     const int G = (int)(H / (size_t)hp->n_kv_heads);
@@ -415,7 +416,7 @@ enum kvcap_status kvllama_reconstruct(const struct kvllama_model *m, const int32
             lse[lh * (size_t)R + (size_t)i] = mx + (float)log(z);
         }
     }
-    free(all), free(k), free(scores);
+    free(all), free(k), free(scores), free(again);
     return s;
 }
 

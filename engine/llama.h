@@ -95,8 +95,9 @@ enum kvcap_status kvllama_prefill_after(const struct kvllama_model *m,
 
 /* KVzip's context-reconstruction pass (arXiv 2505.23416): the P prompt tokens `ids`, then the
  * n_prefix tokens `prefix` (the instruction to repeat the context and the chat turn to the
- * assistant), then the prompt again, R = n_prefix + P tokens after the prompt. `image` (NULL:
- * none) is the prompt's embedding span, used in both copies. Writes, for the R pass tokens,
+ * assistant), then the prompt again, R = n_prefix + P tokens after the prompt. `spans` (n_spans
+ * of them, in order; 0: none) are the prompt's embedding spans (its images), used in both
+ * copies. Writes, for the R pass tokens,
  * their rotated queries q: [n_layers][n_heads][R][head_dim] and each query's log-sum-exp of
  * its scores (scaled by 1/sqrt(head_dim)) over the pass's keys up to itself, lse:
  * [n_layers][n_heads][R] (what a cache holding only the prompt lacks of the query's softmax;
@@ -104,7 +105,7 @@ enum kvcap_status kvllama_prefill_after(const struct kvllama_model *m,
  * (past->n == P), as an engine continues from its cache. */
 enum kvcap_status kvllama_reconstruct(const struct kvllama_model *m, const int32_t *ids, int P,
                                       const int32_t *prefix, int n_prefix,
-                                      const struct kvllama_embd_span *image,
+                                      const struct kvllama_embd_span *spans, int n_spans,
                                       const struct kvllama_past *past, float *q, float *lse);
 
 /* The token-embedding table, [n_vocab][n_embd] f32 (dequantised). */

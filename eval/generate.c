@@ -298,7 +298,8 @@ int kvcap_eval_generate(int argc, char **argv)
     }
     if (st == KVCAP_OK && o.replay) {
         const struct kvllama_past past = {k, v, n, n}; /* continuing from the prompt's K/V */
-        st = kvllama_reconstruct(m, o.ids, n, o.replay, o.n_replay, NULL, &past, q_tail, lse);
+        st = kvllama_reconstruct(m, o.ids, n, o.replay, o.n_replay, NULL, 0, &past, q_tail,
+                                     lse);
     }
     if (st == KVCAP_OK)
         st = kvllama_decoder_create(m, 1, &dec);

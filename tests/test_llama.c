@@ -341,6 +341,51 @@ static void test_embedding_span_prefill(void **state)
     tiny_free(&m);
 }
 
+/* KVzip's reconstruction pass over a prompt with two embedding spans (two images) equals the
+ * pass over the tokens, to the bit, when the embeddings are the tokens' own: each span enters
+ * at its place in both copies of the prompt (a span left at the first copy's place, or only the
+ * first span, would put other rows there). */
+static void test_reconstruct_two_spans(void **state)
+{
+    (void)state;
+    struct tiny m;
+    tiny_make(&m);
+    struct kvllama_model *model = load_ok(m.path);
+    enum { P = 21, NP = 3, R = NP + P };
+    const struct kvllama_embd_span at[2] = {{3, 5, NULL}, {11, 6, NULL}};
+    int32_t ids[P], masked[P], prefix[NP] = {1, 4, 9};
+    for (int i = 0; i < P; i++)
+        ids[i] = masked[i] = (i * 11 + 2) % T_V;
+    const float *table = kvllama_token_embeddings(model);
+    float *embd[2];
+    struct kvllama_embd_span spans[2];
+    for (int s = 0; s < 2; s++) {
+        embd[s] = alloc_f((size_t)at[s].n * T_E);
+        for (int i = 0; i < at[s].n; i++) {
+            memcpy(embd[s] + (size_t)i * T_E, table + (size_t)ids[at[s].at + i] * T_E,
+                   sizeof(float) * T_E);
+            masked[at[s].at + i] = -1; /* never read */
+        }
+        spans[s] = (struct kvllama_embd_span){at[s].at, at[s].n, embd[s]};
+    }
+    const size_t kv = (size_t)T_L * P * T_KV * T_D, nq = (size_t)T_L * T_H * R * T_D;
+    float *k = alloc_f(kv), *v = alloc_f(kv);
+    float *q0 = alloc_f(nq), *q1 = alloc_f(nq);
+    float *lse0 = alloc_f((size_t)T_L * T_H * R), *lse1 = alloc_f((size_t)T_L * T_H * R);
+    struct kvllama_prefill_out out = {.k = k, .v = v};
+    assert_int_equal(kvllama_prefill(model, ids, P, &out), KVCAP_OK);
+    const struct kvllama_past past = {k, v, P, P};
+    assert_int_equal(kvllama_reconstruct(model, ids, P, prefix, NP, NULL, 0, &past, q0, lse0),
+                     KVCAP_OK);
+    assert_int_equal(kvllama_reconstruct(model, masked, P, prefix, NP, spans, 2, &past, q1, lse1),
+                     KVCAP_OK);
+    assert_memory_equal(q0, q1, sizeof(float) * nq);
+    assert_memory_equal(lse0, lse1, sizeof(float) * T_L * T_H * R);
+    free(embd[0]), free(embd[1]), free(k), free(v), free(q0), free(q1), free(lse0), free(lse1);
+    kvllama_free(model);
+    tiny_free(&m);
+}
+
 /* Prefill a prompt into caches, then decode teacher-forced through them: every step's logits
  * equal the naive forward pass at that position. Two caches (2 and 1 sequences) share a step. */
 static void test_tiny_decode_through_cache(void **state)
@@ -602,6 +647,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_tiny_prefill_matches_naive),
         cmocka_unit_test(test_embedding_span_prefill),
+        cmocka_unit_test(test_reconstruct_two_spans),
         cmocka_unit_test(test_tiny_decode_through_cache),
         cmocka_unit_test(test_load_errors),
         cmocka_unit_test(test_smollm2_matches_llamacpp),
