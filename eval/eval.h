@@ -21,6 +21,7 @@ extern const char eval_calib_docs[], eval_heldout_docs[];
 #define MAX_DOCS 64
 #define MAX_ARTIFACTS 24
 #define MAX_RETENTIONS 8
+#define MAX_IMAGES 8 /* --images: spans per prompt */
 /* Random eviction, the floor every row is judged against, is run with this many seeds; its row
  * is their mean, prompt by prompt (fold_seeds). */
 #define RANDOM_SEEDS 8
@@ -51,6 +52,7 @@ struct options {
     int photos_set;
     const char *model, *corpus, *docs, *calib_docs, *out, *command;
     int head, span, tail, decode, max_chunks, prompts, generate, continuation, fidelity_steps;
+    int images, gap; /* --images spans of --span tokens (image track), --gap text tokens apart */
     int task_queries, threads, quiet;
     int random_seeds;   /* --random-seeds: random eviction's seeds, its row their mean */
     const char *shipped; /* --shipped: the label of the row chosen in advance, or NULL */
@@ -69,8 +71,12 @@ struct options {
     char features_default[4096];
 };
 
-/* Tokens of a prompt in the fixed layout of --head, --span and --tail. */
-static inline int prompt_len(const struct options *o) { return o->head + o->span + o->tail; }
+/* Tokens of a prompt in the fixed layout of --head, --images spans of --span tokens --gap
+ * apart, and --tail. */
+static inline int prompt_len(const struct options *o)
+{
+    return o->head + o->images * o->span + (o->images - 1) * o->gap + o->tail;
+}
 
 /* Parses argv (argv[1] is record or run) into *o with every default filled in; prints --help or
  * --version and exits; returns 0, or the exit status of a usage error (2), said on stderr. */
@@ -134,16 +140,26 @@ enum kvcap_status image_set_open(const struct options *o, const struct model_ctx
                                  enum kvvision_split split, struct image_set *im);
 void image_set_free(struct image_set *im);
 
-/* A prefilled prompt: HEAD text tokens, a SPAN-token compressible span, TAIL text tokens, and
- * optionally the first `n_fid` tokens that follow it, whose K/V and queries the attention-
- * fidelity pass replays as decode steps. */
+/* A prompt's layout: HEAD text tokens, IMAGES compressible spans of SPAN tokens each (on a
+ * ROWS x SPAN/ROWS grid; text: one 1 x SPAN span) with GAP text tokens between two, then TAIL
+ * text tokens. */
+struct layout {
+    int head, span, tail;
+    int images, gap;
+    int rows;
+};
+
+/* A prefilled prompt in its layout, and optionally the first `n_fid` tokens that follow it,
+ * whose K/V and queries the attention-fidelity pass replays as decode steps. */
 struct prompt {
-    const int32_t *ids;    /* head + span + tail (+ what follows: continuation or answer) */
-    int head, span, tail;  /* the layout */
-    int rows;              /* the span's grid: rows x (span / rows); 1 for text */
-    const float *embd;     /* image track: the span's embeddings [span][n_embd], else NULL */
+    const int32_t *ids;    /* the prompt (+ what follows: continuation or answer) */
+    int head, span, tail;  /* the layout (struct layout's) */
+    int images, gap;
+    int rows;              /* each span's grid: rows x (span / rows); 1 for text */
+    const float *embd;     /* image track: the spans' embeddings [images][span][n_embd], else
+                            * NULL */
     int n_fid;             /* tokens after the prompt prefilled too (their K/V and queries) */
-    float *k, *v;          /* [layers][head + span + tail + n_fid][kv_heads * head_dim] */
+    float *k, *v;          /* [layers][prompt + n_fid][kv_heads * head_dim] */
     float *q_post;         /* [layers][q_heads][tail][head_dim]: the tail's queries */
     float *q_dec;          /* [layers][q_heads][n_fid][head_dim] */
     float *logits;         /* [n_vocab] of the last prompt token */
@@ -160,8 +176,17 @@ struct prompt {
                        * timed) */
 };
 
-/* Tokens of a prompt: head + span + tail. */
-static inline int prompt_tokens(const struct prompt *p) { return p->head + p->span + p->tail; }
+/* Tokens of a prompt: head, its spans and the gaps between them, tail. */
+static inline int prompt_tokens(const struct prompt *p)
+{
+    return p->head + p->images * p->span + (p->images - 1) * p->gap + p->tail;
+}
+
+/* Where span i of a prompt starts. */
+static inline int prompt_span_at(const struct prompt *p, int i)
+{
+    return p->head + i * (p->span + p->gap);
+}
 
 /* Which queries a run's cache takes after the prompt (kvcap_cache_add_post_queries). */
 enum post_queries {
@@ -172,9 +197,9 @@ enum post_queries {
 
 /* Prefilling (the prompt's K/V and queries, prompts.c says which), KVzip's reconstruction pass,
  * freeing what a prefill holds (the layout stays), and handing a prompt to a cache. */
-enum kvcap_status prompt_prefill_image(const struct model_ctx *mc, const int32_t *ids, int head,
-                                       int span, int tail, int n_fid, int rows,
-                                       const float *embd, int all_queries, struct prompt *p);
+enum kvcap_status prompt_prefill_image(const struct model_ctx *mc, const int32_t *ids,
+                                       const struct layout *lay, int n_fid, const float *embd,
+                                       int all_queries, struct prompt *p);
 enum kvcap_status prompt_prefill(const struct model_ctx *mc, const int32_t *ids, int head,
                                  int span, int tail, int n_fid, int all_queries,
                                  struct prompt *p);

@@ -155,8 +155,8 @@ static int held_photos_of(const struct image_set *im)
 
 /* metrics.json's prompts_sha256 (report/report.h): SHA-256 of what the engine was fed, prompt
  * after prompt in prompt_ids' order: the ids prompt_ids lists (head, span, tail, continuation)
- * as int32 little-endian, then, on the image track (embd: [prompts][span][n_embd]), the span's
- * embeddings as float32 little-endian, as span_embeddings.safetensors holds them.
+ * as int32 little-endian, then, on the image track (embd: [prompts][images][span][n_embd]),
+ * the spans' embeddings as float32 little-endian, as span_embeddings.safetensors holds them.
  * scripts/kvpress_reference.py hashes what it feeds transformers the same way and kvcap-report
  * refuses a kvpress.json whose hash is not this one. */
 static void prompts_sha256(const struct options *o, const struct corpus *corpus, int n_prompts,
@@ -281,6 +281,10 @@ static void add_setup(cJSON *root, const struct options *o, int n_prompts,
     cJSON_AddNumberToObject(setup, "head_tokens", o->head);
     cJSON_AddNumberToObject(setup, "span_tokens", o->span);
     cJSON_AddNumberToObject(setup, "tail_tokens", o->tail);
+    if (o->images > 1) { /* several spans, gap_tokens of text between two */
+        cJSON_AddNumberToObject(setup, "images", o->images);
+        cJSON_AddNumberToObject(setup, "gap_tokens", o->gap);
+    }
     cJSON_AddNumberToObject(setup, "generate_tokens", o->generate);
     cJSON_AddNumberToObject(setup, "continuation_tokens", o->continuation);
     cJSON_AddNumberToObject(setup, "fidelity_steps", o->fidelity_steps);
@@ -314,7 +318,8 @@ static void add_prompt_ids(cJSON *root, const struct options *o, const struct mo
         cJSON_AddItemToArray(replay, one);
     }
     char prompts_hash[65];
-    prompts_sha256(o, corpus, n_prompts, embd, (size_t)o->span * mc->hp->n_embd, prompts_hash);
+    prompts_sha256(o, corpus, n_prompts, embd, (size_t)o->images * o->span * mc->hp->n_embd,
+                   prompts_hash);
     cJSON_AddStringToObject(root, "prompts_sha256", prompts_hash);
 }
 

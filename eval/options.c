@@ -98,6 +98,10 @@ static void usage(FILE *out)
             "      --span N             tokens of the compressible text span (default 256; the\n"
             "                           image track takes the grid's)\n"
             "      --tail N             tokens after it, kept in full (default 16)\n"
+            "      --images N           run, image track: images per prompt, 1..%d, each a span\n"
+            "                           on its grid, all different crops (default 1)\n"
+            "      --gap N              text tokens between two images, kept in full\n"
+            "                           (default 16)\n"
             "      --decode N           record: teacher-forced decode steps per chunk (default 16)\n"
             "      --max-chunks N       record: at most N chunks (default: all)\n"
             "      --kvcapsule V:R:FILE run: a KVCapsule artifact, variant V (e.g. dense, tiled) at\n"
@@ -133,7 +137,7 @@ static void usage(FILE *out)
             "  -q, --quiet              no progress\n"
             "  -V, --version            print the kvcap version\n"
             "  -h, --help               show this help\n",
-            eval_calib_docs, eval_heldout_docs, TASK_DEPTHS);
+            eval_calib_docs, eval_heldout_docs, MAX_IMAGES, TASK_DEPTHS);
 }
 
 static int parse_retentions(const char *arg, struct options *o)
@@ -180,6 +184,7 @@ int parse_options(int argc, char **argv, struct options *o)
 {
     memset(o, 0, sizeof *o);
     o->head = 16, o->span = 256, o->tail = 16, o->decode = 16, o->prompts = 8, o->generate = 64;
+    o->images = 1, o->gap = 16;
     o->continuation = 256, o->fidelity_steps = 32, o->task_queries = 64;
     o->random_seeds = RANDOM_SEEDS, o->split = "development";
     o->storage = KVCAP_DTYPE_F16;
@@ -201,12 +206,14 @@ int parse_options(int argc, char **argv, struct options *o)
     enum { O_SPAN = 256, O_HEAD, O_TAIL, O_DECODE, O_MAXCH, O_ART, O_RET, O_PROMPTS, O_GEN,
            O_STORAGE, O_THREADS, O_COMMAND, O_CALIB_DOCS, O_CONT, O_FID, O_TASK, O_TRACK,
            O_FEATURES, O_COMPARE, O_ART_EXACT, O_EXACT_TILES, O_PHOTOS, O_KVZIP_BASIS,
-           O_SEEDS, O_SHIPPED, O_SPLIT, O_ROWS };
+           O_SEEDS, O_SHIPPED, O_SPLIT, O_ROWS, O_IMAGES, O_GAP };
     static const struct option longopts[] = {
         {"model", required_argument, 0, 'm'},   {"corpus", required_argument, 0, 'C'},
         {"docs", required_argument, 0, 'D'},    {"out", required_argument, 0, 'o'},
         {"span", required_argument, 0, O_SPAN}, {"head", required_argument, 0, O_HEAD},
         {"tail", required_argument, 0, O_TAIL},
+        {"images", required_argument, 0, O_IMAGES},
+        {"gap", required_argument, 0, O_GAP},
         {"decode", required_argument, 0, O_DECODE},
         {"max-chunks", required_argument, 0, O_MAXCH},
         {"kvcapsule", required_argument, 0, O_ART},
@@ -244,6 +251,8 @@ int parse_options(int argc, char **argv, struct options *o)
         case O_SPAN: rc = cli_parse_int(optarg, "--span", 2, 8192, &o->span); break;
         case O_HEAD: rc = cli_parse_int(optarg, "--head", 0, 1024, &o->head); break;
         case O_TAIL: rc = cli_parse_int(optarg, "--tail", 1, 1024, &o->tail); break;
+        case O_IMAGES: rc = cli_parse_int(optarg, "--images", 1, MAX_IMAGES, &o->images); break;
+        case O_GAP: rc = cli_parse_int(optarg, "--gap", 1, 1024, &o->gap); break;
         case O_DECODE: rc = cli_parse_int(optarg, "--decode", 0, 4096, &o->decode); break;
         case O_MAXCH: rc = cli_parse_int(optarg, "--max-chunks", 1, 1 << 20, &o->max_chunks); break;
         case O_ART: rc = parse_artifact(optarg, USE_KVCAPSULE, o); break;
@@ -324,6 +333,8 @@ int parse_options(int argc, char **argv, struct options *o)
         o->docs = o->record ? eval_calib_docs : eval_heldout_docs;
     if (o->features && o->track != TRACK_IMAGE)
         return cli_usage_error("--features is for --track image");
+    if (o->images > 1 && (o->track != TRACK_IMAGE || o->record))
+        return cli_usage_error("--images is for run --track image (text: one --span)");
     if (o->photos_set && o->track != TRACK_IMAGE)
         return cli_usage_error("--photos is for --track image");
     if (o->photos_set && o->record)

@@ -108,22 +108,40 @@ void prompt_free(struct prompt *p)
     p->q_prompt = NULL;
 }
 
-/* Prefills ids[0 .. head + span + tail + n_fid) with the model; with `embd` the span enters as
- * those embeddings (an image on a rows x span/rows grid) instead of its token ids. The tail's
- * queries go to q_post, the fidelity tokens' to q_dec and, with `all_queries`, every prompt
- * token's to q_prompt (expected_attention's statistics). */
+/* The prompt's embedding spans (its images; none for text) into spans[MAX_IMAGES]; their
+ * number. */
+static int prompt_embd_spans(const struct model_ctx *mc, const struct prompt *p,
+                             struct kvllama_embd_span *spans)
+{
+    if (!p->embd)
+        return 0;
+    for (int i = 0; i < p->images; i++)
+        spans[i] = (struct kvllama_embd_span){prompt_span_at(p, i), p->span,
+                                              p->embd + (size_t)i * p->span * mc->hp->n_embd};
+    return p->images;
+}
+
+/* Prefills the prompt ids in its layout, then n_fid more tokens, with the model; with `embd`
+ * ([images][span][n_embd]) each span enters as its embeddings (an image on a rows x span/rows
+ * grid) instead of its token ids. The tail's queries go to q_post, the fidelity tokens' to q_dec
+ * and, with `all_queries`, every prompt token's to q_prompt (expected_attention's statistics). */
 enum kvcap_status prompt_prefill_image(const struct model_ctx *mc, const int32_t *ids,
-                                       int head, int span, int tail, int n_fid, int rows,
-                                       const float *embd, int all_queries,
-                                       struct prompt *p)
+                                       const struct layout *lay, int n_fid, const float *embd,
+                                       int all_queries, struct prompt *p)
 {
     const struct kvllama_hparams *hp = mc->hp;
-    const int P = head + span + tail, n = P + n_fid;
+    *p = (struct prompt){.ids = ids, .head = lay->head, .span = lay->span, .tail = lay->tail,
+                         .images = lay->images, .gap = lay->gap, .rows = lay->rows,
+                         .embd = embd, .n_fid = n_fid};
+    const int P = prompt_tokens(p), n = P + n_fid, tail = lay->tail;
     const int q0 = all_queries ? 0 : P - tail, nq = n - q0; /* the queries kept: q0 .. n */
     const size_t L = (size_t)hp->n_layers, H = (size_t)hp->n_heads, d = (size_t)hp->head_dim;
     const size_t kd = (size_t)hp->n_kv_heads * d, V = (size_t)hp->n_vocab;
-    *p = (struct prompt){ids, head, span, tail, rows, embd, n_fid, NULL, NULL, NULL, NULL, NULL,
-                         NULL, NULL, 0, NULL, 0, 0};
+    KVCAP_RETURN_IF(lay->images < 1 || lay->images > MAX_IMAGES || lay->span < 1 ||
+                        lay->gap < 0 || lay->rows < 1 || lay->span % lay->rows,
+                    KVCAP_ERR_INVALID_ARGUMENT,
+                    "prompt layout: %d spans of %d tokens on %d rows, %d apart (1..%d spans)",
+                    lay->images, lay->span, lay->rows, lay->gap, MAX_IMAGES);
     p->k = malloc(L * n * kd * sizeof(float));
     p->v = malloc(L * n * kd * sizeof(float));
     p->q_post = malloc(L * H * (size_t)tail * d * sizeof(float));
@@ -137,10 +155,11 @@ enum kvcap_status prompt_prefill_image(const struct model_ctx *mc, const int32_t
         (all_queries && !p->q_prompt))
         s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "no memory for a prompt's K/V");
     struct kvllama_prefill_out out = {p->k, p->v, q, nq, logits, n_fid + 1};
-    const struct kvllama_embd_span image = {head, span, embd};
+    struct kvllama_embd_span spans[MAX_IMAGES];
+    const int n_spans = prompt_embd_spans(mc, p, spans);
     const double t0 = kvcap_seconds();
     if (s == KVCAP_OK)
-        s = kvllama_prefill_embd(mc->model, ids, n, embd ? &image : NULL, &out);
+        s = kvllama_prefill_spans(mc->model, ids, n, spans, n_spans, &out);
     p->prefill_s = kvcap_seconds() - t0;
     if (s == KVCAP_OK) {
         memcpy(p->logits, logits, V * sizeof(float)); /* the first of the last n_fid + 1 */
@@ -165,7 +184,8 @@ enum kvcap_status prompt_prefill(const struct model_ctx *mc, const int32_t *ids,
                                  int span, int tail, int n_fid, int all_queries,
                                  struct prompt *p)
 {
-    return prompt_prefill_image(mc, ids, head, span, tail, n_fid, 1, NULL, all_queries, p);
+    const struct layout lay = {.head = head, .span = span, .tail = tail, .images = 1, .rows = 1};
+    return prompt_prefill_image(mc, ids, &lay, n_fid, NULL, all_queries, p);
 }
 
 /* KVzip's context-reconstruction pass (arXiv 2505.23416, as kvpress runs it): after the prompt,
@@ -199,7 +219,8 @@ enum kvcap_status prompt_replay(const struct model_ctx *mc, struct prompt *p, in
     if (s == KVCAP_OK) {
         memcpy(prefix, a, sizeof *prefix * na);
         memcpy(prefix + na, b, sizeof *prefix * nb);
-        const struct kvllama_embd_span image = {p->head, p->span, p->embd};
+        struct kvllama_embd_span spans[MAX_IMAGES];
+        const int n_spans = prompt_embd_spans(mc, p, spans);
         const struct kvllama_past past = {p->k, p->v, P, P + p->n_fid};
         /* timed: warm (the prompt's own prefill, the first of the run, may include start-up
          * costs), the least of REPLAY_TIMINGS (a busy machine only ever adds time); the
@@ -207,8 +228,8 @@ enum kvcap_status prompt_replay(const struct model_ctx *mc, struct prompt *p, in
         double pass = HUGE_VAL;
         for (int i = 0; s == KVCAP_OK && i < (timed ? REPLAY_TIMINGS : 1); i++) {
             const double t0 = kvcap_seconds();
-            s = kvllama_reconstruct(mc->model, p->ids, P, prefix, (int)(na + nb),
-                                    p->embd ? &image : NULL, &past, q, lse);
+            s = kvllama_reconstruct(mc->model, p->ids, P, prefix, (int)(na + nb), spans,
+                                    n_spans, &past, q, lse);
             pass = fmin(pass, kvcap_seconds() - t0);
         }
         p->replay_s = timed ? pass : NAN;
@@ -222,9 +243,9 @@ enum kvcap_status prompt_replay(const struct model_ctx *mc, struct prompt *p, in
     return s;
 }
 
-/* Hands a prefilled prompt to sequence `seq` of a cache: the head (text, if any), the span
- * (vision: the image's grid, or a 1 x span grid of text), the tail (text), then the queries
- * `post` names. */
+/* Hands a prefilled prompt to sequence `seq` of a cache: the head (text, if any), each span
+ * (vision: an image's grid, or a 1 x span grid of text) with the gaps between them (text), the
+ * tail (text), then the queries `post` names. */
 enum kvcap_status prompt_to_cache(const struct model_ctx *mc, const struct prompt *p,
                                   struct kvcap_cache *cache, int seq,
                                   enum post_queries post)
@@ -232,13 +253,22 @@ enum kvcap_status prompt_to_cache(const struct model_ctx *mc, const struct promp
     const struct kvllama_hparams *hp = mc->hp;
     const size_t n = (size_t)prompt_tokens(p) + p->n_fid;
     const size_t kd = (size_t)hp->n_kv_heads * hp->head_dim;
-    const struct kvcap_span_desc parts[3] = {
-        {KVCAP_SPAN_TEXT, p->head, 0, 0, 0},
-        {KVCAP_SPAN_VISION, p->span, p->rows, p->span / p->rows, p->head},
-        {KVCAP_SPAN_TEXT, p->tail, 0, 0, p->head + p->span}};
+    struct kvcap_span_desc parts[2 * MAX_IMAGES + 1];
+    int n_parts = 0;
+    parts[n_parts++] = (struct kvcap_span_desc){KVCAP_SPAN_TEXT, p->head, 0, 0, 0};
+    for (int i = 0; i < p->images; i++) {
+        const int at = prompt_span_at(p, i);
+        if (i > 0)
+            parts[n_parts++] = (struct kvcap_span_desc){KVCAP_SPAN_TEXT, p->gap, 0, 0,
+                                                        at - p->gap};
+        parts[n_parts++] = (struct kvcap_span_desc){KVCAP_SPAN_VISION, p->span, p->rows,
+                                                    p->span / p->rows, at};
+    }
+    parts[n_parts++] = (struct kvcap_span_desc){KVCAP_SPAN_TEXT, p->tail, 0, 0,
+                                                prompt_tokens(p) - p->tail};
     for (int l = 0; l < hp->n_layers; l++) {
         const float *k = p->k + (size_t)l * n * kd, *v = p->v + (size_t)l * n * kd;
-        for (int i = 0; i < 3; i++) {
+        for (int i = 0; i < n_parts; i++) {
             if (parts[i].n_tokens == 0)
                 continue;
             struct kvcap_tensor_view kv = {.base = k + (size_t)parts[i].p0 * kd,

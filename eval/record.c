@@ -56,6 +56,8 @@ int cmd_record(const struct options *opt)
         fprintf(stderr, "kvcap-eval: record: %d documents, %lld tokens -> %d chunks of %d + %d "
                 "+ %d tokens (+%d decode steps)\n", corpus.n_docs,
                 (long long)corpus.total_tokens, n_chunks, o->head, o->span, o->tail, o->decode);
+    const struct layout lay = {.head = o->head, .span = o->span, .tail = o->tail, .images = 1,
+                               .rows = opt->track == TRACK_IMAGE ? im.f.grid : 1};
     const int batch = 8;
     struct kvllama_decoder *dec = NULL;
     float *logits = NULL, *embd = NULL;
@@ -80,8 +82,7 @@ int cmd_record(const struct options *opt)
             if (embd)
                 s = kvvision_embed(&im.f, &im.proj, im.crops[first + i], embd);
             if (s == KVCAP_OK)
-                s = prompt_prefill_image(&mc, text, o->head, o->span, o->tail, 0,
-                                         embd ? im.f.grid : 1, embd, 0, &p);
+                s = prompt_prefill_image(&mc, text, &lay, 0, embd, 0, &p);
             if (s == KVCAP_OK) {
                 s = prompt_to_cache(&mc, &p, cache, i, POST_TAIL);
                 prompt_free(&p);

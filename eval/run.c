@@ -583,20 +583,25 @@ int cmd_run(const struct options *opt, int argc, char **argv)
                        o->docs, prompt_len(o) + after);
     int n_prompts = s == KVCAP_OK && corpus.n_chunks < o->prompts ? corpus.n_chunks
                                                                     : o->prompts;
-    if (opt->track == TRACK_IMAGE && im.n < n_prompts)
-        n_prompts = im.n;
-    /* image track: prompt p shows crop crop_of[p] of the split, spread over its photos */
-    int *crop_of = calloc((size_t)n_prompts + 1, sizeof *crop_of);
+    if (opt->track == TRACK_IMAGE && im.n / o->images < n_prompts)
+        n_prompts = im.n / o->images;
+    if (s == KVCAP_OK && n_prompts < 1)
+        s = kvcap_fail(KVCAP_ERR_INVALID_ARGUMENT, "--images %d: the split has %d crops",
+                       o->images, im.n);
+    /* image track: image i of prompt p shows crop crop_of[p * images + i] of the split, all
+     * different, spread over its photos */
+    const int n_crops = n_prompts * o->images;
+    int *crop_of = calloc((size_t)(n_crops > 0 ? n_crops : 1), sizeof *crop_of);
     float *embd = NULL;
     if (s == KVCAP_OK && !crop_of)
         s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "no memory");
     if (s == KVCAP_OK && opt->track == TRACK_IMAGE) {
         const size_t per = (size_t)im.f.n_tokens * mc.hp->n_embd;
-        if (!(embd = malloc(sizeof *embd * per * (size_t)n_prompts)))
+        if (!(embd = malloc(sizeof *embd * per * (size_t)n_crops)))
             s = kvcap_fail(KVCAP_ERR_OUT_OF_MEMORY, "no memory for the images' embeddings");
-        for (int p = 0; s == KVCAP_OK && p < n_prompts; p++) {
-            crop_of[p] = im.crops[(size_t)p * im.n / n_prompts];
-            s = kvvision_embed(&im.f, &im.proj, crop_of[p], embd + per * p);
+        for (int c = 0; s == KVCAP_OK && c < n_crops; c++) {
+            crop_of[c] = im.crops[(size_t)c * im.n / n_crops];
+            s = kvvision_embed(&im.f, &im.proj, crop_of[c], embd + per * c);
         }
     }
     static struct run runs[MAX_RUNS];
@@ -623,14 +628,18 @@ int cmd_run(const struct options *opt, int argc, char **argv)
         s = kvcap_make_dirs(o->out);
     double t0 = kvcap_seconds();
     if (s == KVCAP_OK && !o->quiet)
-        fprintf(stderr, "kvcap-eval: run: %d runs x %d prompts of %d + %d + %d tokens; %d "
-                "teacher-forced, %d generated, %d retrieval queries\n", n_runs, n_prompts,
-                o->head, o->span, o->tail, o->continuation, o->generate, o->task_queries);
+        fprintf(stderr, "kvcap-eval: run: %d runs x %d prompts of %d + %d x %d (%d apart) + %d "
+                "tokens; %d teacher-forced, %d generated, %d retrieval queries\n", n_runs,
+                n_prompts, o->head, o->images, o->span, o->gap, o->tail, o->continuation,
+                o->generate, o->task_queries);
+    const struct layout lay = {.head = o->head, .span = o->span, .tail = o->tail,
+                               .images = o->images, .gap = o->gap,
+                               .rows = embd ? im.f.grid : 1};
     for (int p = 0; s == KVCAP_OK && p < n_prompts; p++)
-        s = prompt_prefill_image(&mc, corpus.chunks[p].ids, o->head, o->span, o->tail, n_fid,
-                                 embd ? im.f.grid : 1,
-                                 embd ? embd + (size_t)p * im.f.n_tokens * mc.hp->n_embd : NULL,
-                                 runs_take(runs, n_runs, POST_PROMPT), &prompts[p]);
+        s = prompt_prefill_image(
+            &mc, corpus.chunks[p].ids, &lay, n_fid,
+            embd ? embd + (size_t)p * o->images * im.f.n_tokens * mc.hp->n_embd : NULL,
+            runs_take(runs, n_runs, POST_PROMPT), &prompts[p]);
     if (s == KVCAP_OK && runs_take(runs, n_runs, POST_REPLAY)) {
         struct cli_progress bar;
         cli_progress_begin(&bar, "reconstruction pass (kvzip)", o->quiet);
@@ -715,7 +724,8 @@ int cmd_run(const struct options *opt, int argc, char **argv)
      * (scripts/kvpress_reference.py) */
     if (s == KVCAP_OK && embd) {
         struct kvst_writer *w = NULL;
-        const int64_t shape[3] = {n_prompts, im.f.n_tokens, mc.hp->n_embd};
+        const int64_t shape[3] = {n_prompts, (int64_t)o->images * im.f.n_tokens,
+                                  mc.hp->n_embd};
         s = kvst_writer_create(&w);
         if (s == KVCAP_OK)
             s = kvst_writer_add(w, "span_embeddings", KVCAP_DTYPE_F32, 3, shape, embd);

@@ -24,6 +24,9 @@ eval_bin="$bin/kvcap-eval"
 "$eval_bin" run --out "$work/x" --exact-tiles 2 >"$work/exact.out" 2>&1; rc=$?
 [ "$rc" -eq 2 ] && grep -q -- "--exact-tiles: no --kvcapsule-exact run" "$work/exact.out" ||
   fail "--exact-tiles without --kvcapsule-exact: exit $rc"
+"$eval_bin" run --out "$work/x" --images 2 >"$work/images.out" 2>&1; rc=$?
+[ "$rc" -eq 2 ] && grep -q -- "--images is for run --track image" "$work/images.out" ||
+  fail "--images on the text track: exit $rc"
 "$eval_bin" run --out "$work/x" --rows some >"$work/rows.out" 2>&1; rc=$?
 [ "$rc" -eq 2 ] && grep -q -- "--rows: 'some' is not all or headline" "$work/rows.out" ||
   fail "bad --rows: exit $rc"
@@ -253,6 +256,26 @@ t = h["span_embeddings"]
 assert t["dtype"] == "F32" and t["shape"][0] == 2 and t["shape"][1] == 256, t
 PY
   grep -q "<dt>Images</dt>" "$work/iout/report.html" || fail "image report lacks its photos"
+  # two images per prompt, 4 text tokens apart: every policy compresses both spans (one left
+  # whole would hold (0.4 + 1) / 2 = 0.7 of the spans' bytes), KVCapsule's tiled maps included
+  "$eval_bin" run -q --track image --features "$features" --model "$model" --corpus "$corpus" \
+    --docs Apache-2.0 --tail 8 --images 2 --gap 4 --prompts 2 --generate 4 --continuation 8 \
+    --fidelity-steps 2 --retentions 0.4 --random-seeds 2 --kvcapsule "tiled:0.4:$work/itiled.kvcap" \
+    --out "$work/i2" >/dev/null || fail "two-image run"
+  python3 - "$work/i2/metrics.json" "$work/i2/span_embeddings.safetensors" <<'PY' || fail "two-image metrics"
+import json, struct, sys
+m = json.load(open(sys.argv[1]))
+assert m["setup"]["images"] == 2 and m["setup"]["gap_tokens"] == 4, m["setup"]
+runs = {r["id"]: r for r in m["runs"]}
+assert "kvcapsule-tiled@0.40" in runs and "kvzip@0.40" in runs, list(runs)
+for r in m["runs"]:
+    if r["policy"] != "full":
+        assert abs(r["realised_retention"] / 0.4 - 1) < 0.05, (r["id"], r["realised_retention"])
+with open(sys.argv[2], "rb") as f:
+    n = struct.unpack("<Q", f.read(8))[0]
+    t = json.loads(f.read(n))["span_embeddings"]
+assert t["shape"][:2] == [2, 512], t  # [prompts][images x span]
+PY
   # the calibration photos, for choosing a setting: recorded as such, and said in the report
   "$eval_bin" run -q --track image --photos calibration --features "$features" --model "$model" \
     --corpus "$corpus" --docs Apache-2.0 --tail 8 --prompts 1 --generate 4 --continuation 8 \
