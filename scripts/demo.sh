@@ -67,21 +67,6 @@ while [ $# -gt 0 ]; do
   shift
 done
 
-# phase NAME: what runs from here on is timed as NAME (the table is printed at the end)
-phase_names=() phase_starts=()
-phase() { phase_names+=("$1") phase_starts+=("$SECONDS"); }
-phase_table() {
-  local i n=${#phase_names[@]} end
-  ((n > 0)) || return 0
-  echo "== time per phase (seconds)"
-  for ((i = 0; i < n; i++)); do
-    end=$SECONDS
-    ((i + 1 < n)) && end=${phase_starts[i + 1]}
-    printf '   %6d  %s\n' $((end - phase_starts[i])) "${phase_names[i]}"
-  done
-  printf '   %6d  total\n' $((SECONDS - phase_starts[0]))
-}
-
 phase "set-up and build"
 kvcap_prepare
 kvcap_build "$KVCAP_ROOT/build" "release" -DCMAKE_BUILD_TYPE=Release
@@ -166,17 +151,6 @@ if [[ " $tracks " == *" image "* ]]; then
   fi
 fi
 
-# Uniform up to the tile: a tile of 16 keeps a whole number of rows, so R = r x 16 is spread
-# over the layers as its floor and ceiling (e.g. 6 and 7 for r = 0.4) with the exact mean;
-# rounding every layer alike would hold 0.375 at r = 0.4 and compare it at a smaller budget.
-tile_uniform() { # tile_uniform R: a list schedule for 30 layers and tiles of 16
-  awk -v r="$1" 'BEGIN { for (l = 0; l < 30; l++) {
-    a = int((l + 1) * r * 16 + 1e-9) - int(l * r * 16 + 1e-9); s = s (l ? "," : "") a / 16 }
-    print "list:" s }'
-}
-# kvcap's exact tiles hold one of the 16 tiles exactly: the other 15 are compressed at
-# (R - 1/16) / (15/16), so that the span's bytes are R of full's.
-exact_ratio() { awk -v r="$1" 'BEGIN { printf "%.6f", (r - 1 / 16) / (15 / 16) }'; }
 artifacts=()
 convert() { # convert DIR NAME STATE KEYS VALUES R [OPTION...]: one artifact, evaluated as NAME
   local dir=$1 name=$2 state=$3 keys=$4 values=$5 r=$6 # at retention R
@@ -279,7 +253,7 @@ image_track() {
     done
   fi
   for r in $retentions; do # the attention-sink tile kept exact (kvcapsule.exact_tiles: 1)
-    x=$(exact_ratio "$r")
+    x=$(exact_ratio "$r" 16)
     "$bin/kvcap-convert" "$dir/tiled.kvcs" --out "$dir/tiled-exact-$r.kvcap" \
       --keys "$(tile_uniform "$x")" --values "$(tile_uniform "$x")" >/dev/null
     artifacts+=(--kvcapsule-exact "tiled:$r:$dir/tiled-exact-$r.kvcap")

@@ -68,3 +68,30 @@ kvcap_deb_extract() {
   dpkg-deb -x "$deb" "$dir/x" || { echo "dpkg-deb -x $(basename "$deb") failed" >&2; return 1; }
   rm -f "$deb"
 }
+
+# phase NAME: what runs from here on is timed as NAME (the table is printed at the end)
+phase_names=() phase_starts=()
+phase() { phase_names+=("$1") phase_starts+=("$SECONDS"); }
+phase_table() {
+  local i n=${#phase_names[@]} end
+  ((n > 0)) || return 0
+  echo "== time per phase (seconds)"
+  for ((i = 0; i < n; i++)); do
+    end=$SECONDS
+    ((i + 1 < n)) && end=${phase_starts[i + 1]}
+    printf '   %6d  %s\n' $((end - phase_starts[i])) "${phase_names[i]}"
+  done
+  printf '   %6d  total\n' $((SECONDS - phase_starts[0]))
+}
+
+# Uniform up to the tile: a tile of 16 keeps a whole number of rows, so R = r x 16 is spread
+# over the layers as its floor and ceiling (e.g. 6 and 7 for r = 0.4) with the exact mean;
+# rounding every layer alike would hold 0.375 at r = 0.4 and compare it at a smaller budget.
+tile_uniform() { # tile_uniform R: a list schedule for 30 layers and tiles of 16
+  awk -v r="$1" 'BEGIN { for (l = 0; l < 30; l++) {
+    a = int((l + 1) * r * 16 + 1e-9) - int(l * r * 16 + 1e-9); s = s (l ? "," : "") a / 16 }
+    print "list:" s }'
+}
+# exact_ratio R TILES: kvcap's exact tiles hold one of a span's TILES tiles exactly, the others
+# are compressed at (R - 1/TILES) / ((TILES - 1)/TILES), so that the span's bytes are R of full's.
+exact_ratio() { awk -v r="$1" -v t="$2" 'BEGIN { printf "%.6f", (r - 1 / t) / ((t - 1) / t) }'; }
