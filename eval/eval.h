@@ -26,8 +26,11 @@ extern const char eval_calib_docs[], eval_heldout_docs[];
  * is their mean, prompt by prompt (fold_seeds). */
 #define RANDOM_SEEDS 8
 #define RANDOM_SEEDS_MAX 16
-/* The retrieval task: depths of the asked line in the span, greedy tokens of an answer. */
-enum { TASK_DEPTHS = 8, TASK_ANSWER_TOKENS = 6, TASK_NEEDLES = 1 };
+/* The retrieval task: depths of the asked line in the span, greedy tokens of an answer per
+ * value asked, the most keys (--task-keys) and values per key (--task-values), the characters
+ * of an answer as scored. */
+enum { TASK_DEPTHS = 8, TASK_ANSWER_TOKENS = 6, TASK_KEYS_MAX = 16, TASK_VALUES_MAX = 4,
+       TASK_ANSWER_CHARS = 64 };
 
 /* ---- Options (options.c) ------------------------------------------------------------------ */
 /* What a run does with an artifact: KVCapsule (--kvcapsule), KVCapsule with kvcap's exact
@@ -54,6 +57,8 @@ struct options {
     int head, span, tail, decode, max_chunks, prompts, generate, continuation, fidelity_steps;
     int images, gap; /* --images spans of --span tokens (image track), --gap text tokens apart */
     int task_queries, threads, quiet;
+    int task_keys, task_values; /* --task-keys, --task-values: RULER's multi-key and
+                                 * multi-value variants of the retrieval task (1, 1: plain) */
     int random_seeds;   /* --random-seeds: random eviction's seeds, its row their mean */
     const char *shipped; /* --shipped: the label of the row chosen in advance, or NULL */
     int headline;        /* --rows headline: full, the papers' methods, random, the shipped row */
@@ -326,13 +331,15 @@ enum kvcap_status attention_fidelity(const struct options *o, const struct model
 /* ---- The retrieval task (task.c) --------------------------------------------------------- */
 struct task {
     int n;              /* queries */
+    int keys, values;   /* names in the span; lines (codes) of the asked one */
+    int answer_tokens;  /* greedy tokens an answer is read from: TASK_ANSWER_TOKENS a value */
     int32_t *ids;       /* [n][max_len] token ids of each prompt */
     int max_len;
     struct prompt *prompts;
-    char (*truth)[8];   /* [n] the asked code */
-    double *depth;      /* [n] start of the asked line in the span, 0..1 */
+    char (*truth)[TASK_VALUES_MAX][8]; /* [n][values] the asked name's codes */
+    double *depth;      /* [n] start of the asked name's first line in the span, 0..1 */
     int *bin;           /* [n] depth bin */
-    char (*full_answer)[16];
+    char (*full_answer)[TASK_ANSWER_CHARS]; /* [n] full's, as task_parse_answer gives it */
 };
 
 /* Builds o->task_queries queries on the corpus's text; task_run has every run answer them;
@@ -342,6 +349,12 @@ enum kvcap_status task_build(const struct options *o, const struct model_ctx *mc
 enum kvcap_status task_run(const struct options *o, const struct model_ctx *mc,
                            struct run *runs, int n_runs, struct task *t);
 void task_free(struct task *t);
+/* An answer as it is scored, from the text of its greedy tokens into out[cap]: for one value
+ * the first run of digits after leading spaces; for several, every run of digits, sorted and
+ * separated by spaces (order free). task_answer_correct: 1 when it holds the truth, for one
+ * value exactly, for several every true code among its runs of digits. */
+void task_parse_answer(const char *text, int values, char *out, size_t cap);
+int task_answer_correct(const char *answer, const char (*truth)[8], int values);
 
 /* ---- metrics.json (metrics.c) ------------------------------------------------------------ */
 /* Writes metrics.json to `path`: the setup, every row (random eviction's seeds folded into

@@ -24,13 +24,6 @@
 #include "eval/eval.h"
 #include "eval/generate.h"
 
-/* The calibration and development documents (scripts/eval-texts.tsv's test documents are none
- * of them: tests/splits.sh). */
-#define DEFAULT_CALIB_DOCS "GPL-3,GPL-2,LGPL-2.1,LGPL-3,GFDL-1.3,MPL-1.1,GPL-1"
-#define DEFAULT_HELDOUT_DOCS "Apache-2.0,MPL-2.0,Artistic,CC0-1.0"
-const char eval_calib_docs[] = DEFAULT_CALIB_DOCS;
-const char eval_heldout_docs[] = DEFAULT_HELDOUT_DOCS;
-
 int main(int argc, char **argv)
 {
     struct options o;

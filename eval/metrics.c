@@ -323,17 +323,23 @@ static void add_prompt_ids(cJSON *root, const struct options *o, const struct mo
     cJSON_AddStringToObject(root, "prompts_sha256", prompts_hash);
 }
 
-/* The retrieval task's setup: its question and the mean depth of each depth bin. */
+/* The retrieval task's setup: its question, RULER's variant (names in the span, codes of the
+ * asked one) and the mean depth of each depth bin. */
 static void add_task(cJSON *root, const struct task *task)
 {
     cJSON *tj = cJSON_AddObjectToObject(root, "task");
     cJSON_AddStringToObject(tj, "name", "key-value retrieval");
     cJSON_AddStringToObject(tj, "line", "The code of the tiger is 4821.");
-    cJSON_AddStringToObject(tj, "question", "What is the code of the tiger? -> "
-                            "The code of the tiger is ____");
+    cJSON_AddStringToObject(tj, "question", task->values == 1
+                                                ? "What is the code of the tiger? -> "
+                                                  "The code of the tiger is ____"
+                                                : "What are the codes of the tiger? -> "
+                                                  "The codes of the tiger are ____");
     cJSON_AddStringToObject(tj, "haystack", "held-out text");
     cJSON_AddNumberToObject(tj, "queries", task->n);
-    cJSON_AddNumberToObject(tj, "answer_tokens", TASK_ANSWER_TOKENS);
+    cJSON_AddNumberToObject(tj, "keys", task->keys);
+    cJSON_AddNumberToObject(tj, "values", task->values);
+    cJSON_AddNumberToObject(tj, "answer_tokens", task->answer_tokens);
     cJSON *dj = cJSON_AddArrayToObject(tj, "depths");
     for (int b = 0; b < TASK_DEPTHS; b++) {
         double sum = 0;
@@ -597,9 +603,30 @@ static void add_notes(cJSON *root, const struct options *o, const struct image_s
         "Step time: append + attention of one decode step for all prompts of a run, all layers, "
         "measured inside the batched run. Spans of 256 tokens leave fixed per-call costs "
         "visible; kvcap-bench measures 8K-token spans."};
-    for (size_t i = im ? 1 : 0; i < sizeof k_notes / sizeof *k_notes; i++)
-        if (!im || !strstr(k_notes[i], "Task: a key-value line"))
+    for (size_t i = im ? 1 : 0; i < sizeof k_notes / sizeof *k_notes; i++) {
+        const int task_note = strstr(k_notes[i], "Task: a key-value line") != NULL;
+        if (!im || !task_note)
             cJSON_AddItemToArray(notes, cJSON_CreateString(k_notes[i]));
+        if (task_note && !im && o->task_queries > 0 && (o->task_keys > 1 || o->task_values > 1)) {
+            char keys[128] = "one name in the span", values[256] = "one line each", line[768];
+            if (o->task_keys > 1)
+                snprintf(keys, sizeof keys, "%d names in the span, each its own line, one "
+                         "asked (multi-key)", o->task_keys);
+            if (o->task_values > 1)
+                snprintf(values, sizeof values, "the asked name has %d lines with different "
+                         "codes, the first at the depth, and the question asks for all of them "
+                         "(\"What are the codes of the tiger?\"; multi-value)", o->task_values);
+            snprintf(line, sizeof line,
+                     "This run's task is RULER's variant (arXiv 2404.06654): %s; %s. The answer "
+                     "is read from %d greedy tokens%s.", keys, values,
+                     TASK_ANSWER_TOKENS * o->task_values,
+                     o->task_values == 1 ? ""
+                                         : " and is right when every code is among its runs "
+                                           "of digits, in any order; agreement with full is "
+                                           "the same runs of digits");
+            cJSON_AddItemToArray(notes, cJSON_CreateString(line));
+        }
+    }
 }
 
 /* The end of the first prompt: what the samples continue. */

@@ -15,6 +15,13 @@
 static const char *const k_artifact_option[] = {"--kvcapsule", "--kvcapsule-exact",
                                                 "--kvzip-basis"};
 
+/* The calibration and development documents (scripts/eval-texts.tsv's test documents are none
+ * of them: tests/splits.sh). */
+#define DEFAULT_CALIB_DOCS "GPL-3,GPL-2,LGPL-2.1,LGPL-3,GFDL-1.3,MPL-1.1,GPL-1"
+#define DEFAULT_HELDOUT_DOCS "Apache-2.0,MPL-2.0,Artistic,CC0-1.0"
+const char eval_calib_docs[] = DEFAULT_CALIB_DOCS;
+const char eval_heldout_docs[] = DEFAULT_HELDOUT_DOCS;
+
 static void usage(FILE *out)
 {
     fprintf(out,
@@ -128,6 +135,13 @@ static void usage(FILE *out)
             "                           (default 32)\n"
             "      --task-queries N     run: retrieval-task queries, spread over %d depths\n"
             "                           (default 64; 0 skips the task)\n"
+            "      --task-keys N        run: names in each retrieval query's span, one of them\n"
+            "                           asked (RULER's multi-key needle in a haystack), 1..%d\n"
+            "                           (default 1)\n"
+            "      --task-values N      run: lines (codes) of the asked name, all asked for at\n"
+            "                           once and all needed for a right answer (RULER's\n"
+            "                           multi-value), 1..%d (default 1); the answer is read from\n"
+            "                           %d greedy tokens per value\n"
             "      --storage T          cache storage f32, f16 or bf16 (default f16)\n"
             "      --threads N          threads per cache (default: all cores)\n"
             "      --command TEXT       run: the command recorded in the report as reproducing it\n"
@@ -137,7 +151,8 @@ static void usage(FILE *out)
             "  -q, --quiet              no progress\n"
             "  -V, --version            print the kvcap version\n"
             "  -h, --help               show this help\n",
-            eval_calib_docs, eval_heldout_docs, MAX_IMAGES, TASK_DEPTHS);
+            eval_calib_docs, eval_heldout_docs, MAX_IMAGES, TASK_DEPTHS, TASK_KEYS_MAX,
+            TASK_VALUES_MAX, TASK_ANSWER_TOKENS);
 }
 
 static int parse_retentions(const char *arg, struct options *o)
@@ -186,6 +201,7 @@ int parse_options(int argc, char **argv, struct options *o)
     o->head = 16, o->span = 256, o->tail = 16, o->decode = 16, o->prompts = 8, o->generate = 64;
     o->images = 1, o->gap = 16;
     o->continuation = 256, o->fidelity_steps = 32, o->task_queries = 64;
+    o->task_keys = 1, o->task_values = 1;
     o->random_seeds = RANDOM_SEEDS, o->split = "development";
     o->storage = KVCAP_DTYPE_F16;
     o->corpus = DEFAULT_CORPUS;
@@ -206,7 +222,7 @@ int parse_options(int argc, char **argv, struct options *o)
     enum { O_SPAN = 256, O_HEAD, O_TAIL, O_DECODE, O_MAXCH, O_ART, O_RET, O_PROMPTS, O_GEN,
            O_STORAGE, O_THREADS, O_COMMAND, O_CALIB_DOCS, O_CONT, O_FID, O_TASK, O_TRACK,
            O_FEATURES, O_COMPARE, O_ART_EXACT, O_EXACT_TILES, O_PHOTOS, O_KVZIP_BASIS,
-           O_SEEDS, O_SHIPPED, O_SPLIT, O_ROWS, O_IMAGES, O_GAP };
+           O_SEEDS, O_SHIPPED, O_SPLIT, O_ROWS, O_IMAGES, O_GAP, O_TASK_KEYS, O_TASK_VALUES };
     static const struct option longopts[] = {
         {"model", required_argument, 0, 'm'},   {"corpus", required_argument, 0, 'C'},
         {"docs", required_argument, 0, 'D'},    {"out", required_argument, 0, 'o'},
@@ -223,6 +239,8 @@ int parse_options(int argc, char **argv, struct options *o)
         {"continuation", required_argument, 0, O_CONT},
         {"fidelity-steps", required_argument, 0, O_FID},
         {"task-queries", required_argument, 0, O_TASK},
+        {"task-keys", required_argument, 0, O_TASK_KEYS},
+        {"task-values", required_argument, 0, O_TASK_VALUES},
         {"storage", required_argument, 0, O_STORAGE},
         {"threads", required_argument, 0, O_THREADS},
         {"command", required_argument, 0, O_COMMAND},
@@ -269,6 +287,12 @@ int parse_options(int argc, char **argv, struct options *o)
             rc = cli_parse_int(optarg, "--fidelity-steps", 1, 1024, &o->fidelity_steps);
             break;
         case O_TASK: rc = cli_parse_int(optarg, "--task-queries", 0, 4096, &o->task_queries); break;
+        case O_TASK_KEYS:
+            rc = cli_parse_int(optarg, "--task-keys", 1, TASK_KEYS_MAX, &o->task_keys);
+            break;
+        case O_TASK_VALUES:
+            rc = cli_parse_int(optarg, "--task-values", 1, TASK_VALUES_MAX, &o->task_values);
+            break;
         case O_SEEDS:
             rc = cli_parse_int(optarg, "--random-seeds", 1, RANDOM_SEEDS_MAX, &o->random_seeds);
             break;

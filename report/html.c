@@ -64,6 +64,15 @@ void rpt_run_name(struct buf *b, const struct run *u)
     bprintf(b, " @ %.2f", u->retention);
 }
 
+const char *rpt_task_variant(char *out, size_t cap, const struct report *r)
+{
+    if (!r->has_task || (r->task_keys == 1 && r->task_values == 1))
+        return NULL;
+    snprintf(out, cap, "retrieval: %.0f key%s, %.0f value%s per query", r->task_keys,
+             r->task_keys == 1 ? "" : "s", r->task_values, r->task_values == 1 ? "" : "s");
+    return out;
+}
+
 static int any_task(const struct report *r)
 {
     for (int i = 0; i < r->n_runs; i++)
@@ -347,7 +356,12 @@ static void render_header(struct buf *b, const struct report *r)
         bprintf(b, " on %s %s prompt%s", rpt_fmt_count(n1, sizeof n1, r->prompts), split,
                 r->prompts == 1 ? "" : "s");
     bputs(b, ": each policy compressed the cache of ");
-    if (r->image && isfinite(r->grid_rows) && isfinite(r->grid_cols))
+    if (r->image && isfinite(r->grid_rows) && isfinite(r->grid_cols) && r->images > 1)
+        bprintf(b, "%.0f image spans of %.0f&thinsp;&times;&thinsp;%.0f tokens, %.0f text tokens "
+                   "apart (different %s photos' crops, their patch features projected into the "
+                   "embedding space in closed form: not a trained connector)", r->images,
+                r->grid_rows, r->grid_cols, r->gap_tokens, split);
+    else if (r->image && isfinite(r->grid_rows) && isfinite(r->grid_cols))
         bprintf(b, "an image span of %.0f&thinsp;&times;&thinsp;%.0f tokens (a %s photo's "
                    "patch features, projected into the embedding space in closed form: not a "
                    "trained connector)", r->grid_rows, r->grid_cols, split);
@@ -357,9 +371,13 @@ static void render_header(struct buf *b, const struct report *r)
     else
         bputs(b, "the prompt's compressible span");
     bputs(b, " to a target share (the memory budget)");
-    if (r->has_task && isfinite(r->task_queries))
+    if (r->has_task && isfinite(r->task_queries)) {
+        char variant[96];
         bprintf(b, ", then answered %s retrieval question%s about lines inside the span",
                 rpt_fmt_count(n1, sizeof n1, r->task_queries), r->task_queries == 1 ? "" : "s");
+        if (rpt_task_variant(variant, sizeof variant, r))
+            bprintf(b, " (RULER&rsquo;s variant, %s)", variant);
+    }
     if (isfinite(r->continuation_tokens))
         bprintf(b, "; %s held-out tokens were scored teacher-forced against full's (KL, NLL)",
                 rpt_fmt_count(n2, sizeof n2, r->continuation_tokens));
@@ -557,7 +575,14 @@ static void render_ranking(struct buf *b, const struct report *r)
         bputs(b, "</div>\n");
     }
     bputs(b, "</div>\n<p class=\"caption\">");
-    if (task)
+    char variant[96];
+    if (task && rpt_task_variant(variant, sizeof variant, r))
+        bprintf(b, "Ranked by task accuracy (%s; answers %s; the bar's black tick is full's "
+                   "accuracy, the ceiling), then by KL divergence from full's next-token "
+                   "distribution (lower is better). ", variant,
+                r->task_values > 1 ? "holding every true value, in any order"
+                                   : "equal to the true value");
+    else if (task)
         bputs(b, "Ranked by task accuracy (answers equal to the true value; the bar's black tick "
                  "is full's accuracy, the ceiling), then by KL divergence from full's next-token "
                  "distribution (lower is better). ");
@@ -591,7 +616,10 @@ static void render_ranking(struct buf *b, const struct report *r)
 /* The track a report measured, for headings: "image 16 × 16" or "text 1 × 256". */
 static void track_name(struct buf *b, const struct report *r)
 {
-    if (r->image && isfinite(r->grid_rows) && isfinite(r->grid_cols))
+    if (r->image && isfinite(r->grid_rows) && isfinite(r->grid_cols) && r->images > 1)
+        bprintf(b, "%.0f images %.0f&thinsp;&times;&thinsp;%.0f", r->images, r->grid_rows,
+                r->grid_cols);
+    else if (r->image && isfinite(r->grid_rows) && isfinite(r->grid_cols))
         bprintf(b, "image %.0f&thinsp;&times;&thinsp;%.0f", r->grid_rows, r->grid_cols);
     else if (r->image)
         bputs(b, "image");
@@ -759,11 +787,16 @@ static void render_facts(struct buf *b, const struct report *r)
             besc(b, r->task_question);
             bputs(b, "</q>");
         }
+        char variant[96];
+        if (rpt_task_variant(variant, sizeof variant, r))
+            bprintf(b, " &middot; RULER&rsquo;s variant, %s", variant);
         if (isfinite(r->task_queries))
             bprintf(b, " &middot; %s queries", rpt_fmt_count(n1, sizeof n1, r->task_queries));
         if (isfinite(r->task_answer_tokens))
-            bprintf(b, ", each answered in %s greedy tokens and exact-matched",
-                    rpt_fmt_count(n1, sizeof n1, r->task_answer_tokens));
+            bprintf(b, ", each answered in %s greedy tokens and %s",
+                    rpt_fmt_count(n1, sizeof n1, r->task_answer_tokens),
+                    r->task_values > 1 ? "right when it holds every code, in any order"
+                                       : "exact-matched");
         if (r->n_depths)
             bprintf(b, " &middot; the asked line at %d depths of the span", r->n_depths);
         bputs(b, "</dd>\n");
@@ -772,7 +805,9 @@ static void render_facts(struct buf *b, const struct report *r)
         const char *fmt;
         double v;
     } setup[] = {{"head %s tokens", r->head_tokens},
-                 {"span %s tokens", r->span_tokens},
+                 {r->images > 1 ? "%s images" : NULL, r->images},
+                 {r->images > 1 ? "each span %s tokens" : "span %s tokens", r->span_tokens},
+                 {r->images > 1 ? "%s text tokens between two" : NULL, r->gap_tokens},
                  {"tail %s tokens", r->tail_tokens},
                  {"%s generated greedily", r->generate_tokens},
                  {"%s continuation tokens scored teacher-forced", r->continuation_tokens},
@@ -781,12 +816,12 @@ static void render_facts(struct buf *b, const struct report *r)
                  {"%s threads", r->threads}};
     int any = r->storage || isfinite(r->read_bandwidth_gbs);
     for (size_t k = 0; k < sizeof setup / sizeof setup[0]; k++)
-        any |= isfinite(setup[k].v);
+        any |= setup[k].fmt && isfinite(setup[k].v);
     if (any) {
         bputs(b, "<dt>Setup</dt><dd>");
         const char *sep = "";
         for (size_t k = 0; k < sizeof setup / sizeof setup[0]; k++) {
-            if (!isfinite(setup[k].v))
+            if (!setup[k].fmt || !isfinite(setup[k].v))
                 continue;
             bputs(b, sep);
             bprintf(b, setup[k].fmt, rpt_fmt_count(n1, sizeof n1, setup[k].v));

@@ -171,8 +171,13 @@ void rpt_render_table(struct buf *b, const struct report *r)
              "because its Algorithm&nbsp;1 under-fills the budget) it is shown as nominal. The "
              "realised retention is what it holds (span bytes over full's; for eviction the "
              "share of span tokens kept; for FreeKV the share attended per step), "
-             "<span class=\"key off\">amber</span> when more than 2&nbsp;% off the target. "
-             "Task accuracy is coloured by the share of full's accuracy it keeps: "
+             "<span class=\"key off\">amber</span> when more than 2&nbsp;% off the target. ");
+    char variant[96];
+    if (rpt_task_variant(variant, sizeof variant, r))
+        bprintf(b, "Task accuracy (%s) is coloured", variant);
+    else
+        bputs(b, "Task accuracy is coloured");
+    bputs(b, " by the share of full's accuracy it keeps: "
              "<span class=\"key ag-good\">&ge;&nbsp;95&nbsp;%</span> "
              "<span class=\"key ag-warn\">&ge;&nbsp;75&nbsp;%</span> "
              "<span class=\"key ag-bad\">below</span>. KL and &Delta;NLL are per held-out token, "

@@ -969,6 +969,11 @@ enum kvcap_status report_load(struct report *r, const char *path)
     KVCAP_TRY(get_number(r, o, "setup", "head_tokens", 0, NUM_COUNT, &r->head_tokens));
     KVCAP_TRY(get_number(r, o, "setup", "span_tokens", 0, NUM_COUNT, &r->span_tokens));
     KVCAP_TRY(get_number(r, o, "setup", "tail_tokens", 0, NUM_COUNT, &r->tail_tokens));
+    double images, gap; /* optional: several images per prompt, gap_tokens of text apart */
+    KVCAP_TRY(get_number(r, o, "setup", "images", 0, NUM_POS_COUNT, &images));
+    KVCAP_TRY(get_number(r, o, "setup", "gap_tokens", 0, NUM_COUNT, &gap));
+    r->images = isfinite(images) ? images : 1;
+    r->gap_tokens = gap;
     KVCAP_TRY(get_number(r, o, "setup", "generate_tokens", 0, NUM_COUNT, &r->generate_tokens));
     KVCAP_TRY(get_number(r, o, "setup", "continuation_tokens", 0, NUM_COUNT,
                          &r->continuation_tokens));
@@ -1003,6 +1008,7 @@ enum kvcap_status report_load(struct report *r, const char *path)
     /* Before the runs: their task.accuracy_by_depth must match task.depths. */
     KVCAP_TRY(get_object(r, root, "", "task", &o));
     r->task_queries = r->task_answer_tokens = NAN;
+    r->task_keys = r->task_values = 1;
     if (o) {
         r->has_task = 1;
         KVCAP_TRY(get_string(r, o, "task", "name", 0, &r->task_name));
@@ -1012,6 +1018,12 @@ enum kvcap_status report_load(struct report *r, const char *path)
         KVCAP_TRY(get_number(r, o, "task", "queries", 0, NUM_COUNT, &r->task_queries));
         KVCAP_TRY(get_number(r, o, "task", "answer_tokens", 0, NUM_COUNT,
                              &r->task_answer_tokens));
+        /* RULER's variants; files written before them have neither: one key, one value */
+        double keys, values;
+        KVCAP_TRY(get_number(r, o, "task", "keys", 0, NUM_POS_COUNT, &keys));
+        KVCAP_TRY(get_number(r, o, "task", "values", 0, NUM_POS_COUNT, &values));
+        r->task_keys = isfinite(keys) ? keys : 1;
+        r->task_values = isfinite(values) ? values : 1;
         KVCAP_TRY(get_numbers(r, o, "task", "depths", NUM_FRACTION, 0, NULL, &r->task_depths,
                               &r->n_depths));
         KVCAP_RETURN_IF(r->n_depths > MAX_DEPTHS, KVCAP_ERR_FORMAT,

@@ -29,6 +29,8 @@
  *             int}}, "splits_recorded": bool (false: an older feature file, split by photo
  *             index), "projector": str},
  *   "setup": {"head_tokens": int, "span_tokens": int, "tail_tokens": int,
+ *             "images": int, "gap_tokens": int,  optional (1 and none): spans per prompt, each
+ *                                           span_tokens, and the text tokens between two
  *             "generate_tokens": int,      greedy tokens generated per prompt
  *             "continuation_tokens": int,  teacher-forced held-out tokens scored per prompt
  *             "fidelity_steps": int,       decode steps replayed for the attention fidelity
@@ -37,7 +39,7 @@
  *                             its head, span, tail and teacher-forced continuation, so that
  *                             another engine replays them (scripts/kvpress_reference.py; the
  *                             image track also writes span_embeddings.safetensors beside the
- *                             file, tensor "span_embeddings" [prompts][span][n_embd] f32)
+ *                             file, tensor "span_embeddings" [prompts][images x span][n_embd] f32)
  *   "prompts_sha256": str,    optional: 64 lowercase hex digits, the SHA-256 of what the engine
  *                             was fed, prompt after prompt in prompt_ids' order: that prompt's
  *                             ids as int32 little-endian, then (image track) its span's
@@ -48,6 +50,11 @@
  *       "question": str,      how the tail asks for one line
  *       "haystack": str,      optional: what fills the span
  *       "queries": int,       questions asked (over all prompts)
+ *       "keys": int,          optional (1 when absent): names in the span, each its own line,
+ *                             one asked (RULER's multi-key)
+ *       "values": int,        optional (1 when absent): lines (codes) of the asked name, all
+ *                             asked for; an answer is right when it holds every one (RULER's
+ *                             multi-value)
  *       "answer_tokens": int, greedy tokens the answer is read from
  *       "depths": [num...]    per depth bin (8): mean depth 0..1 of the asked line in the span
  *   },
@@ -87,7 +94,8 @@
  *           "nll_delta": [num...], "kl": [num...]   setup.prompts entries each
  *       },
  *       "task": {                optional: the retrieval task's answers
- *           "accuracy": num,           0..1, answers equal to the true value
+ *           "accuracy": num,           0..1, answers equal to the true value (with task.values
+ *                                      above 1: holding every true value, in any order)
  *           "agreement_full": num,     0..1, answers equal to full's
  *           "accuracy_by_depth": [num | null...]  per depth bin (as task.depths)
  *       },

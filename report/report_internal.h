@@ -108,11 +108,14 @@ struct report {
     const cJSON *notes; /* array of strings, or NULL */
     double calibration_tokens, heldout_tokens;
     double head_tokens, span_tokens, tail_tokens, generate_tokens, continuation_tokens;
+    double images, gap_tokens; /* spans per prompt (1 unless setup says), text between two */
     double fidelity_steps, prompts, threads;
     double read_bandwidth_gbs;
     int has_task; /* the top-level "task" object is present */
     const char *task_name, *task_line, *task_question, *task_haystack;
     double task_queries, task_answer_tokens;
+    double task_keys, task_values; /* RULER's variant: names in the span, codes of the asked
+                                    * one (1 when absent) */
     double *task_depths; /* mean depth per bin, or NULL */
     int n_depths;
     struct run *runs;
@@ -311,6 +314,9 @@ void rpt_na_cell(struct buf *b);
 void rpt_paired_cell(struct buf *b, double mean, double half);
 void rpt_run_name(struct buf *b, const struct run *u);
 void rpt_policy_name(struct buf *b, const struct report *r, const struct run *u);
+/* RULER's variant of the retrieval task into out ("retrieval: 4 keys, 2 values per query"),
+ * or NULL for the plain task (one key, one value) and without a task. */
+const char *rpt_task_variant(char *out, size_t cap, const struct report *r);
 
 /* html_tables.c: the headline table, and kvpress's rows beside kvcap's. */
 void rpt_render_table(struct buf *b, const struct report *r);

@@ -57,11 +57,11 @@ check(by["test"] >= 8, f"{by['test']} test photos, fewer than 8")
 
 # --- texts -----------------------------------------------------------------------------------
 texts = rows(os.path.join(src, "scripts", "eval-texts.tsv"), 7)
-main = open(os.path.join(src, "eval", "eval_main.c"), encoding="utf-8").read()
+main = open(os.path.join(src, "eval", "options.c"), encoding="utf-8").read()
 docs = {}
 for macro, split in (("DEFAULT_CALIB_DOCS", "calibration"), ("DEFAULT_HELDOUT_DOCS", "development")):
     m = re.search(r'#define %s "([^"]*)"' % macro, main)
-    check(m is not None, f"eval_main.c: no {macro}")
+    check(m is not None, f"options.c: no {macro}")
     for d in (m.group(1).split(",") if m else []):
         docs[d] = split
 check(len(texts) >= 1, "no test document")

@@ -825,6 +825,37 @@ static void depth_range(cJSON *doc)
                              cJSON_CreateNumber(1.5));
 }
 
+/* Several images per prompt (setup.images, gap_tokens): read, and said in the setup line; a
+ * prompt with one image writes neither and reads as one. */
+static void test_several_images(void **state)
+{
+    (void)state;
+    struct dirs d;
+    dirs_make(&d);
+    cJSON *doc = load_sample();
+    cJSON *setup = cJSON_GetObjectItem(doc, "setup");
+    cJSON_AddNumberToObject(setup, "images", 3);
+    cJSON_AddNumberToObject(setup, "gap_tokens", 16);
+    write_json(d.metrics, doc);
+    assert_int_equal(kvcap_report_write(d.metrics, d.html, d.csv), KVCAP_OK);
+    char *html = slurp(d.html);
+    assert_non_null(strstr(html, "3 images &middot; each span 256 tokens &middot; 16 text tokens "
+                                 "between two"));
+    free(html);
+    assert_int_equal(kvcap_report_write(SAMPLE, d.html, d.csv), KVCAP_OK);
+    html = slurp(d.html);
+    assert_null(strstr(html, "text tokens between two"));
+    assert_non_null(strstr(html, "span 256 tokens"));
+    free(html);
+    cJSON_Delete(doc);
+    dirs_remove(&d);
+}
+
+static void images_string(cJSON *doc)
+{
+    cJSON_AddStringToObject(cJSON_GetObjectItem(doc, "setup"), "images", "two");
+}
+
 static void test_malformed_inputs(void **state)
 {
     (void)state;
@@ -896,6 +927,8 @@ static void test_malformed_inputs(void **state)
          NULL},
         {"task depths not an array", "task.depths: expected an array, got a string",
          depths_string, NULL},
+        {"images not a number", "setup.images: expected a whole number >= 1 or null, got a string",
+         images_string, NULL},
         {"task depth out of range", "task.depths[3]: expected a fraction in [0, 1], got 1.5",
          depth_range, NULL},
         {"not JSON at all", "not valid JSON", NULL, "kvcap metrics, honest\n"},
@@ -1974,7 +2007,8 @@ int main(void)
         cmocka_unit_test(test_minimal_metrics),
         cmocka_unit_test(test_agreement_fallback_and_samples),
         cmocka_unit_test(test_ranking_order),
-        cmocka_unit_test(test_html_escaping),     cmocka_unit_test(test_malformed_inputs),
+        cmocka_unit_test(test_html_escaping),     cmocka_unit_test(test_several_images),
+        cmocka_unit_test(test_malformed_inputs),
         cmocka_unit_test(test_missing_input),     cmocka_unit_test(test_bad_arguments),
         cmocka_unit_test(test_unwritable_output),
         cmocka_unit_test(test_signal_keeps_outputs_paired),
