@@ -26,6 +26,7 @@
 
 #include "common/internal.h"
 #include "report/report.h"
+#include "tests/test_json.h"
 #include "tests/test_util.h"
 
 #define SAMPLE KVCAP_TEST_DATA "/eval/metrics-sample.json"
@@ -43,29 +44,6 @@ enum { CSV_STEP_MS = 16, CSV_REALISED = 19, CSV_NOMINAL, CSV_EXTENSION, CSV_KL, 
        CSV_KL_MINUS_RANDOM, CSV_KL_MINUS_RANDOM_HALF, CSV_COLUMNS };
 
 /* ---- Helpers ------------------------------------------------------------------------------- */
-
-/* The whole file as a string, or NULL when it cannot be read. */
-static char *slurp(const char *path)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return NULL;
-    size_t cap = 1 << 16, n = 0;
-    char *p = malloc(cap);
-    assert_non_null(p);
-    size_t got;
-    while ((got = fread(p + n, 1, cap - n - 1, f)) > 0) {
-        n += got;
-        if (n + 1 == cap) {
-            cap *= 2;
-            p = realloc(p, cap);
-            assert_non_null(p);
-        }
-    }
-    fclose(f);
-    p[n] = '\0';
-    return p;
-}
 
 static void write_text(const char *path, const char *text)
 {
@@ -96,23 +74,7 @@ static int dir_entries(const char *dir)
     return n;
 }
 
-static cJSON *load_sample(void)
-{
-    char *text = slurp(SAMPLE);
-    assert_non_null(text);
-    cJSON *doc = cJSON_Parse(text);
-    free(text);
-    assert_non_null(doc);
-    return doc;
-}
-
-static void write_json(const char *path, const cJSON *doc)
-{
-    char *text = cJSON_Print(doc);
-    assert_non_null(text);
-    write_text(path, text);
-    cJSON_free(text);
-}
+static cJSON *load_sample(void) { return test_load_json(SAMPLE); }
 
 static cJSON *run_of(cJSON *doc, int i)
 {
@@ -222,7 +184,7 @@ static void test_sample_renders(void **state)
     assert_true(n_runs >= 20);
     assert_int_equal(n_masks, 2);
 
-    char *html = slurp(d.html);
+    char *html = test_slurp(d.html);
     assert_non_null(html);
     assert_non_null(strstr(html, "<title>kvcap evaluation: SmolLM2-135M-Instruct</title>"));
     assert_non_null(strstr(html, "<h1>kvcap evaluation: SmolLM2-135M-Instruct</h1>"));
@@ -396,7 +358,7 @@ static void test_sample_renders(void **state)
     assert_null(strstr(html, "http://"));
     free(html);
 
-    char *csv = slurp(d.csv);
+    char *csv = test_slurp(d.csv);
     assert_non_null(csv);
     assert_int_equal(count(csv, "\n"), n_runs + 1);
     assert_memory_equal(csv, CSV_HEADER, strlen(CSV_HEADER));
@@ -464,7 +426,7 @@ static void test_minimal_metrics(void **state)
                           "\"freekv\": null}], "
                           "\"notes\": null, \"prompt_sample\": null, \"task\": null}");
     assert_int_equal(kvcap_report_write(d.metrics, d.html, d.csv), KVCAP_OK);
-    char *html = slurp(d.html), *csv = slurp(d.csv);
+    char *html = test_slurp(d.html), *csv = test_slurp(d.csv);
     assert_non_null(html);
     assert_non_null(csv);
     assert_int_equal(count(html, "<tr class=\"run"), 2);
@@ -498,9 +460,9 @@ static void test_agreement_fallback_and_samples(void **state)
     cJSON_DeleteItemFromObject(doc, "task");
     cJSON_DeleteItemFromObject(run_of(doc, 0), "sample");
     cJSON_ReplaceItemInObject(run_of(doc, 8), "sample", cJSON_CreateString("a\x1b" "b\tc"));
-    write_json(d.metrics, doc);
+    test_write_json(d.metrics, doc);
     assert_int_equal(kvcap_report_write(d.metrics, d.html, d.csv), KVCAP_OK);
-    char *html = slurp(d.html), *csv = slurp(d.csv);
+    char *html = test_slurp(d.html), *csv = test_slurp(d.csv);
     assert_non_null(html);
     assert_non_null(csv);
     assert_non_null(strstr(html, "No run measured the retrieval task: ranked by KL"));
@@ -541,9 +503,9 @@ static void test_agreement_fallback_and_samples(void **state)
     doc = load_sample();
     cJSON_ReplaceItemInObject(run_of(doc, 5), "sample",
                               cJSON_CreateString(" \xe2\x80\x98Who in the world"));
-    write_json(d.metrics, doc);
+    test_write_json(d.metrics, doc);
     assert_int_equal(kvcap_report_write(d.metrics, d.html, NULL), KVCAP_OK);
-    html = slurp(d.html);
+    html = test_slurp(d.html);
     assert_non_null(html);
     box = sample_box_of(html, "kvcapsule-dense@0.40");
     assert_non_null(strstr(box, "as full, but ends after 18 characters"));
@@ -553,10 +515,10 @@ static void test_agreement_fallback_and_samples(void **state)
 
     /* No samples at all: no section, even with the prompt's tail. */
     remove_from_runs(doc, "sample");
-    write_json(d.metrics, doc);
+    test_write_json(d.metrics, doc);
     cJSON_Delete(doc);
     assert_int_equal(kvcap_report_write(d.metrics, d.html, NULL), KVCAP_OK);
-    html = slurp(d.html);
+    html = test_slurp(d.html);
     assert_non_null(html);
     assert_null(strstr(html, "Sample continuations"));
     assert_null(strstr(html, "class=\"sample"));
@@ -588,7 +550,7 @@ static void test_ranking_order(void **state)
                RUN("f", "F", "true", "0.7", "0.04", "{\"accuracy\": 0.25}") "]}");
 #undef RUN
     assert_int_equal(kvcap_report_write(d.metrics, d.html, NULL), KVCAP_OK);
-    char *html = slurp(d.html);
+    char *html = test_slurp(d.html);
     assert_non_null(html);
     assert_int_equal(count(html, "<div class=\"rank-card\">"), 2);
     const char *card = strstr(html, "Keep 30&nbsp;% of the span"),
@@ -636,11 +598,11 @@ static void test_html_escaping(void **state)
     cJSON_AddItemToArray(cJSON_GetObjectItem(doc, "notes"),
                          cJSON_CreateString("<script>x</script> & <i>note</i>"));
     cJSON_ReplaceItemInObject(doc, "prompt_sample", cJSON_CreateString("\"<i>\" & 'q'"));
-    write_json(d.metrics, doc);
+    test_write_json(d.metrics, doc);
     cJSON_Delete(doc);
     assert_int_equal(kvcap_report_write(d.metrics, d.html, d.csv), KVCAP_OK);
 
-    char *html = slurp(d.html);
+    char *html = test_slurp(d.html);
     assert_non_null(html);
     assert_null(strstr(html, "<script"));
     assert_null(strstr(html, "<i>"));
@@ -653,7 +615,7 @@ static void test_html_escaping(void **state)
     assert_non_null(strstr(html, "&hellip;&quot;&lt;i&gt;&quot; &amp; &#39;q&#39;</div>"));
     free(html);
 
-    char *csv = slurp(d.csv);
+    char *csv = test_slurp(d.csv);
     assert_non_null(csv);
     assert_non_null(strstr(csv, ",\"<script>alert('x')</script> & \"\"co\"\"\","));
     free(csv);
@@ -663,10 +625,10 @@ static void test_html_escaping(void **state)
     cJSON_ReplaceItemInObject(run_of(doc, 4), "label",
                               cJSON_CreateString("=HYPERLINK(\"http://x\",\"y\")"));
     cJSON_ReplaceItemInObject(run_of(doc, 5), "label", cJSON_CreateString("@SUM(A1)"));
-    write_json(d.metrics, doc);
+    test_write_json(d.metrics, doc);
     cJSON_Delete(doc);
     assert_int_equal(kvcap_report_write(d.metrics, d.html, d.csv), KVCAP_OK);
-    csv = slurp(d.csv);
+    csv = test_slurp(d.csv);
     assert_non_null(csv);
     assert_non_null(strstr(csv, ",\"'=HYPERLINK(\"\"http://x\"\",\"\"y\"\")\","));
     assert_non_null(strstr(csv, ",\"'@SUM(A1)\""));
@@ -836,14 +798,14 @@ static void test_several_images(void **state)
     cJSON *setup = cJSON_GetObjectItem(doc, "setup");
     cJSON_AddNumberToObject(setup, "images", 3);
     cJSON_AddNumberToObject(setup, "gap_tokens", 16);
-    write_json(d.metrics, doc);
+    test_write_json(d.metrics, doc);
     assert_int_equal(kvcap_report_write(d.metrics, d.html, d.csv), KVCAP_OK);
-    char *html = slurp(d.html);
+    char *html = test_slurp(d.html);
     assert_non_null(strstr(html, "3 images &middot; each span 256 tokens &middot; 16 text tokens "
                                  "between two"));
     free(html);
     assert_int_equal(kvcap_report_write(SAMPLE, d.html, d.csv), KVCAP_OK);
-    html = slurp(d.html);
+    html = test_slurp(d.html);
     assert_null(strstr(html, "text tokens between two"));
     assert_non_null(strstr(html, "span 256 tokens"));
     free(html);
@@ -944,7 +906,7 @@ static void test_malformed_inputs(void **state)
         if (c->edit) {
             cJSON *doc = load_sample();
             c->edit(doc);
-            write_json(d.metrics, doc);
+            test_write_json(d.metrics, doc);
             cJSON_Delete(doc);
         } else {
             write_text(d.metrics, c->text);
@@ -1017,12 +979,12 @@ static void test_tracks_side_by_side(void **state)
     dirs_make(&d);
     cJSON *doc = load_sample();
     add_image_track(doc);
-    write_json(d.metrics, doc);
+    test_write_json(d.metrics, doc);
     cJSON_Delete(doc);
     const char *paths[2] = {d.metrics, SAMPLE};
     if (kvcap_report_write_tracks(paths, 2, d.html, NULL) != KVCAP_OK)
         fail_msg("%s", kvcap_last_error());
-    char *html = slurp(d.html);
+    char *html = test_slurp(d.html);
     assert_non_null(html);
     assert_non_null(strstr(html, "<h2>Tracks side by side</h2>"));
     assert_non_null(strstr(html, "image 16&thinsp;&times;&thinsp;16</th>"));
@@ -1033,20 +995,20 @@ static void test_tracks_side_by_side(void **state)
     /* a mask drawn over its photo: only a base64 BMP data URI on a grid of n_tokens */
     doc = load_sample();
     cJSON *mask = add_mask_thumb(doc);
-    write_json(d.metrics, doc);
+    test_write_json(d.metrics, doc);
     if (kvcap_report_write(d.metrics, d.html, NULL) != KVCAP_OK)
         fail_msg("%s", kvcap_last_error());
-    assert_non_null(html = slurp(d.html));
+    assert_non_null(html = test_slurp(d.html));
     assert_non_null(strstr(html, "href=\"data:image/bmp;base64,Qk0A\"/>"));
     assert_non_null(strstr(html, "The 16&thinsp;&times;&thinsp;16 tokens of a held-out photo"));
     free(html);
     cJSON_ReplaceItemInObject(mask, "thumb", cJSON_CreateString("javascript:alert(1)"));
-    write_json(d.metrics, doc);
+    test_write_json(d.metrics, doc);
     assert_int_equal(kvcap_report_write(d.metrics, d.html, NULL), KVCAP_ERR_FORMAT);
     assert_error_names(d.metrics, "masks[0].thumb: not a base64 BMP data URI");
     cJSON_ReplaceItemInObject(mask, "thumb", cJSON_CreateString("data:image/bmp;base64,Qk0A"));
     cJSON_ReplaceItemInObject(mask, "cols", cJSON_CreateNumber(15));
-    write_json(d.metrics, doc);
+    test_write_json(d.metrics, doc);
     assert_int_equal(kvcap_report_write(d.metrics, d.html, NULL), KVCAP_ERR_FORMAT);
     assert_error_names(d.metrics, "rows x cols (16 x 15) is not n_tokens (256)");
     /* the same file as a second track: refused by name, and what was read of it freed (the
@@ -1059,14 +1021,14 @@ static void test_tracks_side_by_side(void **state)
     /* one track: no such section; a bad kind is named */
     if (kvcap_report_write(SAMPLE, d.html, NULL) != KVCAP_OK)
         fail_msg("%s", kvcap_last_error());
-    assert_non_null(html = slurp(d.html));
+    assert_non_null(html = test_slurp(d.html));
     assert_null(strstr(html, "Tracks side by side"));
     free(html);
     doc = load_sample();
     cJSON *track = cJSON_CreateObject();
     cJSON_AddStringToObject(track, "kind", "audio");
     cJSON_AddItemToObject(doc, "track", track);
-    write_json(d.metrics, doc);
+    test_write_json(d.metrics, doc);
     cJSON_Delete(doc);
     assert_int_equal(kvcap_report_write(d.metrics, d.html, NULL), KVCAP_ERR_FORMAT);
     assert_error_names(d.metrics, "track.kind: 'audio' is not text or image");
@@ -1086,10 +1048,10 @@ static void test_calibration_split(void **state)
     cJSON *track = add_image_track(doc);
     cJSON_AddStringToObject(track, "photos_split", "calibration");
     add_mask_thumb(doc);
-    write_json(d.metrics, doc);
+    test_write_json(d.metrics, doc);
     if (kvcap_report_write(d.metrics, d.html, NULL) != KVCAP_OK)
         fail_msg("%s", kvcap_last_error());
-    char *html = slurp(d.html);
+    char *html = test_slurp(d.html);
     assert_non_null(html);
     assert_non_null(strstr(html, " was evaluated on 24 calibration prompts: "));
     assert_non_null(strstr(html, "tokens (a calibration photo's patch features"));
@@ -1108,9 +1070,9 @@ static void test_calibration_split(void **state)
             cJSON_ReplaceItemInObject(track, "photos_split", cJSON_CreateString(held_splits[k]));
         else
             cJSON_DeleteItemFromObject(track, "photos_split");
-        write_json(d.metrics, doc);
+        test_write_json(d.metrics, doc);
         assert_int_equal(kvcap_report_write(d.metrics, d.html, NULL), KVCAP_OK);
-        assert_non_null(html = slurp(d.html));
+        assert_non_null(html = test_slurp(d.html));
         assert_non_null(strstr(html, " was evaluated on 24 held-out prompts: "));
         assert_non_null(strstr(html, "tokens (a held-out photo's patch features"));
         assert_non_null(strstr(html, "tokens of a held-out photo"));
@@ -1118,7 +1080,7 @@ static void test_calibration_split(void **state)
         free(html);
     }
     cJSON_AddStringToObject(track, "photos_split", "train");
-    write_json(d.metrics, doc);
+    test_write_json(d.metrics, doc);
     assert_int_equal(kvcap_report_write(d.metrics, d.html, NULL), KVCAP_ERR_FORMAT);
     assert_error_names(d.metrics,
                        "track.photos_split: 'train' is not calibration, development or test");
@@ -1129,16 +1091,16 @@ static void test_calibration_split(void **state)
     cJSON_ReplaceItemInObject(corpus, "heldout", cJSON_Duplicate(cJSON_GetObjectItem(corpus,
                                                                                       "calibration"),
                                                                  1));
-    write_json(d.metrics, doc);
+    test_write_json(d.metrics, doc);
     cJSON_Delete(doc);
     assert_int_equal(kvcap_report_write(d.metrics, d.html, NULL), KVCAP_OK);
-    assert_non_null(html = slurp(d.html));
+    assert_non_null(html = test_slurp(d.html));
     assert_non_null(strstr(html, " was evaluated on 24 calibration prompts: "));
     assert_non_null(strstr(html, "<strong>These prompts come from the documents the compressors"));
     free(html);
     /* one held-out document among them: held-out prompts */
     assert_int_equal(kvcap_report_write(SAMPLE, d.html, NULL), KVCAP_OK);
-    assert_non_null(html = slurp(d.html));
+    assert_non_null(html = test_slurp(d.html));
     assert_non_null(strstr(html, " was evaluated on 24 held-out prompts: "));
     assert_null(strstr(html, claim));
     free(html);
@@ -1204,7 +1166,7 @@ static void test_outside_reference(void **state)
     struct dirs d;
     dirs_make(&d);
     cJSON *doc = load_bound_sample();
-    write_json(d.metrics, doc);
+    test_write_json(d.metrics, doc);
     cJSON_Delete(doc);
     const char *good = "{\"press\": \"kvzip\", \"retention\": 0.2, \"dnll\": 0.0181, "
                        "\"kl\": 0.0291, \"next_token_agreement\": 0.917, "
@@ -1212,7 +1174,7 @@ static void test_outside_reference(void **state)
     write_kvpress(d.in, 24, good);
     if (kvcap_report_write(d.metrics, d.html, NULL) != KVCAP_OK)
         fail_msg("%s", kvcap_last_error());
-    char *html = slurp(d.html);
+    char *html = test_slurp(d.html);
     assert_non_null(html);
     assert_non_null(strstr(html, "<h2>Outside reference: kvpress</h2>"));
     assert_non_null(strstr(html, "kvpress kvzip</td><td>0.20</td><td>20.0&nbsp;%</td>"));
@@ -1229,7 +1191,7 @@ static void test_outside_reference(void **state)
     write_kvpress(d.in, 24, two);
     if (kvcap_report_write(d.metrics, d.html, NULL) != KVCAP_OK)
         fail_msg("%s", kvcap_last_error());
-    assert_non_null(html = slurp(d.html));
+    assert_non_null(html = test_slurp(d.html));
     assert_non_null(strstr(html, "kvpress kvzip_whole_prompt</td><td>0.20</td>"));
     assert_non_null(strstr(html, "<b>kvzip_whole_prompt</b> is the same press replaying the "
                                  "whole prompt"));
@@ -1238,7 +1200,7 @@ static void test_outside_reference(void **state)
     write_kvpress(d.in, 8, good);
     if (kvcap_report_write(d.metrics, d.html, NULL) != KVCAP_OK)
         fail_msg("%s", kvcap_last_error());
-    assert_non_null(html = slurp(d.html));
+    assert_non_null(html = test_slurp(d.html));
     assert_non_null(strstr(html, "kvpress.json beside this report is not shown: it was measured "
                                  "on 8 prompts of 16 + 256 + 64 tokens, 64 continued, this run "
                                  "on 24 of 16 + 256 + 64, 64 continued; rerun "
@@ -1262,7 +1224,7 @@ static void test_outside_reference(void **state)
             cJSON_AddItemToArray(pk, cJSON_CreateNumber(0.010 + 0.001 * (i % 4)));
         }
     }
-    write_json(d.metrics, doc);
+    test_write_json(d.metrics, doc);
     cJSON_Delete(doc);
     char rows[4096], dn[1024] = "", kl[1024] = "";
     for (int i = 0; i < 24; i++) {
@@ -1276,7 +1238,7 @@ static void test_outside_reference(void **state)
     write_kvpress(d.in, 24, rows);
     if (kvcap_report_write(d.metrics, d.html, NULL) != KVCAP_OK)
         fail_msg("%s", kvcap_last_error());
-    assert_non_null(html = slurp(d.html));
+    assert_non_null(html = test_slurp(d.html));
     const char *at = strstr(html, "kvpress kvzip</td>");
     assert_non_null(at);
     const char *win = strstr(at, "<td class=\"win\">&minus;0.0200<br>"),
@@ -1320,12 +1282,12 @@ static void assert_kvpress_refused(cJSON *doc, const struct kvpress_binding *b, 
     struct dirs d;
     dirs_make(&d);
     cJSON *own = doc ? NULL : (doc = load_bound_sample());
-    write_json(d.metrics, doc);
+    test_write_json(d.metrics, doc);
     cJSON_Delete(own);
     write_kvpress_bound(d.in, 24, KVPRESS_ROW, b);
     if (kvcap_report_write(d.metrics, d.html, NULL) != KVCAP_OK)
         fail_msg("%s", kvcap_last_error());
-    char *html = slurp(d.html);
+    char *html = test_slurp(d.html);
     assert_non_null(html);
     const char *caption = in_section(html, "Outside reference: kvpress",
                                      "kvpress.json beside this report is not shown: ");
@@ -1347,7 +1309,7 @@ static void test_outside_accepted(void **state)
     struct dirs d;
     dirs_make(&d);
     cJSON *doc = load_bound_sample();
-    write_json(d.metrics, doc);
+    test_write_json(d.metrics, doc);
     cJSON_Delete(doc);
     /* full_nll 0.0049 above full's 2.8473: within the engines' tolerance */
     struct kvpress_binding b = BOUND;
@@ -1356,7 +1318,7 @@ static void test_outside_accepted(void **state)
     write_kvpress_bound(d.in, 24, KVPRESS_ROW, &b);
     if (kvcap_report_write(d.metrics, d.html, NULL) != KVCAP_OK)
         fail_msg("%s", kvcap_last_error());
-    char *html = slurp(d.html);
+    char *html = test_slurp(d.html);
     assert_non_null(html);
     assert_non_null(strstr(html, "kvpress kvzip</td><td>0.20</td>"));
     assert_non_null(strstr(html, "kvpress snapkv</td>"));
@@ -1412,14 +1374,14 @@ static void test_outside_refused_retention(void **state)
     struct dirs d;
     dirs_make(&d);
     cJSON *doc = load_bound_sample();
-    write_json(d.metrics, doc);
+    test_write_json(d.metrics, doc);
     cJSON_Delete(doc);
     write_kvpress_bound(d.in, 24, "{\"press\": \"kvzip\", \"retention\": 0.5, \"dnll\": 0.01, "
                                   "\"kl\": 0.02, \"next_token_agreement\": 0.9, "
                                   "\"realised_retention\": 0.5}", &BOUND);
     if (kvcap_report_write(d.metrics, d.html, NULL) != KVCAP_OK)
         fail_msg("%s", kvcap_last_error());
-    char *html = slurp(d.html);
+    char *html = test_slurp(d.html);
     assert_non_null(html);
     assert_non_null(strstr(html, "its retention 0.5 is not one this run evaluated"));
     assert_null(strstr(html, "kvpress snapkv</td>"));
@@ -1459,7 +1421,7 @@ static void test_outside_refused_older_file(void **state)
     struct dirs d;
     dirs_make(&d);
     cJSON *doc = load_bound_sample();
-    write_json(d.metrics, doc);
+    test_write_json(d.metrics, doc);
     cJSON_Delete(doc);
     b = BOUND;
     b.prompts_sha256 = "42";
@@ -1522,11 +1484,11 @@ static void test_versus_random(void **state)
     set_per_prompt(doc, "streaming@0.40", -0.02, 0.0005); /* closer on every prompt */
     set_per_prompt(doc, "flashcache@0.40", 0.0005, 0.004); /* within the prompts' spread */
     set_per_prompt(doc, "vlcache@0.40", 0.03, 0.0005);    /* farther on every prompt */
-    write_json(d.metrics, doc);
+    test_write_json(d.metrics, doc);
     cJSON_Delete(doc);
     if (kvcap_report_write(d.metrics, d.html, d.csv) != KVCAP_OK)
         fail_msg("%s", kvcap_last_error());
-    char *html = slurp(d.html);
+    char *html = test_slurp(d.html);
     assert_non_null(html);
     /* the column only on the card whose target has a random run */
     assert_int_equal(count(html, "<th>KL&nbsp;&minus;<br>random&rsquo;s</th>"), 1);
@@ -1553,7 +1515,7 @@ static void test_versus_random(void **state)
                                  "farther: VL-Cache @ 0.40.</p>"));
     assert_non_null(strstr(html, "The last column pairs each row with random eviction"));
     free(html);
-    char *csv = slurp(d.csv), f[64];
+    char *csv = test_slurp(d.csv), f[64];
     assert_non_null(csv);
     assert_memory_equal(csv, CSV_HEADER, strlen(CSV_HEADER));
     assert_string_equal(csv_field(csv, "streaming@0.40", CSV_KL_MINUS_RANDOM, f, sizeof f), "-0.02");
@@ -1567,7 +1529,7 @@ static void test_versus_random(void **state)
     free(csv);
     /* the sample has no random run: no column, no sentence */
     assert_int_equal(kvcap_report_write(SAMPLE, d.html, NULL), KVCAP_OK);
-    assert_non_null(html = slurp(d.html));
+    assert_non_null(html = test_slurp(d.html));
     assert_null(strstr(html, "random&rsquo;s</th>"));
     assert_null(strstr(html, "Against random eviction"));
     free(html);
@@ -1617,10 +1579,10 @@ static void test_preregistered_rows(void **state)
     cJSON_AddItemToArray(unreached, u);
     set_per_prompt(doc, "kvcapsule-dense@0.40", 0, 0.0005); /* the best paper method at 0.4 */
     set_per_prompt(doc, "vlcache@0.40", 0.01, 0.0005);      /* farther than it on every prompt */
-    write_json(d.metrics, doc);
+    test_write_json(d.metrics, doc);
     if (kvcap_report_write(d.metrics, d.html, d.csv) != KVCAP_OK)
         fail_msg("%s", kvcap_last_error());
-    char *html = slurp(d.html);
+    char *html = test_slurp(d.html);
     assert_non_null(html);
     const char *summary = strstr(html, "<p class=\"summary\">");
     assert_non_null(summary);
@@ -1647,7 +1609,7 @@ static void test_preregistered_rows(void **state)
     free(html);
     /* a split that is none of the three */
     cJSON_ReplaceItemInObject(setup, "split", cJSON_CreateString("train"));
-    write_json(d.metrics, doc);
+    test_write_json(d.metrics, doc);
     assert_int_equal(kvcap_report_write(d.metrics, d.html, d.csv), KVCAP_ERR_FORMAT);
     assert_non_null(strstr(kvcap_last_error(), "setup.split: 'train' is not calibration, "
                                                "development or test"));
@@ -1718,7 +1680,7 @@ static void test_bounded_rendering(void **state)
     cJSON_Delete(doc);
     if (kvcap_report_write(d.metrics, d.html, NULL) != KVCAP_OK)
         fail_msg("%s", kvcap_last_error());
-    char *html = slurp(d.html);
+    char *html = test_slurp(d.html);
     assert_non_null(html);
     assert_true(strlen(html) < 8u << 20);
     assert_non_null(strstr(html, "each cell: the mean over about 880 tokens &times; 1 layer"));
@@ -1790,7 +1752,7 @@ static void test_many_masks(void **state)
     double many = render_seconds(d.metrics, d.html);
     if (many > 10 * sample + 0.05)
         fail_msg("100 masks of %zu bytes took %.3f s, the sample %.3f s", size, many, sample);
-    char *html = slurp(d.html);
+    char *html = test_slurp(d.html);
     assert_non_null(html);
     assert_int_equal(count(html, "<figure class=\"mask-panel\">"), 16);
     assert_non_null(strstr(html, "<strong>The first 16 of the 100 buckets are drawn</strong>: "
@@ -1800,7 +1762,7 @@ static void test_many_masks(void **state)
     assert_null(strstr(html, "bucket 16 <span"));
     free(html);
     /* every mask is still validated, drawn or not */
-    char *text = slurp(d.metrics);
+    char *text = test_slurp(d.metrics);
     assert_non_null(text);
     cJSON *doc = cJSON_Parse(text);
     free(text);
@@ -1809,7 +1771,7 @@ static void test_many_masks(void **state)
     cJSON *token = cJSON_GetArrayItem(cJSON_GetArrayItem(cJSON_GetArrayItem(
                                           cJSON_GetObjectItem(last, "kept"), 29), 0), 0);
     cJSON_SetNumberValue(token, -1);
-    write_json(d.metrics, doc);
+    test_write_json(d.metrics, doc);
     cJSON_Delete(doc);
     assert_int_equal(kvcap_report_write(d.metrics, d.html, NULL), KVCAP_ERR_FORMAT);
     assert_error_names(d.metrics, "masks[99].kept[29][0][0]: expected a token index in "
@@ -1830,7 +1792,7 @@ static void test_fine_photo_grid(void **state)
     write_many_masks(d.metrics, 1, 128 * 128, 128);
     if (kvcap_report_write(d.metrics, d.html, NULL) != KVCAP_OK)
         fail_msg("%s", kvcap_last_error());
-    char *html = slurp(d.html);
+    char *html = test_slurp(d.html);
     assert_non_null(html);
     assert_int_equal(count(html, "<figure class=\"mask-image\">"), 1);
     assert_int_equal(count(html, "fill=\"#0b1a33\""), 64 * 64);
@@ -1864,7 +1826,7 @@ static void write_minimal(const char *path, const char *id)
 /* Which of the two runs' outputs `path` holds: 'a', 'b', or '?' (neither or unreadable). */
 static char written_by(const char *path)
 {
-    char *text = slurp(path);
+    char *text = test_slurp(path);
     char who = !text ? '?' : strstr(text, "pair-a") ? 'a' : strstr(text, "pair-b") ? 'b' : '?';
     free(text);
     return who;
@@ -1977,7 +1939,7 @@ static void test_unwritable_output(void **state)
     write_text(d.html, "old report");
     snprintf(path, sizeof path, "%s/missing/metrics.csv", d.out);
     assert_int_equal(kvcap_report_write(SAMPLE, d.html, path), KVCAP_ERR_IO);
-    char *old = slurp(d.html);
+    char *old = test_slurp(d.html);
     assert_non_null(old);
     assert_string_equal(old, "old report");
     free(old);

@@ -20,48 +20,12 @@
 #include "common/internal.h"
 #include "eval/eval.h"
 #include "report/report.h"
+#include "tests/test_json.h"
 #include "tests/test_util.h"
 
 #define SAMPLE KVCAP_TEST_DATA "/eval/metrics-sample.json"
 
 /* ---- Helpers ------------------------------------------------------------------------------- */
-
-static char *slurp(const char *path)
-{
-    FILE *f = fopen(path, "rb");
-    if (!f)
-        return NULL;
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *p = malloc((size_t)n + 1);
-    assert_non_null(p);
-    assert_int_equal(fread(p, 1, (size_t)n, f), (size_t)n);
-    fclose(f);
-    p[n] = '\0';
-    return p;
-}
-
-static cJSON *load_json(const char *path)
-{
-    char *text = slurp(path);
-    assert_non_null(text);
-    cJSON *doc = cJSON_Parse(text);
-    free(text);
-    assert_non_null(doc);
-    return doc;
-}
-
-static void write_json(const char *path, const cJSON *doc)
-{
-    char *text = cJSON_Print(doc);
-    assert_non_null(text);
-    FILE *f = fopen(path, "wb");
-    assert_non_null(f);
-    assert_int_equal(fwrite(text, 1, strlen(text), f), strlen(text));
-    assert_int_equal(fclose(f), 0);
-    cJSON_free(text);
-}
 
 /* Member `key` of obj, which must be there. */
 static const cJSON *item(const cJSON *obj, const char *key)
@@ -192,7 +156,7 @@ static void report_dirs_remove(struct report_dirs *d)
 /* The sample with task.keys and task.values set (NULL: left out). */
 static void write_sample(const char *path, cJSON *keys, cJSON *values)
 {
-    cJSON *doc = load_json(SAMPLE);
+    cJSON *doc = test_load_json(SAMPLE);
     cJSON *task = cJSON_GetObjectItem(doc, "task");
     assert_non_null(task);
     cJSON_DeleteItemFromObject(task, "keys");
@@ -201,7 +165,7 @@ static void write_sample(const char *path, cJSON *keys, cJSON *values)
         cJSON_AddItemToObject(task, "keys", keys);
     if (values)
         cJSON_AddItemToObject(task, "values", values);
-    write_json(path, doc);
+    test_write_json(path, doc);
     cJSON_Delete(doc);
 }
 
@@ -212,7 +176,7 @@ static void test_report_shows_variant(void **state)
     report_dirs_make(&d);
     write_sample(d.metrics, cJSON_CreateNumber(4), cJSON_CreateNumber(2));
     assert_int_equal(kvcap_report_write(d.metrics, d.html, NULL), KVCAP_OK);
-    char *html = slurp(d.html);
+    char *html = test_slurp(d.html);
     assert_non_null(html);
     const char *phrase = "retrieval: 4 keys, 2 values per query";
     /* where the task accuracy is described: the summary, the ranking, the table, the setup */
@@ -229,14 +193,14 @@ static void test_report_shows_variant(void **state)
      * before the variants, or both 1): no phrase, the exact match said. */
     write_sample(d.metrics, cJSON_CreateNumber(1), cJSON_CreateNumber(3));
     assert_int_equal(kvcap_report_write(d.metrics, d.html, NULL), KVCAP_OK);
-    html = slurp(d.html);
+    html = test_slurp(d.html);
     assert_non_null(strstr(html, "retrieval: 1 key, 3 values per query"));
     free(html);
     for (int k = 0; k < 2; k++) {
         write_sample(d.metrics, k ? cJSON_CreateNumber(1) : NULL,
                      k ? cJSON_CreateNumber(1) : NULL);
         assert_int_equal(kvcap_report_write(d.metrics, d.html, NULL), KVCAP_OK);
-        html = slurp(d.html);
+        html = test_slurp(d.html);
         assert_null(strstr(html, "per query"));
         assert_null(strstr(html, "RULER"));
         assert_true(between(html, "<dt>Task</dt>", "</dd>", "exact-matched"));
@@ -505,7 +469,7 @@ static void test_cli_variant(void **state)
         assert_true(WIFEXITED(rc));
         assert_int_equal(WEXITSTATUS(rc), 2);
         snprintf(path, sizeof path, "%s/bad.out", dir);
-        char *out = slurp(path);
+        char *out = test_slurp(path);
         assert_non_null(strstr(out, bad[i][2]));
         free(out);
     }
@@ -521,11 +485,11 @@ static void test_cli_variant(void **state)
     int rc = system(cmd);
     if (!WIFEXITED(rc) || WEXITSTATUS(rc) != 0) {
         snprintf(path, sizeof path, "%s/run.out", dir);
-        char *out = slurp(path);
+        char *out = test_slurp(path);
         fail_msg("kvcap-eval run failed (%d): %s", rc, out ? out : "");
     }
     snprintf(path, sizeof path, "%s/run/metrics.json", dir);
-    cJSON *m = load_json(path);
+    cJSON *m = test_load_json(path);
     const cJSON *task = item(m, "task");
     assert_int_equal(item(task, "keys")->valueint, 4);
     assert_int_equal(item(task, "values")->valueint, 2);
@@ -546,7 +510,7 @@ static void test_cli_variant(void **state)
     assert_int_equal(ruler_note, 1);
     cJSON_Delete(m);
     snprintf(path, sizeof path, "%s/run/report.html", dir);
-    char *html = slurp(path);
+    char *html = test_slurp(path);
     assert_non_null(html);
     assert_non_null(strstr(html, "retrieval: 4 keys, 2 values per query"));
     free(html);
