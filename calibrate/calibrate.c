@@ -574,13 +574,9 @@ enum kvcap_status kvcap_calibrate(const struct kvcap_calib_config *cfg,
                                              val[i], val_cap[i], val_cols[i], &cfg->keys.train,
                                              gelu, &state->units[i].keys, &out[i], &tr[i],
                                              o->device == KVCAP_CALIB_DEVICE_AUTO);
-            if (st == KVCAP_OK && !tr[i].on_device)
+            if (st == KVCAP_OK && !tr[i].on_device) /* this unit fell back; the rest follow */
                 train_device = KVCAP_CALIB_DEVICE_CPU;
             report_progress(o, "train", (int64_t)i + 1, (int64_t)n_units);
-            if (st == KVCAP_OK && !tr[i].on_device) {
-                first_cpu++;
-                break;
-            }
         }
         /* On the CPU the units train side by side, one per thread (each one's BLAS then runs on
          * its thread alone): each trains as it would alone, to the same bits. */
