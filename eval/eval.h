@@ -76,12 +76,6 @@ struct options {
     char features_default[4096];
 };
 
-/* Tokens of a prompt in the fixed layout of --head, --images spans of --span tokens --gap
- * apart, and --tail. */
-static inline int prompt_len(const struct options *o)
-{
-    return o->head + o->images * o->span + (o->images - 1) * o->gap + o->tail;
-}
 
 /* Parses argv (argv[1] is record or run) into *o with every default filled in; prints --help or
  * --version and exits; returns 0, or the exit status of a usage error (2), said on stderr. */
@@ -154,13 +148,31 @@ struct layout {
     int rows;
 };
 
+/* Tokens of a prompt in a layout: head, its spans and the gaps between them, tail. */
+static inline int layout_tokens(const struct layout *l)
+{
+    return l->head + l->images * l->span + (l->images - 1) * l->gap + l->tail;
+}
+
+/* The layout of --head, --images spans of --span tokens --gap apart, and --tail (rows: 1). */
+static inline struct layout options_layout(const struct options *o)
+{
+    return (struct layout){.head = o->head, .span = o->span, .tail = o->tail,
+                           .images = o->images, .gap = o->gap, .rows = 1};
+}
+
+/* Tokens of a prompt in the options' layout. */
+static inline int prompt_len(const struct options *o)
+{
+    const struct layout l = options_layout(o);
+    return layout_tokens(&l);
+}
+
 /* A prefilled prompt in its layout, and optionally the first `n_fid` tokens that follow it,
  * whose K/V and queries the attention-fidelity pass replays as decode steps. */
 struct prompt {
     const int32_t *ids;    /* the prompt (+ what follows: continuation or answer) */
-    int head, span, tail;  /* the layout (struct layout's) */
-    int images, gap;
-    int rows;              /* each span's grid: rows x (span / rows); 1 for text */
+    struct layout lay;     /* rows: each span's grid, rows x (span / rows); 1 for text */
     const float *embd;     /* image track: the spans' embeddings [images][span][n_embd], else
                             * NULL */
     int n_fid;             /* tokens after the prompt prefilled too (their K/V and queries) */
@@ -182,15 +194,12 @@ struct prompt {
 };
 
 /* Tokens of a prompt: head, its spans and the gaps between them, tail. */
-static inline int prompt_tokens(const struct prompt *p)
-{
-    return p->head + p->images * p->span + (p->images - 1) * p->gap + p->tail;
-}
+static inline int prompt_tokens(const struct prompt *p) { return layout_tokens(&p->lay); }
 
 /* Where span i of a prompt starts. */
 static inline int prompt_span_at(const struct prompt *p, int i)
 {
-    return p->head + i * (p->span + p->gap);
+    return p->lay.head + i * (p->lay.span + p->lay.gap);
 }
 
 /* Which queries a run's cache takes after the prompt (kvcap_cache_add_post_queries). */

@@ -115,10 +115,11 @@ static int prompt_embd_spans(const struct model_ctx *mc, const struct prompt *p,
 {
     if (!p->embd)
         return 0;
-    for (int i = 0; i < p->images; i++)
-        spans[i] = (struct kvllama_embd_span){prompt_span_at(p, i), p->span,
-                                              p->embd + (size_t)i * p->span * mc->hp->n_embd};
-    return p->images;
+    const struct layout *ly = &p->lay;
+    for (int i = 0; i < ly->images; i++)
+        spans[i] = (struct kvllama_embd_span){prompt_span_at(p, i), ly->span,
+                                              p->embd + (size_t)i * ly->span * mc->hp->n_embd};
+    return ly->images;
 }
 
 /* Prefills the prompt ids in its layout, then n_fid more tokens, with the model; with `embd`
@@ -130,9 +131,7 @@ enum kvcap_status prompt_prefill_image(const struct model_ctx *mc, const int32_t
                                        int all_queries, struct prompt *p)
 {
     const struct kvllama_hparams *hp = mc->hp;
-    *p = (struct prompt){.ids = ids, .head = lay->head, .span = lay->span, .tail = lay->tail,
-                         .images = lay->images, .gap = lay->gap, .rows = lay->rows,
-                         .embd = embd, .n_fid = n_fid};
+    *p = (struct prompt){.ids = ids, .lay = *lay, .embd = embd, .n_fid = n_fid};
     const int P = prompt_tokens(p), n = P + n_fid, tail = lay->tail;
     const int q0 = all_queries ? 0 : P - tail, nq = n - q0; /* the queries kept: q0 .. n */
     const size_t L = (size_t)hp->n_layers, H = (size_t)hp->n_heads, d = (size_t)hp->head_dim;
@@ -255,17 +254,18 @@ enum kvcap_status prompt_to_cache(const struct model_ctx *mc, const struct promp
     const size_t kd = (size_t)hp->n_kv_heads * hp->head_dim;
     struct kvcap_span_desc parts[2 * MAX_IMAGES + 1];
     int n_parts = 0;
-    parts[n_parts++] = (struct kvcap_span_desc){KVCAP_SPAN_TEXT, p->head, 0, 0, 0};
-    for (int i = 0; i < p->images; i++) {
+    const struct layout *ly = &p->lay;
+    parts[n_parts++] = (struct kvcap_span_desc){KVCAP_SPAN_TEXT, ly->head, 0, 0, 0};
+    for (int i = 0; i < ly->images; i++) {
         const int at = prompt_span_at(p, i);
         if (i > 0)
-            parts[n_parts++] = (struct kvcap_span_desc){KVCAP_SPAN_TEXT, p->gap, 0, 0,
-                                                        at - p->gap};
-        parts[n_parts++] = (struct kvcap_span_desc){KVCAP_SPAN_VISION, p->span, p->rows,
-                                                    p->span / p->rows, at};
+            parts[n_parts++] = (struct kvcap_span_desc){KVCAP_SPAN_TEXT, ly->gap, 0, 0,
+                                                        at - ly->gap};
+        parts[n_parts++] = (struct kvcap_span_desc){KVCAP_SPAN_VISION, ly->span, ly->rows,
+                                                    ly->span / ly->rows, at};
     }
-    parts[n_parts++] = (struct kvcap_span_desc){KVCAP_SPAN_TEXT, p->tail, 0, 0,
-                                                prompt_tokens(p) - p->tail};
+    parts[n_parts++] = (struct kvcap_span_desc){KVCAP_SPAN_TEXT, ly->tail, 0, 0,
+                                                prompt_tokens(p) - ly->tail};
     for (int l = 0; l < hp->n_layers; l++) {
         const float *k = p->k + (size_t)l * n * kd, *v = p->v + (size_t)l * n * kd;
         for (int i = 0; i < n_parts; i++) {
@@ -293,8 +293,8 @@ enum kvcap_status prompt_to_cache(const struct model_ctx *mc, const struct promp
                 p->lse_replay + (size_t)l * hp->n_heads * p->n_replay, p->n_replay));
         } else {
             KVCAP_TRY(kvcap_cache_add_post_queries(
-                cache, seq, l, p->q_post + (size_t)l * hp->n_heads * p->tail * hp->head_dim,
-                p->tail));
+                cache, seq, l, p->q_post + (size_t)l * hp->n_heads * ly->tail * hp->head_dim,
+                ly->tail));
         }
     }
     return KVCAP_OK;

@@ -56,8 +56,8 @@ int cmd_record(const struct options *opt)
         fprintf(stderr, "kvcap-eval: record: %d documents, %lld tokens -> %d chunks of %d + %d "
                 "+ %d tokens (+%d decode steps)\n", corpus.n_docs,
                 (long long)corpus.total_tokens, n_chunks, o->head, o->span, o->tail, o->decode);
-    const struct layout lay = {.head = o->head, .span = o->span, .tail = o->tail, .images = 1,
-                               .rows = opt->track == TRACK_IMAGE ? im.f.grid : 1};
+    struct layout lay = options_layout(o); /* --images is refused for record: one span */
+    lay.rows = opt->track == TRACK_IMAGE ? im.f.grid : 1;
     const int batch = 8;
     struct kvllama_decoder *dec = NULL;
     float *logits = NULL, *embd = NULL;

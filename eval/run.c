@@ -632,9 +632,8 @@ int cmd_run(const struct options *opt, int argc, char **argv)
                 "tokens; %d teacher-forced, %d generated, %d retrieval queries\n", n_runs,
                 n_prompts, o->head, o->images, o->span, o->gap, o->tail, o->continuation,
                 o->generate, o->task_queries);
-    const struct layout lay = {.head = o->head, .span = o->span, .tail = o->tail,
-                               .images = o->images, .gap = o->gap,
-                               .rows = embd ? im.f.grid : 1};
+    struct layout lay = options_layout(o);
+    lay.rows = embd ? im.f.grid : 1;
     for (int p = 0; s == KVCAP_OK && p < n_prompts; p++)
         s = prompt_prefill_image(
             &mc, corpus.chunks[p].ids, &lay, n_fid,

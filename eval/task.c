@@ -192,8 +192,9 @@ enum kvcap_status task_build(const struct options *o, const struct model_ctx *mc
         KVCAP_TRY(task_build_one(o, mc, corpus->chunks[i % corpus->n_chunks].ids, t, i, &head,
                                  &tail));
         /* the layout only: task_run prefills a batch at a time */
-        t->prompts[i] = (struct prompt){.ids = t->ids + (size_t)i * t->max_len, .head = head,
-                                        .span = o->span, .tail = tail};
+        t->prompts[i] = (struct prompt){
+            .ids = t->ids + (size_t)i * t->max_len,
+            .lay = {.head = head, .span = o->span, .tail = tail, .images = 1, .rows = 1}};
     }
     return KVCAP_OK;
 }
@@ -299,8 +300,8 @@ enum kvcap_status task_run(const struct options *o, const struct model_ctx *mc,
         struct cli_progress bar;
         cli_progress_begin(&bar, "retrieval task, prefill", o->quiet);
         for (int i = 0; s == KVCAP_OK && i < nb; i++) {
-            s = prompt_prefill(mc, pr[i].ids, pr[i].head, pr[i].span, pr[i].tail, 0,
-                               runs_take(runs, n_runs, POST_PROMPT), &pr[i]);
+            s = prompt_prefill(mc, pr[i].ids, pr[i].lay.head, pr[i].lay.span, pr[i].lay.tail,
+                               0, runs_take(runs, n_runs, POST_PROMPT), &pr[i]);
             if (s == KVCAP_OK && runs_take(runs, n_runs, POST_REPLAY))
                 s = prompt_replay(mc, &pr[i], 0); /* timed on the prompts only */
             cli_progress_update(&bar, first + i + 1, t->n);

@@ -322,8 +322,8 @@ static void query_text(const struct model_ctx *mc, const struct task *t, int i, 
                        size_t span_cap, char *tail, size_t tail_cap)
 {
     const struct prompt *p = &t->prompts[i];
-    generated_text(mc, p->ids + p->head, p->span, span, span_cap);
-    generated_text(mc, p->ids + p->head + p->span, p->tail, tail, tail_cap);
+    generated_text(mc, p->ids + p->lay.head, p->lay.span, span, span_cap);
+    generated_text(mc, p->ids + p->lay.head + p->lay.span, p->lay.tail, tail, tail_cap);
 }
 
 /* task_build lays out the variant: four names, the asked one twice with two codes, the first
@@ -341,7 +341,7 @@ static void test_build_variant(void **state)
     for (int i = 0; i < t.n; i++) {
         char span[8192], tail[512], asked[16] = "", want[128];
         query_text(&fx->mc, &t, i, span, sizeof span, tail, sizeof tail);
-        assert_int_equal(t.prompts[i].span, 256);
+        assert_int_equal(t.prompts[i].lay.span, 256);
         assert_int_equal(sscanf(tail, "\nWhat are the codes of the %15[a-z]?", asked), 1);
         snprintf(want, sizeof want, "<|im_start|>assistant\nThe codes of the %s are", asked);
         assert_non_null(strstr(tail, want));
@@ -367,7 +367,7 @@ static void test_build_variant(void **state)
         /* the first code's line starts at the query's depth, in its bin */
         char at_depth[512];
         const int tok = (int)lround(t.depth[i] * 256);
-        generated_text(&fx->mc, t.prompts[i].ids + t.prompts[i].head + tok, 16, at_depth,
+        generated_text(&fx->mc, t.prompts[i].ids + t.prompts[i].lay.head + tok, 16, at_depth,
                        sizeof at_depth);
         snprintf(want, sizeof want, "\nThe code of the %s is %s.", asked, t.truth[i][0]);
         assert_memory_equal(at_depth, want, strlen(want));
